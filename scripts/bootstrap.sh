@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv, torch 2.13.0 (CPU wheel), Debian I/O libraries, tensornvme, fshard itself.
+# Each step is skipped when its result is already there, so running this twice costs a few seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=2.13.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[bootstrap] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first and pinned: anything that later asks for "torch" must find 2.13.0 already satisfied, or pip
+# would resolve the newest CUDA build (several GB).
+if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+  echo "[bootstrap] installing torch==$TORCH_VERSION"
+  if ls /opt/wheels/torch-${TORCH_VERSION}*.whl >/dev/null 2>&1; then
+    pip_install --find-links /opt/wheels "torch==$TORCH_VERSION"
+  else
+    pip_install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+      || pip_install "torch==$TORCH_VERSION"
+  fi
+fi
+
+if ! "$VPY" -c "import optree, hypothesis, pytest, tqdm, numpy, ninja, xdist, pytest_timeout" 2>/dev/null; then
+  echo "[bootstrap] installing python dependencies"
+  pip_install packaging setuptools wheel click ninja numpy optree hypothesis pytest pytest-xdist pytest-timeout tqdm
+fi
+
+have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+if ! have_deb liburing-dev || ! have_deb libaio-dev; then
+  echo "[bootstrap] installing liburing-dev libaio-dev"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q liburing-dev libaio-dev
+fi
+
+if ! "$VPY" -c "import tensornvme" 2>/dev/null; then
+  echo "[bootstrap] building tensornvme (about a minute)"
+  WITH_ROOT=1 LIBRARY_PATH=/usr/lib/x86_64-linux-gnu "$VPY" -m pip install --disable-pip-version-check -q \
+    --no-build-isolation tensornvme
+fi
+
+if ! "$VPY" -c "import fshard" 2>/dev/null; then
+  echo "[bootstrap] installing fshard (editable)"
+  pip_install --no-build-isolation --no-deps -e .
+fi
