@@ -1,0 +1,419 @@
+"""Training-step benchmark: DDP vs FSDP2 vs fshard on the example GPT, measured in ONE run.
+
+Run it under the shared benchmark lock (other engineers time things on the same 2 cores)::
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/step.py
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/step.py --configs ddp,fsdp2 --rounds 3
+    flock /tmp/fshard-bench.lock .venv/bin/torchrun --nproc-per-node 2 benchmarks/step.py   # same, via torchrun
+
+Defaults (the setting of /work/shared/ANCHORS.md): world size 2 on gloo, 1 thread per rank, batch 4 per rank,
+``GPTConfig()`` (27.4M params), fp32, AdamW(fused=True) / ``fs.adamw`` with betas (0.9, 0.95), weight decay 0.1.
+
+Every config starts from the same weights (``torch.manual_seed(seed); GPT(cfg)``) and sees the same batches, so
+their losses are printed side by side as a sanity check. Configs are run round-robin for ``--rounds`` rounds
+(each round: build, ``--warmup`` untimed steps, ``--steps`` timed steps, tear down) so that machine noise hits
+all of them. A step's time is the slowest rank's; the figure quoted is the median over all timed steps.
+
+Configs are pluggable: ``CONFIGS`` maps a name to a builder ``builder(ctx) -> Runner``. To add one::
+
+    @register("fshard+gather_ahead(1)")
+    def _(ctx):
+        return fshard_runner(ctx, transform=lambda step: fs.gather_ahead(step, 1))
+
+and pass ``--configs ddp,fsdp2,fshard,fshard+gather_ahead(1)``. Ratios are printed for every config against
+``fsdp2`` and ``ddp``; per-phase profiles for every config whose metrics carry ``time/*`` keys (fshard's).
+If an fshard config's metrics carry no phase timings, one extra step is profiled with torch.profiler and its ops
+are bucketed into gather / compute / reduce / update.
+
+Peak RSS per rank is the VmHWM of each config's run alone (reset through /proc/self/clear_refs before each
+build), the max over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "examples")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from gpt import GPT, GPTConfig, loss_fn, synthetic_batches  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config registry.
+
+
+@dataclasses.dataclass
+class Ctx:
+    args: argparse.Namespace
+    cfg: GPTConfig
+    rank: int
+    world_size: int
+
+    def fresh_model(self) -> torch.nn.Module:
+        """The same initial weights for every config."""
+        torch.manual_seed(self.args.seed)
+        return GPT(self.cfg)
+
+
+@dataclasses.dataclass
+class Runner:
+    step: Callable[[Any], tuple[float, dict]]  # batch -> (loss on this rank or mean over ranks, metrics dict)
+    close: Callable[[], None] = lambda: None
+    loss_is_global: bool = False  # True when step() already returns the mean over ranks
+
+
+CONFIGS: dict[str, Callable[[Ctx], Runner]] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        CONFIGS[name] = fn
+        return fn
+
+    return deco
+
+
+def _adamw_kwargs(args) -> dict:
+    return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+@register("ddp")
+def ddp_runner(ctx: Ctx) -> Runner:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(ctx.fresh_model())
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.item(), {}
+
+    return Runner(step)
+
+
+@register("fsdp2")
+def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = ctx.fresh_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.item(), {}
+
+    return Runner(step)
+
+
+def fshard_runner(ctx: Ctx, transform: Callable | None = None, init_kwargs: dict | None = None) -> Runner:
+    """fshard: ``fs.init`` + ``fs.compose(loss_fn)``; ``transform(step) -> step`` wraps the composed step."""
+    import fshard as fs
+
+    for name in ("Mesh", "adamw", "init", "compose"):
+        if not hasattr(fs, name):
+            raise RuntimeError(f"fshard has no {name!r} yet (core API not landed)")
+    mesh = fs.Mesh.from_env()
+    opt = fs.adamw(**_adamw_kwargs(ctx.args))
+    state = fs.init(ctx.fresh_model(), mesh, opt, **(init_kwargs or {}))
+    step_fn = fs.compose(loss_fn)
+    if transform is not None:
+        step_fn = transform(step_fn)
+    holder = {"state": state}
+
+    def step(batch):
+        holder["state"], metrics = step_fn(holder["state"], batch)
+        return float(metrics["loss"]), metrics
+
+    def close():
+        holder.clear()
+
+    return Runner(step, close, loss_is_global=True)
+
+
+register("fshard")(lambda ctx: fshard_runner(ctx))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement helpers.
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+PHASE_BUCKETS = (  # (phase, substrings of profiler event names), first match wins
+    ("gather", ("all_gather", "allgather", "broadcast")),
+    ("reduce", ("reduce_scatter", "reducescatter", "all_reduce", "allreduce")),
+    ("update", ("adam", "_foreach_", "lerp", "addcdiv")),
+    ("compute", ("aten::",)),
+)
+
+
+def _torch_profile_phases(runner: Runner, batch) -> dict[str, float]:
+    """Fallback profile: one step under torch.profiler, self CPU time bucketed by op name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        runner.step(batch)
+        total = time.perf_counter() - t0
+    out = {name: 0.0 for name, _ in PHASE_BUCKETS}
+    for ev in prof.key_averages():
+        key = ev.key.lower()
+        for name, subs in PHASE_BUCKETS:
+            if any(s in key for s in subs):
+                out[name] += ev.self_cpu_time_total / 1e6
+                break
+    out["other"] = max(0.0, total - sum(out.values()))
+    return {f"time/{k}(profiler)": v for k, v in out.items()}
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-rank benchmark.
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | None = None) -> None:
+    if port is not None:  # launched by mp.spawn: give this rank the env torchrun would have given it
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+    torch.set_num_threads(args.threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
+    ctx = Ctx(args, cfg, rank, world_size)
+    n_total = args.warmup + args.steps
+    batches = list(synthetic_batches(cfg, args.batch_size, n_total + 1, args.seed, rank, world_size))
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
+    rss_resettable = _reset_peak_rss()
+
+    times: dict[str, list[list[float]]] = {n: [] for n in names}  # per round, per timed step
+    losses: dict[str, list[float]] = {}  # round 0, every step (this rank's, or global)
+    loss_global: dict[str, bool] = {}
+    phases: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    peak: dict[str, int] = {n: 0 for n in names}
+    failed: dict[str, str] = {}
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
+        f"params={GPT(cfg, device='meta').num_params():,} configs={names} rounds={args.rounds} "
+        f"warmup={args.warmup} steps={args.steps}", flush=True)
+
+    for rnd in range(args.rounds):
+        for name in names:
+            if name in failed:
+                continue
+            gc.collect()
+            _reset_peak_rss()
+            dist.barrier()
+            err = None
+            runner = None
+            try:
+                runner = CONFIGS[name](ctx)
+                step_losses, step_times = [], []
+                for i in range(n_total):
+                    if i == args.warmup:
+                        dist.barrier()
+                    t0 = time.perf_counter()
+                    loss, metrics = runner.step(batches[i])
+                    dt = time.perf_counter() - t0
+                    step_losses.append(loss)
+                    if i >= args.warmup:
+                        step_times.append(dt)
+                        for k, v in metrics.items():
+                            if k.startswith("time/") and isinstance(v, (int, float)):
+                                phases[name].setdefault(k, []).append(float(v))
+                if name.startswith("fshard") and not phases[name] and rnd == args.rounds - 1:
+                    for k, v in _torch_profile_phases(runner, batches[n_total]).items():
+                        phases[name].setdefault(k, []).append(v)
+                times[name].append(step_times)
+                if rnd == 0:
+                    losses[name], loss_global[name] = step_losses, runner.loss_is_global
+            except Exception as e:  # noqa: BLE001 -- report and go on with the other configs
+                import traceback
+
+                err = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            finally:
+                if runner is not None:
+                    runner.close()
+                del runner
+                gc.collect()
+            # every rank learns whether any rank failed, so nobody waits forever in a collective
+            errs: list = [None] * world_size
+            dist.all_gather_object(errs, err)
+            if any(errs):
+                failed[name] = next(e for e in errs if e)
+                log(f"[step.py] {name}: FAILED, skipped from now on:\n{failed[name]}", flush=True)
+                continue
+            peak[name] = max(peak[name], _peak_rss_bytes())
+            log(f"[step.py] round {rnd} {name}: median {statistics.median(times[name][-1]):.3f} s/step "
+                f"(rank 0), loss {losses.get(name, [float('nan')])[-1]:.4f}", flush=True)
+
+    # ---- gather everything to rank 0 and report -------------------------------------------------------------
+    mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        report(args, cfg, world_size, names, failed, everyone, rss_resettable)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> None:
+    ok = [n for n in names if n not in failed]
+    result: dict[str, Any] = {"world_size": world_size, "batch_per_rank": args.batch_size, "threads": args.threads,
+                              "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "configs": {}}
+    print("\n=== Training step, world size %d, gloo, %d thread(s)/rank, batch %d/rank, %s ==="
+          % (world_size, args.threads, args.batch_size, "tiny GPT" if args.tiny else "GPT 27.4M"))
+    print(f"{'config':28s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  {'per-round medians':28s} "
+          f"{'last loss':>11s}  peak RSS per rank")
+    med = {}
+    for n in ok:
+        # a step's time is the slowest rank's
+        rounds = [[max(r["times"][n][k][i] for r in everyone) for i in range(len(everyone[0]["times"][n][k]))]
+                  for k in range(len(everyone[0]["times"][n]))]
+        flat = [t for rd in rounds for t in rd]
+        med[n] = statistics.median(flat)
+        per_round = ", ".join(f"{statistics.median(rd):.3f}" for rd in rounds)
+        if everyone[0]["loss_global"][n]:
+            loss_curve = everyone[0]["losses"][n]
+        else:
+            loss_curve = [sum(r["losses"][n][i] for r in everyone) / world_size
+                          for i in range(len(everyone[0]["losses"][n]))]
+        peaks = [r["peak"][n] for r in everyone]
+        print(f"{n:28s} {med[n]:9.3f} {min(flat):7.3f} {max(flat):7.3f}  {per_round:28s} {loss_curve[-1]:11.6f}  "
+              + " / ".join(_fmt_bytes(p) for p in peaks))
+        result["configs"][n] = {"median_s": med[n], "min_s": min(flat), "max_s": max(flat),
+                                "round_medians_s": [statistics.median(rd) for rd in rounds],
+                                "loss_curve": loss_curve, "peak_rss_bytes": peaks}
+    if not rss_resettable:
+        print("(peak RSS: /proc/self/clear_refs unavailable, figures are process-wide maxima)")
+    for n, e in failed.items():
+        print(f"{n:28s} FAILED: {e.splitlines()[0]}")
+        result["configs"][n] = {"error": e}
+
+    base_losses = {n: result["configs"][n]["loss_curve"] for n in ok}
+    if "ddp" in base_losses:
+        print("\nmax |loss - ddp loss| over the first round's steps:")
+        for n in ok:
+            if n != "ddp":
+                d = max(abs(a - b) for a, b in zip(base_losses[n], base_losses["ddp"]))
+                print(f"  {n:26s} {d:.3g}")
+                result["configs"][n]["max_abs_loss_diff_vs_ddp"] = d
+
+    print("\nratios (median step time):")
+    for n in ok:
+        for base in ("fsdp2", "ddp"):
+            if base in med and n != base and not (n == "ddp" and base == "fsdp2"):
+                print(f"  {n} / {base} = {med[n] / med[base]:.3f}")
+                result["configs"][n][f"ratio_vs_{base}"] = med[n] / med[base]
+
+    for n in ok:
+        keys = sorted({k for r in everyone for k in r["phases"][n]})
+        if not keys:
+            continue
+        print(f"\n{n} per-phase seconds per step (median over timed steps), by rank; share of the step median:")
+        prof = {}
+        for k in keys:
+            vals = [statistics.median(r["phases"][n][k]) if r["phases"][n].get(k) else float("nan") for r in everyone]
+            prof[k] = vals
+            share = max(vals) / med[n] * 100
+            print(f"  {k:28s} " + "  ".join(f"r{i}: {v:7.4f}" for i, v in enumerate(vals)) + f"   ({share:4.1f}%)")
+        result["configs"][n]["phases_s"] = prof
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--configs", default="ddp,fsdp2,fshard", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per config per round")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
+    p.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of the whole config list")
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() instead of the 27.4M default (smoke test)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(worker, args=(args.world_size, args, _free_port()), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
