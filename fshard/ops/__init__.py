@@ -1,0 +1,126 @@
+"""fshard.ops: native optimizer kernels.
+
+``adamw_`` runs the whole AdamW update in one pass over memory: grad scaling (unscale or
+clip coefficient), bf16/fp16 grad input, the update of fp32 params and moments, and an
+optional bf16/fp16 copy of the new params. A read-only check over the grads runs first;
+if any scaled grad is inf/NaN, nothing is modified and ``True`` is returned.
+
+The kernels (``ops/*.cpp``, ``ops/*.cu``) are JIT-built with ninja on first use into a
+per-user cache (see ``fshard.ops._build``); ``load()`` builds eagerly. Without a working
+compiler, ``adamw_`` falls back to ``adamw_reference_`` (torch ops, several passes): it
+warns once and counts the calls in ``metrics()["fallback_calls"]``. Set
+``FSHARD_OPS_REQUIRE_NATIVE=1`` to make that an error instead.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import torch
+
+from ._build import BuildError, cache_root
+from ._reference import adamw_reference_, as_list
+
+__all__ = ["adamw_", "adamw_reference_", "load", "native_available", "backend_info", "metrics",
+           "BuildError", "cache_root"]
+
+_lock = threading.Lock()
+_lib = None
+_error: BaseException | None = None
+_warned = False
+_metrics = {"native_calls": 0, "fallback_calls": 0, "found_inf": 0}
+
+
+def load(verbose: bool = False):
+    """Build (once, cached) and return the native extension module; raises BuildError."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _error is not None and not verbose:
+            raise _error
+        from ._build import build
+
+        try:
+            _lib = build(verbose=verbose)
+        except BuildError as e:
+            _error = e
+            raise
+        return _lib
+
+
+def native_available() -> bool:
+    """Whether the native kernels are built and loadable (builds them on first call)."""
+    try:
+        load()
+        return True
+    except BuildError:
+        return False
+
+
+def backend_info() -> dict:
+    """Which backend adamw_ uses, the CPU ISA, CUDA support, and the build error if any."""
+    ok = native_available()
+    return {
+        "backend": "native" if ok else "reference",
+        "cpu_isa": _lib.cpu_isa() if ok else None,
+        "cuda": bool(_lib.built_with_cuda()) if ok else False,
+        "error": None if ok else str(_error),
+        "cache": str(cache_root()),
+        **metrics(),
+    }
+
+
+def metrics() -> dict:
+    """Call counters: native_calls, fallback_calls (torch reference), found_inf."""
+    return dict(_metrics)
+
+
+def _native():
+    global _warned
+    try:
+        return load()
+    except BuildError as e:
+        if os.environ.get("FSHARD_OPS_REQUIRE_NATIVE", "") not in ("", "0"):
+            raise
+        if not _warned:
+            _warned = True
+            warnings.warn(f"{e}\nfshard.ops: falling back to the torch reference AdamW (several passes, "
+                          "much slower); see fshard.ops.backend_info()", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
+           eps: float, weight_decay: float, grad_scale: float = 1.0, param_copies=None,
+           adam_w_mode: bool = True, check_finite: bool = True, _force_scalar: bool = False) -> bool:
+    """Fused in-place AdamW over lists of tensors (or single tensors / flat-shard slices).
+
+    params, exp_avgs, exp_avg_sqs: fp32, contiguous. grads: fp32, bf16 or fp16, same numel as
+    the param. param_copies: optional bf16/fp16 tensors that receive the updated params.
+    ``step`` is the already-incremented step count. Per element, with g = grad * grad_scale:
+    AdamW mode ``p *= 1 - lr*wd``; Adam-L2 mode ``g += wd*p``; then
+    ``m = lerp(m, g, 1-beta1)``, ``v = beta2*v + (1-beta2)*g*g``,
+    ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``.
+
+    Returns True, modifying nothing, when check_finite and any g is inf/NaN. The GIL is released
+    while the kernel runs. ``check_finite=False`` skips the read-only pre-pass over the grads, for
+    callers that already know the grads are finite (e.g. from a finite grad norm).
+    """
+    p, g = as_list(params, "params"), as_list(grads, "grads")
+    m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
+    c = as_list(param_copies, "param_copies")
+    lib = _native()
+    if lib is None:
+        _metrics["fallback_calls"] += 1
+        found = adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                 weight_decay=weight_decay, grad_scale=grad_scale, param_copies=c,
+                                 adam_w_mode=adam_w_mode, check_finite=check_finite)
+    else:
+        _metrics["native_calls"] += 1
+        found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
+                          float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
+                          bool(_force_scalar))
+    if found:
+        _metrics["found_inf"] += 1
+    return found

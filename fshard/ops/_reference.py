@@ -1,0 +1,70 @@
+"""Torch reference for fshard.ops.adamw_: the same contract, built from torch ops.
+
+It is the fallback when the native build is unavailable, and the spec the native
+kernels are tested against. The update itself is torch._fused_adamw_ (or
+torch._fused_adam_ for the L2 mode), so its arithmetic is ATen's; the extra
+passes around it (grad cast and scale, the non-finite check, the low-precision
+copy) are the passes the native kernel fuses away.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+def as_list(x, name: str) -> Tensors:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    raise TypeError(f"fshard.ops.adamw_: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
+
+
+@torch.no_grad()
+def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
+                     beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+                     param_copies=None, adam_w_mode: bool = True, check_finite: bool = True) -> bool:
+    """In-place AdamW (or Adam with L2) on lists of fp32 tensors; see fshard.ops.adamw_."""
+    params, grads = as_list(params, "params"), as_list(grads, "grads")
+    exp_avgs, exp_avg_sqs = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
+    copies = as_list(param_copies, "param_copies")
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError("fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
+                         f"length, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
+    if copies and len(copies) != n:
+        raise ValueError(f"fshard.ops.adamw_: param_copies has {len(copies)} tensors but params has {n}")
+    if step < 1:
+        raise ValueError(f"fshard.ops.adamw_: step must be >= 1, got {step}")
+    for i in range(n):
+        for name, t in (("grads", grads[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+            if t.numel() != params[i].numel():
+                raise ValueError(f"fshard.ops.adamw_: {name}[{i}] has {t.numel()} elements but "
+                                 f"params[{i}] has {params[i].numel()}")
+    keep = [i for i in range(n) if params[i].numel() > 0]
+    if not keep:
+        return False
+    # Pass 1: grads to fp32 and scaled (g = grad * grad_scale, in fp32 like the kernel).
+    g32 = [grads[i].reshape(-1).float() for i in keep]
+    if grad_scale != 1.0:
+        g32 = [g * torch.tensor(grad_scale, dtype=torch.float32, device=g.device) for g in g32]
+    # Pass 2: non-finite check over every grad; nothing is modified when it trips.
+    if check_finite:
+        bad = torch.stack([torch.logical_not(torch.isfinite(g)).any() for g in g32]).any()
+        if bool(bad):
+            return True
+    p = [params[i].view(-1) for i in keep]
+    m = [exp_avgs[i].view(-1) for i in keep]
+    v = [exp_avg_sqs[i].view(-1) for i in keep]
+    steps = [torch.tensor(float(step), device=t.device) for t in p]
+    # Pass 3: ATen's fused update.
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    fused(p, g32, m, v, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+          eps=eps, amsgrad=False, maximize=False)
+    # Pass 4: the low-precision copy.
+    if copies:
+        torch._foreach_copy_([copies[i].view(-1) for i in keep], p)
+    return False

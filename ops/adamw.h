@@ -1,0 +1,48 @@
+// Plain data shared by the CPU kernels (scalar and AVX2) and the CUDA launcher.
+// No torch headers here: adamw_avx2.cpp includes this file under an AVX2 target
+// pragma, and nothing inline from torch may be compiled with AVX2 there.
+#pragma once
+#include <cstdint>
+
+namespace fshard {
+
+enum GradType : int { kGradF32 = 0, kGradBF16 = 1, kGradF16 = 2 };
+enum CopyType : int { kCopyNone = 0, kCopyBF16 = 1, kCopyF16 = 2 };
+
+// Hyper-parameters, folded the way ATen's fused Adam folds them: computed in
+// double, then cast to float once (so results match torch._fused_adamw_).
+struct AdamConsts {
+  float grad_scale;     // g = grad * grad_scale (unscale / clip coefficient)
+  float wd_mul;         // AdamW: p *= 1 - lr * wd
+  float wd;             // Adam-L2: g += wd * p
+  float lerp_w;         // 1 - beta1 (exp_avg.lerp_(g, 1 - beta1))
+  float beta2;
+  float sq_coeff;       // 1 - beta2
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  bool adamw;           // true: decoupled decay; false: L2 added to the grad
+  bool has_wd;
+};
+
+// One tensor (or flat shard) of the multi-tensor update.
+struct Segment {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* copy;     // bf16/fp16 copy of the updated param, or nullptr
+  int64_t n;
+  int gtype;      // GradType
+  int ctype;      // CopyType
+};
+
+// Update elements [begin, end) of one segment.
+void adamw_range_scalar(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end);
+void adamw_range_avx2(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end);
+
+// True when any grad[i] * scale in [begin, end) is inf or NaN.
+bool nonfinite_range_scalar(const Segment& s, float scale, int64_t begin, int64_t end);
+bool nonfinite_range_avx2(const Segment& s, float scale, int64_t begin, int64_t end);
+
+}  // namespace fshard

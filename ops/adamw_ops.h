@@ -1,0 +1,20 @@
+// Entry points behind the Python bindings (bindings.cpp).
+#pragma once
+#include <vector>
+#include "adamw.h"
+
+namespace fshard {
+
+// Returns true (and modifies nothing) when check_finite and any grad * scale is
+// inf/NaN. Otherwise applies the update to every segment.
+bool adamw_cpu(const std::vector<Segment>& segs, const AdamConsts& c, bool check_finite,
+               bool force_scalar);
+const char* cpu_isa();
+
+#ifdef FSHARD_WITH_CUDA
+// Same contract; segment pointers are device pointers on the current device.
+bool adamw_cuda(const std::vector<Segment>& segs, const AdamConsts& c, bool check_finite,
+                int device);
+#endif
+
+}  // namespace fshard

@@ -1,0 +1,162 @@
+// Python bindings: argument checks with messages that name the bad argument,
+// tensors -> Segments, hyper-parameter folding, and the GIL release.
+#include <torch/extension.h>
+#include <cmath>
+#include <string>
+#include "adamw_ops.h"
+
+namespace fshard {
+namespace {
+
+using TList = std::vector<at::Tensor>;
+
+std::string arg(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+void check_state(const at::Tensor& t, const at::Tensor& p0, const char* name, size_t i) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "fshard.ops.adamw_: ", arg(name, i),
+                   " must be float32 (fp32 master params and moments), got ", t.scalar_type(),
+                   "; keep optimizer state in fp32 and pass low-precision copies as param_copies");
+  TORCH_CHECK_VALUE(t.device() == p0.device(), "fshard.ops.adamw_: ", arg(name, i), " is on ",
+                    t.device(), " but params[0] is on ", p0.device(),
+                    "; all tensors of one call must live on one device");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fshard.ops.adamw_: ", arg(name, i),
+                    " is not contiguous; pass .contiguous() storage or a 1-D slice of a flat shard");
+}
+
+void check_same_numel(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
+  TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops.adamw_: ", arg(name, i), " has ", t.numel(),
+                    " elements but params[", i, "] has ", p.numel(), "; they must match one to one");
+  TORCH_CHECK_VALUE(t.device() == p.device(), "fshard.ops.adamw_: ", arg(name, i), " is on ",
+                    t.device(), " but params[", i, "] is on ", p.device(),
+                    "; all tensors of one call must live on one device");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fshard.ops.adamw_: ", arg(name, i),
+                    " is not contiguous; pass .contiguous() storage or a 1-D slice of a flat shard");
+}
+
+int grad_type(const at::Tensor& g, size_t i) {
+  switch (g.scalar_type()) {
+    case at::kFloat: return kGradF32;
+    case at::kBFloat16: return kGradBF16;
+    case at::kHalf: return kGradF16;
+    default:
+      TORCH_CHECK_TYPE(false, "fshard.ops.adamw_: ", arg("grads", i), " has dtype ", g.scalar_type(),
+                       "; grads must be float32, bfloat16 or float16");
+  }
+  return 0;
+}
+
+int copy_type(const at::Tensor& c, size_t i) {
+  if (c.scalar_type() == at::kBFloat16) return kCopyBF16;
+  if (c.scalar_type() == at::kHalf) return kCopyF16;
+  TORCH_CHECK_TYPE(false, "fshard.ops.adamw_: ", arg("param_copies", i), " has dtype ",
+                   c.scalar_type(), "; param_copies must be bfloat16 or float16");
+  return 0;
+}
+
+AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
+                       double grad_scale, bool adam_w_mode) {
+  TORCH_CHECK_VALUE(step >= 1, "fshard.ops.adamw_: step must be >= 1 (the step count after "
+                    "incrementing, as torch's bias correction uses it), got ", step);
+  TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
+                    "fshard.ops.adamw_: betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  // As ATen's fused Adam: fold in double, cast to float once.
+  const double bc1 = 1 - std::pow(beta1, double(step));
+  const double bc2 = 1 - std::pow(beta2, double(step));
+  AdamConsts c;
+  c.grad_scale = float(grad_scale);
+  c.wd_mul = float(1 - lr * wd);
+  c.wd = float(wd);
+  c.lerp_w = float(1 - beta1);
+  c.beta2 = float(beta2);
+  c.sq_coeff = float(1 - beta2);
+  c.bc2_sqrt = float(std::sqrt(bc2));
+  c.eps = float(eps);
+  c.neg_step_size = float(-(lr / bc1));
+  c.adamw = adam_w_mode;
+  c.has_wd = wd != 0.0;
+  return c;
+}
+
+bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const TList& exp_avg_sqs,
+           const TList& copies, int64_t step, double lr, double beta1, double beta2, double eps,
+           double weight_decay, double grad_scale, bool adam_w_mode, bool check_finite,
+           bool force_scalar) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+                    "fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
+                    "length, got ", n, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
+                    exp_avg_sqs.size());
+  TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, "fshard.ops.adamw_: param_copies has ",
+                    copies.size(), " tensors but params has ", n, "; pass one copy per param or None");
+  const AdamConsts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adam_w_mode);
+  if (n == 0) return false;
+  const at::Tensor& p0 = params[0];
+  std::vector<Segment> segs;
+  segs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    check_state(params[i], p0, "params", i);
+    check_state(exp_avgs[i], p0, "exp_avgs", i);
+    check_state(exp_avg_sqs[i], p0, "exp_avg_sqs", i);
+    check_same_numel(exp_avgs[i], params[i], "exp_avgs", i);
+    check_same_numel(exp_avg_sqs[i], params[i], "exp_avg_sqs", i);
+    check_same_numel(grads[i], params[i], "grads", i);
+    Segment s{};
+    s.gtype = grad_type(grads[i], i);
+    s.ctype = kCopyNone;
+    if (!copies.empty()) {
+      check_same_numel(copies[i], params[i], "param_copies", i);
+      s.ctype = copy_type(copies[i], i);
+      s.copy = copies[i].data_ptr();
+    }
+    s.p = params[i].data_ptr<float>();
+    s.g = grads[i].data_ptr();
+    s.m = exp_avgs[i].data_ptr<float>();
+    s.v = exp_avg_sqs[i].data_ptr<float>();
+    s.n = params[i].numel();
+    if (s.n > 0) segs.push_back(s);
+  }
+  bool found;
+  if (p0.is_cpu()) {
+    found = adamw_cpu(segs, c, check_finite, force_scalar);
+  } else if (p0.is_cuda()) {
+#ifdef FSHARD_WITH_CUDA
+    found = adamw_cuda(segs, c, check_finite, p0.get_device());
+#else
+    TORCH_CHECK(false, "fshard.ops.adamw_: tensors are on ", p0.device(),
+                " but fshard.ops was built without CUDA (no CUDA toolkit or device at build time)");
+#endif
+  } else {
+    TORCH_CHECK(false, "fshard.ops.adamw_: unsupported device ", p0.device(), "; use CPU or CUDA");
+  }
+  if (!found) {
+    for (size_t i = 0; i < n; ++i) {
+      torch::autograd::impl::bump_version(params[i]);
+      torch::autograd::impl::bump_version(exp_avgs[i]);
+      torch::autograd::impl::bump_version(exp_avg_sqs[i]);
+      if (!copies.empty()) torch::autograd::impl::bump_version(copies[i]);
+    }
+  }
+  return found;
+}
+
+bool built_with_cuda() {
+#ifdef FSHARD_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace fshard
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fshard native AdamW kernels";
+  m.def("adamw", &fshard::adamw, py::call_guard<py::gil_scoped_release>(),
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("param_copies"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adam_w_mode"),
+        py::arg("check_finite"), py::arg("force_scalar"));
+  m.def("cpu_isa", &fshard::cpu_isa);
+  m.def("built_with_cuda", &fshard::built_with_cuda);
+}
