@@ -1,0 +1,143 @@
+"""Train the example GPT with fshard: a user-written loop over the public API.
+
+    python examples/train_gpt.py --tiny --steps 50                       # world size 1
+    torchrun --nproc-per-node 2 examples/train_gpt.py --tiny --steps 50   # any N; gloo on CPU, nccl on CUDA
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20          # the 27.4M-parameter default GPT
+
+The model is built on the meta device and materialised by ``fs.init`` unit by unit with the GPT-2 init
+(``init_fn=init_weights``). Each rank draws its own slice of a deterministic global batch (``synthetic_batches``),
+so runs at different world sizes with the same global batch see the same data.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import fshard as fs  # noqa: E402
+from gpt import GPT, GPTConfig, init_weights, loss_fn, synthetic_batches  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train the example GPT with fshard.")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() (vocab 97, dim 32, 2 layers)")
+    p.add_argument("--tie-weights", action="store_true", help="tie lm_head.weight to the token embedding")
+    p.add_argument("--nvme-dir", default=None, help="directory for the NVMe state store (needs fs.offload_state)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: CPUs / ranks on this node, at least 1)")
+    return p.parse_args(argv)
+
+
+def _rank_world(mesh) -> tuple[int, int]:
+    rank = getattr(mesh, "rank", None)
+    world = getattr(mesh, "world_size", None) or getattr(mesh, "size", None)
+    if callable(rank):
+        rank = rank()
+    if callable(world):
+        world = world()
+    if rank is None or world is None:
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if initialised else 0
+        world = dist.get_world_size() if initialised else 1
+    return int(rank), int(world)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+
+    mesh = fs.Mesh.from_env()
+    rank, world = _rank_world(mesh)
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    cfg = (GPTConfig.tiny if args.tiny else GPTConfig)(tie_weights=args.tie_weights)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n_params = model.num_params()
+
+    opt = fs.adamw(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    torch.manual_seed(args.seed)  # the same init on every rank, whatever fs.init does with the RNG
+    state = fs.init(model, mesh, opt, init_fn=init_weights)
+    del model  # the state owns the (sharded) parameters now
+
+    if args.nvme_dir:
+        if hasattr(fs, "offload_state"):
+            # The NVMe offload transform is a later issue: its signature is not settled, so only report it.
+            log(f"NVMe store directory: {args.nvme_dir} (fs.offload_state available)")
+        else:
+            log(f"--nvme-dir {args.nvme_dir} ignored: this fshard has no fs.offload_state yet")
+
+    step = fs.compose(loss_fn)
+    log(f"GPT {n_params:,} params | world {world} | batch {args.batch_size}/rank "
+        f"({args.batch_size * world} global) x seq {cfg.seq} | {args.steps} steps | "
+        f"threads/rank {torch.get_num_threads()}")
+
+    batches = synthetic_batches(cfg, args.batch_size, args.steps, args.seed, rank, world)
+    bar = None
+    if rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    metrics: dict = {}
+    losses, times = [], []
+    t_start = time.perf_counter()
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        dt = time.perf_counter() - t0
+        loss = float(metrics["loss"])
+        losses.append(loss)
+        times.append(dt)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss} at step {i}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
+            bar.update(1)
+            if args.log_every and (i + 1) % args.log_every == 0:
+                bar.write(f"step {i + 1:5d}  loss {loss:.4f}  {dt:.3f} s/step")
+    wall = time.perf_counter() - t_start
+    if bar is not None:
+        bar.close()
+
+    full = fs.full_params(state)  # collective: every rank must call it
+    norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in full.values()))
+    steady = sorted(times[1:] or times)
+    summary = {
+        "steps": len(losses),
+        "first_loss": losses[0] if losses else float("nan"),
+        "final_loss": losses[-1] if losses else float("nan"),
+        "median_step_s": steady[len(steady) // 2] if steady else float("nan"),
+        "tokens_per_s": args.batch_size * world * cfg.seq * len(losses) / wall if wall > 0 else float("nan"),
+        "param_l2_norm": norm,
+        "n_full_params": len(full),
+    }
+    log("final metrics:")
+    for k, v in metrics.items():
+        log(f"  {k:24s} {v:.6g}" if isinstance(v, float) else f"  {k:24s} {v}")
+    log("summary:")
+    for k, v in summary.items():
+        log(f"  {k:24s} {v:.6g}" if isinstance(v, float) else f"  {k:24s} {v}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
