@@ -32,3 +32,13 @@ def __getattr__(name: str):
         mod = importlib.import_module(_LAZY[name])
         return mod if mod.__name__.endswith("." + name) else getattr(mod, name)
     raise AttributeError(f"module 'fshard' has no attribute {name!r}")
+
+from ._errors import (BatchMismatchError, DonatedStateError, FrozenStateError, FshardError, InitError, LossError,
+                      MeshMismatchError, RankDivergenceError, TemplateCallError)
+from ._init import full_params, init
+from ._layout import ParamSlot, UnitLayout
+from ._mesh import Mesh
+from ._optim import AdamW, AdamWState, adamw
+from ._state import ShardSpec, TrainState
+from ._step import Step, compose
+from ._transforms import Transform

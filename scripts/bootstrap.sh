@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-VPY="$VENV/bin/python"
+VPY="$PWD/$VENV/bin/python"
 pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # torch first and pinned: anything that later asks for "torch" must find 2.13.0 already satisfied, or pip
@@ -45,7 +45,8 @@ if ! "$VPY" -c "import tensornvme" 2>/dev/null; then
     --no-build-isolation tensornvme
 fi
 
-if ! "$VPY" -c "import fshard" 2>/dev/null; then
+# Checked from / so that the checkout itself (the current directory) does not satisfy the import.
+if ! (cd / && "$VPY" -c "import fshard") 2>/dev/null; then
   echo "[bootstrap] installing fshard (editable)"
   pip_install --no-build-isolation --no-deps -e .
 fi

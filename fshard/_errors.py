@@ -1,0 +1,40 @@
+"""fshard's error types. Each message names what was misused and how to fix it."""
+from __future__ import annotations
+
+import dataclasses
+
+
+class FshardError(Exception):
+    """Base class of fshard's own errors."""
+
+
+class FrozenStateError(FshardError, dataclasses.FrozenInstanceError):
+    """An assignment to a field of an immutable fshard value."""
+
+
+class MeshMismatchError(FshardError):
+    """A state used with a mesh (process group) it was not made on."""
+
+
+class BatchMismatchError(FshardError):
+    """Ranks passed batches of different structure to the same step."""
+
+
+class RankDivergenceError(FshardError):
+    """Ranks issued different collectives, or disagree on the step or the model."""
+
+
+class LossError(FshardError, ValueError):
+    """loss_fn returned something that is not a differentiable scalar."""
+
+
+class InitError(FshardError, ValueError):
+    """fs.init was given a model it cannot shard."""
+
+
+class TemplateCallError(FshardError, RuntimeError):
+    """The module template was called outside a step."""
+
+
+class DonatedStateError(FshardError, RuntimeError):
+    """A state that was donated to a step was used again."""

@@ -1,0 +1,186 @@
+"""fs.init and fs.full_params: from an nn.Module to a sharded TrainState, and back to full tensors.
+
+init never needs the whole model on one rank: a model built on the meta device is materialised one unit at a
+time (a copy of the unit's modules, initialised by ``reset_parameters`` or ``init_fn``), and each rank keeps only
+its shard of that unit before moving on.
+"""
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ._collectives import HASH_BITS, Comm
+from ._errors import InitError
+from ._layout import ALIGN_BYTES, UnitLayout, flatten, plan_unit, shard, views
+from ._mesh import Mesh
+from ._state import ShardSpec, TrainState
+from ._unit import route_units
+
+ROOT = "<root>"
+
+
+def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn.Module], None] | None = None,
+         seed: int | None = None, align_bytes: int = ALIGN_BYTES) -> TrainState:
+    """Shard ``model`` over ``mesh`` and make the optimizer state of each shard.
+
+    units: module paths (or modules) that each form one unit; by default every child of every ModuleList or
+    Sequential. Parameters outside all units, and parameters tied across units, form the root unit.
+    init_fn / seed: for a model on the meta device, each unit is materialised with ``init_fn(module)`` (or each
+    module's ``reset_parameters()``) under a seed derived from ``seed`` (default ``torch.initial_seed()``) and the
+    unit's index, so the initial weights do not depend on the world size.
+    """
+    device = _check_devices(model, mesh)
+    unit_mods = _find_units(model, units)
+    owners, aliases = _assign(model, unit_mods)
+    layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)
+    if device.type == "meta":
+        values, buffers = _materialize(model, unit_mods, aliases, mesh.device, init_fn,
+                                       torch.initial_seed() if seed is None else seed)
+    else:
+        values = {n: p.detach() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().to(mesh.device, copy=True) for n, b in model.named_buffers()}
+
+    params, opt_state = {}, {}
+    for u in layouts:  # one full unit alive at a time
+        params[u.name] = shard(flatten(u, {s.name: values[s.name] for s in u.slots}, mesh.device), u, mesh.rank)
+        state = opt.init(u, mesh.rank, params[u.name])
+        if state is not None:
+            opt_state[u.name] = state
+    template = _make_template(model)
+    route_units(template, layouts)
+    names = tuple(n for n, _ in model.named_parameters())
+    spec = ShardSpec(template, tuple(layouts), names, tuple(buffers), mesh, opt,
+                     zlib.crc32(repr((layouts, names, tuple(buffers))).encode()) & ((1 << HASH_BITS) - 1))
+    return TrainState(params, opt_state, torch.zeros((), dtype=torch.int64), buffers, spec)
+
+
+def full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """Collective: every parameter at full size, keys and order as in ``model.named_parameters()``."""
+    state.check_usable()
+    spec = state.spec
+    spec.mesh.check_alive()
+    comm, out = Comm(spec.mesh), {}
+    for u in spec.units:
+        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
+        comm.all_gather(flat, state.params[u.name], u.name)
+        out.update(views(flat, u))
+    return {n: out[n] for n in spec.param_names}
+
+
+def _check_devices(model: nn.Module, mesh: Mesh) -> torch.device:
+    where: dict[torch.device, str] = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        where.setdefault(t.device, n)
+    if len(where) > 1:
+        listing = ", ".join(f"{n!r} on {d}" for d, n in where.items())
+        raise InitError(f"fs.init: the model's parameters and buffers are on mixed devices ({listing}). Put the "
+                        "whole model on one device (model.to(device)), or build it on the meta device "
+                        "(with torch.device('meta'): model = ...) and fs.init materialises it on the mesh's device.")
+    device = next(iter(where), mesh.device)
+    if device.type not in ("meta", "cpu", mesh.device.type):
+        raise InitError(f"fs.init: the model is on {device} but the mesh ({mesh}) computes on {mesh.device}. Build "
+                        f"the model on the CPU or the meta device, or start the mesh with a {device.type} backend.")
+    return device
+
+
+def _find_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
+    paths = {id(m): p for p, m in model.named_modules()}
+    if units is None:
+        found, seen = [], set()
+        for path, m in model.named_modules():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)):
+                for cname, c in m.named_children():
+                    if id(c) not in seen and id(c) != id(model):
+                        seen.add(id(c))
+                        found.append((f"{path}.{cname}" if path else cname, c))
+    else:
+        found = []
+        for u in units:
+            m = model.get_submodule(u) if isinstance(u, str) else u
+            if id(m) not in paths or m is model:
+                raise InitError(f"fs.init(units=...): {u!r} is not a submodule of the model. Pass module paths as in "
+                                "model.named_modules() (e.g. 'blocks.0') or the submodules themselves.")
+            found.append((paths[id(m)], m))
+    return [("", model)] + found
+
+
+def _assign(model, unit_mods):
+    """Owning unit of each parameter (canonical name -> unit index), and canonical name -> all of its names.
+    A parameter reached from two units (tied across them) belongs to the root, which is gathered all forward."""
+    unit_of_module = {id(m): i for i, (_, m) in enumerate(unit_mods)}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    canonical, aliases, owners = {}, {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canon = canonical.setdefault(id(p), name)
+        aliases.setdefault(canon, []).append(name)
+        parts = name.split(".")[:-1]
+        owner = next((unit_of_module[id(modules[".".join(parts[:k])])] for k in range(len(parts), 0, -1)
+                      if id(modules[".".join(parts[:k])]) in unit_of_module), 0)
+        owners.setdefault(canon, set()).add(owner)
+    return {n: (o.pop() if len(o) == 1 else 0) for n, o in owners.items()}, aliases
+
+
+def _plan(model, unit_mods, owners, aliases, world_size, align_bytes) -> list[UnitLayout]:
+    layouts = []
+    params = dict(model.named_parameters())
+    for i, (path, _) in enumerate(unit_mods):
+        mine = [n for n in params if owners[n] == i]
+        if not mine:
+            continue
+        dtypes = {params[n].dtype for n in mine}
+        if len(dtypes) > 1:
+            raise InitError(f"fs.init: unit {path or ROOT!r} mixes parameter dtypes {sorted(map(str, dtypes))}; a "
+                            "unit is one flat buffer of one dtype. Cast the model to one dtype, or pass units=[...] "
+                            "so that parameters of different dtypes fall in different units.")
+        entries = [(tuple(aliases[n]), tuple(params[n].shape), params[n].requires_grad) for n in mine]
+        layouts.append(plan_unit(path or ROOT, path, entries, dtypes.pop(), world_size, align_bytes))
+    return layouts
+
+
+def _materialize(model, unit_mods, aliases, device, init_fn, seed):
+    """Full values of every parameter and buffer, built one unit copy at a time (other units as placeholders)."""
+    to_canon = {a: c for c, names in aliases.items() for a in names}
+    values, buffers = {}, {}
+    for i, (path, mod) in enumerate(unit_mods):
+        memo = {id(m): nn.Module() for j, (_, m) in enumerate(unit_mods) if j != i}
+        part = copy.deepcopy(mod, memo)
+        part.to_empty(device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((seed * 1_000_003 + i) % (1 << 63))
+            for sub_path, sub in part.named_modules():
+                _init_module(sub, f"{path}.{sub_path}".strip("."), init_fn)
+        prefix = path
+        for n, p in part.named_parameters(prefix=prefix, remove_duplicate=False):
+            values.setdefault(to_canon[n], p.detach())
+        for n, b in part.named_buffers(prefix=prefix):
+            buffers[n] = b.detach()
+        del part
+    names = [n for n, _ in model.named_buffers()]
+    return values, {n: buffers[n] for n in names}
+
+
+def _init_module(m: nn.Module, path: str, init_fn) -> None:
+    if init_fn is not None:
+        init_fn(m)
+        return
+    own = list(m._parameters.values()) + list(m._buffers.values())
+    if not any(t is not None for t in own):
+        return
+    if not hasattr(m, "reset_parameters"):
+        raise InitError(f"fs.init: module {path or ROOT!r} ({type(m).__name__}) is on the meta device and has its "
+                        "own parameters or buffers but no reset_parameters(). Pass init_fn=fn, called as fn(module) "
+                        "for every module, or build the model on the CPU.")
+    m.reset_parameters()
+
+
+def _make_template(model: nn.Module) -> nn.Module:
+    """A copy of the model whose tensors are all on the meta device: structure and code, no data."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)

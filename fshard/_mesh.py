@@ -1,0 +1,72 @@
+"""Mesh: the ranks a state is sharded over. A thin, immutable wrapper of a torch.distributed process group."""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import MeshMismatchError
+
+# A dead rank must make the others fail instead of hanging: collectives time out after this many seconds.
+DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TIMEOUT_S", "300"))
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    """The ranks of one process group. ``group is None`` means a single local rank without torch.distributed."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    group: Any = None
+    timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @classmethod
+    def from_env(cls, backend: str | None = None, timeout_s: float | None = None) -> "Mesh":
+        """Join the ranks started by torchrun (gloo on CPU, nccl on CUDA); world size 1 under plain ``python``.
+
+        An already initialised default process group is reused as it is.
+        """
+        timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if not dist.is_initialized() and env_world <= 1:
+            return cls.local()
+        if not dist.is_initialized():
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend=backend, timeout=timeout)
+        backend = dist.get_backend()
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        return cls(dist.get_rank(), dist.get_world_size(), backend, device, dist.group.WORLD, timeout)
+
+    @classmethod
+    def local(cls, device: str | torch.device = "cpu") -> "Mesh":
+        """One rank, no process group: every collective is a local copy."""
+        return cls(0, 1, "local", torch.device(device), None)
+
+    def check_alive(self) -> None:
+        """Raise if this mesh's process group has been destroyed since the mesh was made."""
+        if self.group is None:
+            return
+        if not dist.is_initialized() or dist.get_world_size(self.group) != self.world_size:
+            raise MeshMismatchError(
+                f"{self} no longer exists: its process group was destroyed. A state holds shards for the mesh "
+                "it was made on; build a new state on the new mesh with fs.init(model, mesh, opt), or restore "
+                "a checkpoint into it."
+            )
+
+    def __repr__(self) -> str:
+        return f"Mesh(#{self.id}, rank {self.rank}/{self.world_size}, {self.backend}, {self.device})"

@@ -1,0 +1,127 @@
+"""fs.adamw: AdamW over flat shards, with the arithmetic of torch.optim.AdamW.
+
+An optimizer is a small frozen object with ``init`` (make the state of one unit's shard) and ``update`` (apply one
+step to a shard, given which parameters got a gradient). It works on the trainable prefix of a unit's shard; a
+parameter with no gradient this step is skipped exactly as torch.optim.AdamW skips a parameter whose .grad is None:
+no weight decay, no moment update and no step count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._layout import UnitLayout
+from ._state import register_node
+
+_IMPLS = ("auto", "torch", "fused", "native")
+
+
+@register_node
+@dataclass(frozen=True)
+class AdamWState:
+    """AdamW state of one unit's shard. ``count[i]`` is the step count of the unit's i-th trainable parameter
+    (torch keeps one per parameter too); the moments cover the trainable prefix of this rank's shard."""
+
+    count: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """AdamW with torch.optim.AdamW's arithmetic.
+
+    ``impl``: "torch" replays torch's per-tensor (for-loop) kernel sequence, so it is bitwise equal to
+    ``torch.optim.AdamW()`` on CPU; "fused" calls ``torch._fused_adamw_``, bitwise equal to
+    ``torch.optim.AdamW(fused=True)``; "native" calls fshard.ops (one fused pass, SIMD/CUDA); "auto" picks
+    native where it is built, else fused.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    impl: str = "auto"
+
+    def __post_init__(self):
+        if self.impl not in _IMPLS:
+            raise ValueError(f"fs.adamw(impl={self.impl!r}) is not one of {_IMPLS}.")
+        if not 0.0 <= self.betas[0] < 1.0 or not 0.0 <= self.betas[1] < 1.0:
+            raise ValueError(f"fs.adamw(betas={self.betas}): each beta must be in [0, 1).")
+        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
+            raise ValueError(f"fs.adamw: lr, eps and weight_decay must be >= 0, got {self}.")
+
+    def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> AdamWState | None:
+        n = layout.opt_numel(rank)
+        if not layout.trainable:
+            return None
+        zeros = lambda: torch.zeros(n, dtype=shard.dtype, device=shard.device)  # noqa: E731
+        return AdamWState(torch.zeros(len(layout.trainable), dtype=torch.int64), zeros(), zeros())
+
+    def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
+               state: AdamWState, active: list[bool], donate: bool) -> tuple[torch.Tensor, AdamWState]:
+        """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank."""
+        count = state.count + torch.tensor(active, dtype=torch.int64)
+        segments = _segments(layout.trainable_ranges(rank), active, count.tolist())
+        if not segments:
+            return param, AdamWState(count, state.exp_avg, state.exp_avg_sq)
+        if not donate:  # purity: the input state stays valid, so the update writes into copies
+            param, m, v = param.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+        else:
+            m, v = state.exp_avg, state.exp_avg_sq
+        for lo, hi, step in segments:
+            self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step)
+        return param, AdamWState(count, m, v)
+
+    def _apply(self, p, g, m, v, step: int) -> None:
+        lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
+        impl = _resolve(self.impl, p.device)
+        if impl == "fused":
+            st = torch.tensor(float(step), device=p.device)
+            torch._fused_adamw_([p], [g], [m], [v], [], [st], lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                                eps=eps, amsgrad=False, maximize=False)
+        elif impl == "native":
+            from . import ops
+            ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+        else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            step = float(step)
+            bias_correction1 = 1 - b1**step
+            bias_correction2 = 1 - b2**step
+            step_size = lr / bias_correction1
+            denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-step_size)
+
+
+def _resolve(impl: str, device: torch.device) -> str:
+    if impl != "auto":
+        return impl
+    try:
+        from . import ops
+        if ops.native_available(device):
+            return "native"
+    except Exception:  # noqa: BLE001 - no native build is a supported configuration; ops warns once itself
+        pass
+    return "fused"
+
+
+def _segments(ranges, active, counts) -> list[tuple[int, int, int]]:
+    """Merge adjacent active slots with the same step count into (lo, hi, step) runs of the shard."""
+    out: list[list[int]] = []
+    for (lo, hi), on, c in zip(ranges, active, counts):
+        if not on or hi <= lo:
+            continue
+        if out and out[-1][1] == lo and out[-1][2] == c:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi, c])
+    return [tuple(s) for s in out]
+
+
+def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 0.01, impl: str = "auto") -> AdamW:
+    """AdamW with the same math (and defaults) as ``torch.optim.AdamW``."""
+    return AdamW(lr, tuple(betas), eps, weight_decay, impl)

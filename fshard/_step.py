@@ -1,0 +1,187 @@
+"""fs.compose: build ``step(state, batch) -> (new_state, metrics)`` from a loss function and transforms.
+
+The data flow of one step, as the code below reads:
+
+    check   ranks agree on the step, the model and the batch's structure   (one tiny all-reduce)
+    forward gather each unit, bind it, compute, free it                     (policy.gather)
+    backward re-gather units autograd needs; reduce each unit's gradient     (policy.gather, policy.reduce)
+    agree   mean loss, which parameters got a gradient, same collectives     (one tiny all-reduce)
+    grads   transform the gradient shards                                    (policy.grads)
+    update  optimizer on the shards -> new TrainState                        (policy.update)
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+import optree
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from ._collectives import HASH_BITS, Comm, agree
+from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError
+from ._init import ROOT
+from ._state import TrainState
+from ._transforms import fold
+from ._unit import StepRun
+
+
+class _Caller(nn.Module):
+    """Runs loss_fn(template, batch) inside one functional_call that binds the root unit and the buffers."""
+
+    def __init__(self, template: nn.Module, loss_fn):
+        super().__init__()
+        self.m, self.loss_fn = template, loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.m, batch)
+
+
+class Step:
+    """A composed step. Call it as ``new_state, metrics = step(state, batch)``.
+
+    The input state is never modified unless ``donate=True``: then the update runs in place on its tensors
+    (no copies, less memory traffic) and the donated state refuses further use.
+    """
+
+    def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None):
+        if not callable(loss_fn):
+            raise TypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got {loss_fn!r}.")
+        self.loss_fn, self.transforms = loss_fn, tuple(transforms)
+        self.donate, self.trace, self.mesh = donate, trace, mesh
+        self.policy = fold(self.transforms)
+
+    def __repr__(self) -> str:
+        return f"fs.compose({getattr(self.loss_fn, '__name__', self.loss_fn)}, {', '.join(map(repr, self.transforms))})"
+
+    def __call__(self, state: TrainState, batch):
+        t0 = time.perf_counter()
+        spec = self._check_state(state)
+        comm = Comm(spec.mesh, trace=self.trace)
+        _check_ranks(comm, state, batch)
+        run = StepRun(spec, state.params, comm, self.policy)
+        buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+        t1 = time.perf_counter()
+        loss = self._forward_backward(run, buffers, batch)
+        t2 = time.perf_counter()
+        grads = {name: u.grad for name, u in run.units.items() if u.grad is not None}
+        loss, active = self._agree(comm, run, loss)
+        grads, grad_metrics = self.policy.grads(comm, grads)
+        t3 = time.perf_counter()
+        params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
+        t4 = time.perf_counter()
+        if self.donate:
+            object.__setattr__(state, "_donated", True)
+        new = TrainState(params, opt_state, state.step + 1, buffers, spec)
+        return new, self._metrics(comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4)
+
+    def _check_state(self, state):
+        if not isinstance(state, TrainState):
+            raise TypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous step, "
+                            f"got {type(state).__name__}.")
+        state.check_usable()
+        spec = state.spec
+        if self.mesh is not None and self.mesh is not spec.mesh:
+            raise MeshMismatchError(
+                f"this step runs on {self.mesh} but the state was made on {spec.mesh}. Shards belong to the mesh "
+                "they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "
+                "step with the state's mesh (fs.compose(loss_fn, mesh=state.mesh)).")
+        spec.mesh.check_alive()
+        return spec
+
+    def _forward_backward(self, run: StepRun, buffers, batch) -> torch.Tensor:
+        root = run.units.get(ROOT)
+        with run.active():
+            binding = dict(buffers)
+            if root is not None:
+                self.policy.gather.before_forward(run, root)
+                binding.update(root.bind([s.aliases for s in root.layout.slots]))
+            loss = functional_call(_Caller(run.spec.template, self.loss_fn), {"m." + k: v for k, v in binding.items()},
+                                   (batch,))
+            if root is not None:
+                self.policy.gather.after_forward(run, root)
+            _check_loss(loss)
+            leaves = [u.shard for u in run.units.values() if u.flat is not None and u.trainable]
+            if loss.requires_grad and leaves:
+                torch.autograd.grad(loss, leaves, allow_unused=True)
+            self.policy.reduce.finish(run)
+        run.release_all()
+        return loss.detach()
+
+    def _agree(self, comm: Comm, run: StepRun, loss: torch.Tensor):
+        """Sum the loss and the got-a-gradient marks over ranks, and check every rank issued the same collectives."""
+        got = [float(g) for u in run.units.values() for g in u.got]
+        sums, (same_seq,) = agree(comm, [float(loss)] + got, [comm.seq_hash])
+        if not same_seq:
+            raise RankDivergenceError(
+                "ranks issued different collectives in this step (different units, order or sizes), so gathered "
+                "parameters or reduced gradients may be mixed up. The state was not updated. Every rank must run "
+                "the same units in the same order in forward and backward; make control flow independent of the "
+                f"rank's data. This rank ran units in the order {run.order}.")
+        active, i = {}, 1
+        for name, u in run.units.items():
+            active[name] = [s > 0 for s in sums[i:i + len(u.got)]]
+            i += len(u.got)
+            if any(active[name]) and u.grad is None:
+                raise RankDivergenceError(f"unit {name!r} got a gradient on another rank but not on this one, so it "
+                                          "was never reduced here; make the forward the same on every rank.")
+        return sums[0] / comm.mesh.world_size, active
+
+    def _metrics(self, comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
+        gather, reduce = comm.seconds.get("gather", 0.0), comm.seconds.get("reduce", 0.0)
+        m = {"loss": loss, "step": int(new.step),
+             "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/reduce": reduce,
+             "time/compute": max(0.0, t2 - t1 - gather - reduce), "time/update": t4 - t3,
+             "time/control": comm.seconds.get("control", 0.0),
+             "mem/peak_gathered_bytes": run.peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0), **grad_metrics}
+        if comm.trace is not None:
+            m["trace/collectives"] = tuple(comm.trace)
+        return m
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise LossError(f"loss_fn must return a floating-point scalar tensor (0-dim), but returned {what}. Reduce it "
+                        "to one number inside loss_fn, e.g. return loss.mean().")
+
+
+def _batch_hash(batch) -> int:
+    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+    desc = [str(spec)] + [f"{l.dtype}/{l.dim()}" if isinstance(l, torch.Tensor) else type(l).__name__ for l in leaves]
+    return zlib.crc32(repr(desc).encode()) & ((1 << HASH_BITS) - 1)
+
+
+def _check_ranks(comm: Comm, state: TrainState, batch) -> None:
+    """Before any gather: do all ranks run the same step of the same model on batches of the same structure?
+    A mismatch here would otherwise surface as a hang or as silently mixed shards."""
+    if comm.mesh.world_size == 1:
+        return
+    step = int(state.step) % (1 << HASH_BITS)
+    _, (same_batch, same_step, same_model) = agree(comm, [], [_batch_hash(batch), step, state.spec.fingerprint])
+    if not same_batch:
+        raise BatchMismatchError(
+            "ranks passed batches of different structure to the same step (this rank's: "
+            f"{optree.tree_structure(batch, none_is_leaf=True)}, leaves "
+            f"{[(tuple(l.shape), l.dtype) if isinstance(l, torch.Tensor) else type(l).__name__ for l in optree.tree_leaves(batch, none_is_leaf=True)]}). "
+            "Every rank must pass the same kind of batch (same containers, keys and tensor dtypes and ranks); "
+            "only sizes may differ. Check the data loader of each rank.")
+    if not same_model:
+        raise RankDivergenceError("ranks hold states of different models or layouts; call fs.init with the same "
+                                  "model, units and world size on every rank.")
+    if not same_step:
+        raise RankDivergenceError("ranks are at different steps of training; every rank must call step(state, "
+                                  "batch) with the state returned by its previous step.")
+
+
+def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None) -> Step:
+    """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
+
+    donate: update the input state's tensors in place instead of copies (the input state is then unusable).
+    trace: add ``metrics["trace/collectives"]``, the collectives this rank issued, in order.
+    mesh: if given, the state must have been made on this mesh.
+    """
+    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh)

@@ -1,0 +1,112 @@
+"""The transform protocol, and the blocking policies a step uses when no transform changes them.
+
+A step has four stages that transforms can change (design/ARCHITECTURE.md):
+
+- ``gather``: when each unit's flat buffer is gathered and freed, in forward and in backward (gather_ahead);
+- ``reduce``: how the gradient of a unit's flat buffer becomes this rank's gradient shard (bucket_reduce);
+- ``grads``:  what happens to the reduced gradient shards before the update (clipping, non-finite skip);
+- ``update``: where and how the optimizer runs on the shards (offload_state).
+
+A transform is a small named object. For each stage it either returns the policy it was given, or a new policy
+that wraps it; ``fs.compose`` folds the transforms over the blocking policies below, left to right. The step itself
+calls the four policies and nothing else, so it never grows a branch per transform.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class Transform:
+    """Base class: every stage unchanged. Subclasses override the stages they change."""
+
+    name = "transform"
+
+    def wrap_gather(self, gather):
+        return gather
+
+    def wrap_reduce(self, reduce):
+        return reduce
+
+    def wrap_grads(self, grads):
+        return grads
+
+    def wrap_update(self, update):
+        return update
+
+    def __repr__(self) -> str:
+        return f"fs.{self.name}()"
+
+
+class BlockingGather:
+    """Gather a unit right before it computes and free it right after, in forward and in backward."""
+
+    def before_forward(self, run, unit) -> None:
+        unit.acquire()
+
+    def after_forward(self, run, unit) -> None:
+        unit.release()
+
+    def before_backward(self, run, unit) -> None:
+        unit.acquire()
+
+    def after_backward(self, run, unit) -> None:
+        unit.release()
+
+
+class BlockingReduce:
+    """Reduce-scatter each unit's flat gradient as soon as backward has produced it, and wait for it.
+
+    Gradients are scaled by 1/world_size before a SUM reduce-scatter, in the order DDP uses, so the average
+    matches DDP's bit for bit wherever the summation order allows it."""
+
+    def reduce(self, run, unit, grad: torch.Tensor) -> None:
+        n = run.comm.mesh.world_size
+        full = grad.contiguous() if n == 1 else grad * (1.0 / n)
+        out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+        run.comm.reduce_scatter(out, full, unit.layout.name)
+        unit.grad = out
+
+    def finish(self, run) -> None:
+        """Called after backward: every outstanding reduction is complete when it returns."""
+
+
+class IdentityGrads:
+    """Reduced gradient shards go to the update as they are."""
+
+    def __call__(self, comm, grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return grads, {}
+
+
+class DeviceUpdate:
+    """Run the optimizer on the shards where they live, one unit at a time."""
+
+    def __call__(self, spec, state, grads, active, donate):
+        rank, params, opt_state = spec.mesh.rank, dict(state.params), dict(state.opt_state)
+        for u in spec.units:
+            if u.name in opt_state and any(active[u.name]):
+                params[u.name], opt_state[u.name] = spec.optimizer.update(
+                    u, rank, state.params[u.name], grads[u.name], state.opt_state[u.name], active[u.name], donate)
+        return params, opt_state
+
+
+@dataclass(frozen=True)
+class Policy:
+    gather: Any
+    reduce: Any
+    grads: Any
+    update: Any
+
+
+def fold(transforms) -> Policy:
+    """The step's policies: the blocking ones, wrapped by each transform in turn."""
+    gather, reduce, grads, update = BlockingGather(), BlockingReduce(), IdentityGrads(), DeviceUpdate()
+    for t in transforms:
+        if not isinstance(t, Transform):
+            raise TypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
+                            "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
+        gather, reduce = t.wrap_gather(gather), t.wrap_reduce(reduce)
+        grads, update = t.wrap_grads(grads), t.wrap_update(update)
+    return Policy(gather, reduce, grads, update)

@@ -1,0 +1,214 @@
+"""One step's runtime for the units: gather, bind through functional_call, free, re-gather in backward, reduce.
+
+How a unit's parameters reach the module: ``fs.init`` replaces the ``forward`` of each unit module in the template
+by a ``_UnitForward``, which hands the call to the step being run (a context variable, set only while a step runs).
+The step gathers the unit's flat buffer, binds views of it with ``torch.func.functional_call`` and, after the call,
+frees the buffer's storage (``resize_(0)``, as FSDP does). Autograd still needs the parameters in backward: a
+saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
+handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
+which hands it to the reduce policy and frees the buffer again.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from ._errors import TemplateCallError
+from ._layout import UnitLayout, views
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
+
+
+class _Proxy(nn.Module):
+    """Calls the unit module's own class forward, so functional_call can bind the unit without recursing into the
+    routed ``forward`` (and without running the module's hooks a second time)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.m = module
+        self._forward = type(module).forward
+
+    def forward(self, *args, **kwargs):
+        return self._forward(self.m, *args, **kwargs)
+
+
+class _UnitForward:
+    def __init__(self, name: str, module: nn.Module, names: tuple[tuple[str, ...], ...]):
+        self.name, self.proxy, self.names = name, _Proxy(module), names  # names[i]: slot i's names in the unit
+
+    def __call__(self, *args, **kwargs):
+        run = _ACTIVE.get()
+        if run is None:
+            raise TemplateCallError(
+                f"unit {self.name!r} of an fshard template was called outside a step. The template holds no data "
+                "(its tensors are on the meta device); train with step = fs.compose(loss_fn), or get the weights "
+                "with fs.full_params(state) and load them into a regular module.")
+        return run.call_unit(self, args, kwargs)
+
+
+def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
+    """Route the forward of each unit module of the template through the active step. Each slot's names inside the
+    unit module are found by identity, so tied parameters and modules shared at several paths bind correctly."""
+    for u in layouts:
+        if not u.module:
+            continue
+        module = template.get_submodule(u.module)
+        local = list(module.named_parameters(remove_duplicate=False))
+        names = tuple(tuple(n for n, p in local if p is template.get_parameter(s.name)) for s in u.slots)
+        module.forward = _UnitForward(u.name, module, names)
+
+
+class _Gather(torch.autograd.Function):
+    """shard -> full flat buffer. Its backward receives the gradient of the whole buffer once all uses of the unit
+    (a unit may run twice in one forward) have produced theirs."""
+
+    @staticmethod
+    def forward(ctx, shard, unit):
+        ctx.unit = unit
+        return unit.fill(torch.empty(unit.layout.numel, dtype=shard.dtype, device=shard.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        unit = ctx.unit
+        unit.run.policy.reduce.reduce(unit.run, unit, grad)
+        unit.reduced = True
+        return None, None
+
+
+class _Saved:
+    """A saved tensor that lives in a unit's gathered buffer: kept as a handle, re-gathered on unpack."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit, tensor):
+        self.unit, self.tensor = unit, tensor
+
+
+class UnitRun:
+    """One unit during one step."""
+
+    def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor):
+        self.run, self.layout = run, layout
+        self.trainable = bool(layout.trainable)
+        self.shard = shard.detach().requires_grad_(self.trainable)
+        self.flat: torch.Tensor | None = None
+        self.alive = False
+        self.reduced = False
+        self.grad: torch.Tensor | None = None
+        self.got = [False] * len(layout.trainable)
+
+    def fill(self, out: torch.Tensor) -> torch.Tensor:
+        self.run.comm.all_gather(out, self.shard.detach(), self.layout.name)
+        return out
+
+    def acquire(self) -> None:
+        """Make the gathered buffer live (blocking all-gather if it is not)."""
+        if self.alive:
+            return
+        if self.flat is None:
+            self.flat = _Gather.apply(self.shard, self) if self.trainable else self.fill(
+                torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device))
+        else:  # storage was freed: refill it in place, through an alias with its own version counter
+            storage = self.flat.untyped_storage()
+            storage.resize_(self.layout.nbytes)
+            self.fill(torch.empty(0, dtype=self.layout.dtype, device=self.flat.device).set_(
+                storage, 0, (self.layout.numel,)))
+        self.alive = True
+        self.run.on_alive(self, +1)
+
+    def release(self) -> None:
+        if self.alive:
+            self.run.on_alive(self, -1)
+            self.flat.untyped_storage().resize_(0)
+            self.alive = False
+
+    def bind(self, names) -> dict[str, torch.Tensor]:
+        """name -> view of the gathered buffer, for each slot's ``names[i]``. Trainable views carry a hook that
+        records that they got a gradient (torch skips a parameter whose .grad is None; so do we)."""
+        assert self.alive, "bind() before acquire()"
+        frozen = views(self.flat.detach(), self.layout)
+        trainable = frozen
+        if self.trainable:
+            # One view per use: its gradient is complete once this use's backward is done, which is when the
+            # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
+            # gathered while the units between its two uses run backward.
+            use = self.flat.view_as(self.flat)
+            use.register_hook(self._use_done)
+            trainable = views(use, self.layout)
+        out, k = {}, 0
+        for s, slot_names in zip(self.layout.slots, names):
+            if s.requires_grad:
+                v = trainable[s.name]
+                if v.requires_grad:
+                    v.register_hook(self._marker(k))
+                k += 1
+            else:
+                v = frozen[s.name]
+            out.update({n: v for n in slot_names})
+        return out
+
+    def _use_done(self, _grad):
+        self.run.policy.gather.after_backward(self.run, self)
+
+    def _marker(self, k: int):
+        def mark(_grad):
+            self.got[k] = True
+        return mark
+
+
+class StepRun:
+    """All units of one step: routing target, saved-tensor hooks, and the gathered-bytes counter."""
+
+    def __init__(self, spec, params: dict[str, torch.Tensor], comm, policy):
+        self.spec, self.comm, self.policy = spec, comm, policy
+        self.units = {u.name: UnitRun(self, u, params[u.name]) for u in spec.units}
+        self._live: dict[int, UnitRun] = {}
+        self.live_bytes = self.peak_bytes = 0
+        self.order: list[str] = []  # units in the order forward used them
+
+    def on_alive(self, unit: UnitRun, sign: int) -> None:
+        ptr = unit.flat.untyped_storage().data_ptr()
+        if sign > 0:
+            self._live[ptr] = unit
+        else:
+            self._live.pop(ptr, None)
+        self.live_bytes += sign * unit.layout.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def call_unit(self, route: _UnitForward, args, kwargs):
+        unit, gather = self.units[route.name], self.policy.gather
+        self.order.append(route.name)
+        gather.before_forward(self, unit)
+        out = functional_call(route.proxy, {"m." + k: v for k, v in unit.bind(route.names).items()}, args, kwargs)
+        gather.after_forward(self, unit)
+        return out
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _ACTIVE.set(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            unit = self._live.get(t.untyped_storage().data_ptr()) if self._live else None
+        except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested)
+            unit = None
+        return t if unit is None else _Saved(unit, t)
+
+    def _unpack(self, x):
+        if isinstance(x, _Saved):
+            self.policy.gather.before_backward(self, x.unit)
+            return x.tensor
+        return x
+
+    def release_all(self) -> None:
+        for unit in self.units.values():
+            unit.release()
