@@ -1,0 +1,179 @@
+"""File layout and space management: one tensornvme engine per slot file, one item version per slot.
+
+Why slots and not one big file with our own extent allocator: tensornvme 0.1.0 cannot be told where to write.
+Each write asks its own SpaceManager for an offset, each read *frees* that extent, and only a read can free one.
+Its allocator also leaks (freeing the last extent forgets a free neighbour), which is the unbounded-growth defect.
+So a shared engine file cannot keep an old version safe while a new one is written, cannot delete without reading,
+and cannot be re-read. Giving every slot its own engine and file makes placement trivial and exact: the engine
+holds at most one entry, always at offset 0, so its allocator never fragments or leaks, and the file is exactly the
+item. Space is then managed at slot granularity:
+
+- a new version always goes to a fresh (free) slot, so the old version is untouched until the new write is checked;
+- a released slot is truncated to 0 bytes (its disk space is returned at once) and kept for reuse, up to
+  `max_free`; beyond that it is destroyed (tensornvme's destructor closes and removes the file);
+- a slot whose entry was never read still holds a tensornvme registration, which only a read could clear, so it is
+  destroyed rather than reused.
+
+The disk footprint is therefore the live items plus writes in flight, whatever the number of put/get rounds.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import List, Optional
+
+import torch
+
+from ._errors import StoreDirectoryError, StoreWriteError
+
+_ENGINE_KEY = "v"  # each engine holds at most one entry, so one fixed key suffices
+
+
+def open_store_dir(directory: str, create: bool) -> str:
+    """Check `directory` and make this store's private subdirectory in it; errors name the path."""
+    directory = os.fspath(directory)
+    if not os.path.exists(directory):
+        if not create:
+            raise StoreDirectoryError(f"store directory {directory!r} does not exist (create=False)")
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise StoreDirectoryError(f"cannot create store directory {directory!r}: {e.strerror or e}") from e
+    if not os.path.isdir(directory):
+        raise StoreDirectoryError(f"store directory {directory!r} is not a directory")
+    try:  # a real creation, not os.access: it also catches read-only mounts and root on read-only filesystems
+        return tempfile.mkdtemp(prefix=f"fshard-store-{os.getpid()}-", dir=directory)
+    except OSError as e:
+        raise StoreDirectoryError(f"store directory {directory!r} is not writable: {e.strerror or e}") from e
+
+
+class Slot:
+    """One file and the tensornvme engine bound to it."""
+
+    __slots__ = ("path", "fd", "ino", "engine", "armed")
+
+    def __init__(self, path: str, backend: str, n_entries: int = 2):
+        from tensornvme._C import Offloader  # the bare engine: DiskOffloader's wrapper would free our storages
+
+        self.path = path
+        try:  # we create the file: tensornvme's open() result is unchecked and a failure would go unnoticed
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise StoreWriteError(f"cannot create store file {path!r}: {e.strerror or e}") from e
+        self.ino = os.fstat(self.fd).st_ino
+        try:
+            self.engine = Offloader(path, n_entries, backend)
+        except Exception:
+            os.close(self.fd)
+            os.unlink(path)
+            raise
+        self.armed = False  # True while the engine holds a registered (written, not yet read) entry
+
+    def write(self, u8: torch.Tensor) -> None:
+        self.engine.async_writev([u8], _ENGINE_KEY)
+        self.armed = True
+
+    def read(self, u8: torch.Tensor) -> None:
+        self.engine.async_readv([u8], _ENGINE_KEY)  # completion frees the engine's extent; the bytes stay
+        self.armed = False
+
+    def wait(self) -> None:
+        self.engine.synchronize()  # runs tensornvme's completion loop; holds the GIL while it blocks
+
+    def pread(self, u8: torch.Tensor) -> int:
+        """Plain positional read, for a slot the engine can no longer read (see NVMeStore.get)."""
+        return os.preadv(self.fd, [u8.numpy()], 0)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def problem(self, nbytes: int) -> Optional[str]:
+        """Why this file cannot hold `nbytes` valid bytes, or None. Checked by path so a deletion shows."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return f"file {self.path!r} was deleted"
+        if st.st_ino != self.ino:
+            return f"file {self.path!r} was replaced"
+        if st.st_size < nbytes:
+            return f"file {self.path!r} is truncated: {st.st_size} bytes on disk, {nbytes} expected"
+        return None
+
+    def truncate(self) -> None:
+        os.ftruncate(self.fd, 0)
+
+    def destroy(self) -> None:
+        if self.engine is None:
+            return
+        if not os.path.exists(self.path):  # tensornvme's destructor prints an error when the file is gone
+            try:
+                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+            except OSError:
+                pass
+        self.engine = None  # destructor: synchronize, close, remove the file
+        os.close(self.fd)
+
+
+class SlotSpace:
+    """Free list of slots for one store directory."""
+
+    def __init__(self, directory: str, backend: str, max_free: int = 64):
+        self.directory, self.backend, self.max_free = directory, backend, max_free
+        self._free: List[Slot] = []
+        self._all: set = set()
+        self._next = 0
+
+    def acquire(self) -> Slot:
+        if self._free:
+            return self._free.pop()
+        path = os.path.join(self.directory, f"slot-{self._next:06d}")
+        self._next += 1
+        slot = Slot(path, self.backend)
+        self._all.add(slot)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """The slot's version is dead. Keep the slot for reuse if the engine is clean."""
+        if slot.armed or len(self._free) >= self.max_free:
+            return self.discard(slot)
+        try:
+            slot.truncate()  # return the disk space now, and make the next write's size check exact
+        except OSError:
+            return self.discard(slot)
+        self._free.append(slot)
+
+    def discard(self, slot: Slot) -> None:
+        self._all.discard(slot)
+        slot.destroy()
+
+    @property
+    def slots(self) -> int:
+        return len(self._all)
+
+    def files(self) -> List[str]:
+        return [s.path for s in self._all]
+
+    def disk_bytes(self) -> int:
+        """Bytes the slot files occupy on disk (allocated blocks, not apparent size)."""
+        total = 0
+        for s in self._all:
+            try:
+                total += os.fstat(s.fd).st_blocks * 512
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        for s in list(self._all):
+            s.destroy()
+        self._all.clear()
+        self._free.clear()
+
+
+def cleanup(space: SlotSpace, directory: str) -> None:
+    """Close every engine and remove the store's directory. Used by close(), weakref.finalize and atexit."""
+    try:
+        space.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""A bounded pool of page-aligned, reusable I/O buffers.
+
+Each buffer is its own anonymous mmap: page-aligned (so a later O_DIRECT path needs no copy), and a tensor made
+with `torch.frombuffer(mm, count=n)` has a storage of exactly n bytes at offset 0. That matters because tensornvme
+sizes each iovec by `tensor.storage().nbytes()` starting at `data_ptr()`: a view with an offset into a larger
+storage (the usual over-allocate-and-slice way to align) would make it read or write past the end of the storage.
+
+Capacities are rounded up to the block size, so a buffer fits any item up to its capacity and is reused by the
+next item of a similar size (best fit). The pool is bounded in buffer count and in bytes; when a new buffer does
+not fit, free buffers are dropped first, and only when every buffer is in use does acquire() raise.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import List
+
+import torch
+
+from ._errors import PoolExhaustedError
+
+PAGE = mmap.PAGESIZE
+
+
+def _round_up(n: int, block: int) -> int:
+    return max(block, (n + block - 1) // block * block)
+
+
+class AlignedBuffer:
+    """One page-aligned buffer of `capacity` bytes."""
+
+    __slots__ = ("mm", "capacity", "pinned")
+
+    def __init__(self, capacity: int):
+        self.mm = mmap.mmap(-1, capacity)
+        self.capacity = capacity
+        self.pinned = _maybe_pin(self)
+
+    def bytes(self, n: int) -> torch.Tensor:
+        """A uint8 tensor over the first n bytes, whose storage is exactly n bytes (safe to hand to tensornvme)."""
+        if n > self.capacity:
+            raise ValueError(f"{n} bytes do not fit a {self.capacity}-byte buffer")
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=n)
+
+
+def _maybe_pin(buf: AlignedBuffer) -> bool:
+    # Page-locked host memory lets a later H2D copy run asynchronously; only worth it (and possible) with CUDA.
+    if not torch.cuda.is_available():
+        return False
+    try:
+        t = buf.bytes(buf.capacity)
+        return torch.cuda.cudart().cudaHostRegister(t.data_ptr(), buf.capacity, 0) == 0
+    except Exception:  # pinning is an optimisation; an unpinned buffer still works
+        return False
+
+
+def aligned_empty(nbytes: int, block: int = 4096) -> torch.Tensor:
+    """A fresh page-aligned uint8 tensor of exactly nbytes (not pooled: the caller owns it)."""
+    return AlignedBuffer(_round_up(nbytes, block)).bytes(nbytes)
+
+
+class BufferPool:
+    def __init__(self, max_buffers: int = 16, max_bytes: int = 1 << 30, block: int = 4096):
+        if block <= 0 or block % PAGE and PAGE % block:
+            raise ValueError(f"block size {block} must divide or be a multiple of the page size {PAGE}")
+        self.max_buffers, self.max_bytes, self.block = max_buffers, max_bytes, block
+        self._free: List[AlignedBuffer] = []
+        self._in_use = 0
+        self._resident = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held by the pool's buffers, in use or free."""
+        return self._resident
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def free_buffers(self) -> int:
+        return len(self._free)
+
+    def can_acquire(self, nbytes: int) -> bool:
+        cap = _round_up(nbytes, self.block)
+        if any(b.capacity >= cap for b in self._free):
+            return True
+        freeable = sum(b.capacity for b in self._free)
+        return (self._in_use < self.max_buffers and self._resident - freeable + cap <= self.max_bytes)
+
+    def acquire(self, nbytes: int) -> AlignedBuffer:
+        cap = _round_up(nbytes, self.block)
+        fits = [b for b in self._free if b.capacity >= cap]
+        if fits:  # best fit: the smallest free buffer that holds the item
+            buf = min(fits, key=lambda b: b.capacity)
+            self._free.remove(buf)
+            self._in_use += 1
+            return buf
+        # Make room by dropping free buffers (largest first) until the new one fits both bounds.
+        self._free.sort(key=lambda b: b.capacity)
+        while self._free and (self._count() >= self.max_buffers or self._resident + cap > self.max_bytes):
+            self._drop(self._free.pop())
+        if self._count() >= self.max_buffers or self._resident + cap > self.max_bytes:
+            raise PoolExhaustedError(
+                f"buffer pool exhausted: {self._in_use} buffers / {self._resident} bytes in use, bounds "
+                f"{self.max_buffers} buffers / {self.max_bytes} bytes, {cap} bytes requested")
+        buf = AlignedBuffer(cap)
+        self._resident += cap
+        self._in_use += 1
+        return buf
+
+    def release(self, buf: AlignedBuffer) -> None:
+        self._in_use -= 1
+        self._free.append(buf)
+
+    def clear(self) -> None:
+        """Drop the free buffers (buffers in use are dropped when released after this)."""
+        while self._free:
+            self._drop(self._free.pop())
+
+    def _count(self) -> int:
+        return self._in_use + len(self._free)
+
+    def _drop(self, buf: AlignedBuffer) -> None:
+        self._resident -= buf.capacity
+        # The mmap is unmapped when the last tensor over it is gone; closing it now could fail on exported views.
+        del buf

@@ -1,0 +1,63 @@
+"""The Store protocol shared by CPUStore and NVMeStore, and the per-item metadata they keep in memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+from ._handle import Handle
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """What a get needs to rebuild the tensor and check it. Kept in memory: store files are scratch space."""
+
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    nbytes: int
+    checksum: int
+
+
+def meta_of(t: torch.Tensor, checksum: int) -> ItemMeta:
+    return ItemMeta(t.dtype, tuple(t.shape), t.numel() * t.element_size(), checksum)
+
+
+def is_engine_ready(t: torch.Tensor) -> bool:
+    """Can tensornvme read/write this tensor in place? It sizes the I/O by the whole storage from data_ptr(), so
+    the tensor must be a contiguous CPU tensor covering exactly its storage."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (0-dim and empty included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def from_bytes(u8: torch.Tensor, meta: ItemMeta) -> torch.Tensor:
+    return u8.view(meta.dtype).view(meta.shape)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Asynchronous key -> tensor store. `put` and `get` return handles; `wait()` on a put means the caller may
+    reuse the tensor, `wait()` on a get returns a tensor equal to what was put (dtype, shape, bytes)."""
+
+    def put(self, key: Hashable, tensor: torch.Tensor) -> Handle: ...
+
+    def get(self, key: Hashable, out: Optional[torch.Tensor] = None) -> Handle: ...
+
+    def delete(self, key: Hashable) -> None: ...
+
+    def meta(self, key: Hashable) -> ItemMeta: ...
+
+    def keys(self) -> Iterable[Hashable]: ...
+
+    def stream(self, keys: Iterable[Hashable], depth: int = 2, writeback: bool = False) -> Any: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Store": ...
+
+    def __exit__(self, *exc: Any) -> None: ...
