@@ -145,6 +145,10 @@ class SlotSpace:
 
     def discard(self, slot: Slot) -> None:
         self._all.discard(slot)
+        try:  # free the blocks now: the io_uring ring holds a file reference that is dropped only later
+            slot.truncate()
+        except OSError:
+            pass
         slot.destroy()
 
     @property

@@ -1,0 +1,386 @@
+"""Tests of fshard.store: round trips (hypothesis), streaming order and overlap, faults, bounded disk footprint."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("tensornvme")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fshard as fs
+from fshard.store import (BufferPool, CorruptedItemError, EventLog, MissingKeyError, PoolExhaustedError,
+                          Store, StoreClosedError, StoreDirectoryError, StoreError, StoreWriteError)
+from fshard.store._checksum import checksum
+
+BACKENDS = ["uring", "aio"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]
+
+
+def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    """Random bytes viewed as `dtype`: NaN payloads and odd bit patterns included, compared bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def store(request, tmp_path_factory):
+    with fs.NVMeStore(str(tmp_path_factory.mktemp(f"store-{request.param}")), backend=request.param) as s:
+        yield s
+
+
+shapes = st.one_of(
+    st.just(()),  # 0-dim
+    st.lists(st.integers(0, 3), min_size=1, max_size=3).filter(lambda s: 0 in s),  # empty
+    st.lists(st.integers(1, 70), min_size=1, max_size=3),  # small, unaligned
+    st.tuples(st.integers(4000, 40000)),  # a few blocks, rarely a multiple of 4096 bytes
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(DTYPES), shape=shapes, seed=st.integers(0, 2**31 - 1), transpose=st.booleans())
+def test_round_trip_bit_exact(store, dtype, shape, seed, transpose):
+    x = random_tensor(dtype, shape, seed)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, 1)  # non-contiguous: staged through a pool buffer
+    h = store.put(("k", seed), x)
+    h.wait()
+    assert h.done() and h.state == "done"
+    first = store.get(("k", seed)).wait()  # through tensornvme
+    again = store.get(("k", seed)).wait()  # the engine consumed its entry: the pread path
+    out = torch.empty(x.shape, dtype=x.dtype)
+    store.get(("k", seed), out=out).wait()
+    for y in (first, again, out):
+        assert same_bits(x, y)
+    store.delete(("k", seed))
+    assert ("k", seed) not in store
+
+
+@settings(max_examples=15, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), shape=shapes, seed=st.integers(0, 2**31 - 1))
+def test_cpu_store_round_trip(dtype, shape, seed):
+    x = random_tensor(dtype, shape, seed)
+    with fs.CPUStore() as s:
+        assert isinstance(s, Store)
+        s.put("k", x).wait()
+        x_copy = x.clone()
+        x.zero_() if x.dtype != torch.bool else x.fill_(False)  # the store kept its own copy
+        assert same_bits(s.get("k").wait(), x_copy)
+
+
+def test_put_overwrite_and_caller_reuse(store):
+    x = torch.arange(10000, dtype=torch.float32)
+    h = store.put("w", x)
+    h.wait()
+    x.fill_(-1)  # reuse after wait() must not affect what was stored
+    assert torch.equal(store.get("w").wait(), torch.arange(10000, dtype=torch.float32))
+    store.put("w", torch.ones(3, dtype=torch.int64)).wait()  # new dtype and size under the same key
+    assert torch.equal(store.get("w").wait(), torch.ones(3, dtype=torch.int64))
+    # A dropped source tensor is kept alive by the handle until the write is reaped.
+    h = store.put("w2", torch.full((100000,), 7.0))
+    assert torch.equal(store.get("w2").wait(), torch.full((100000,), 7.0))
+    assert h.done()
+
+
+def test_missing_key(store):
+    with pytest.raises(MissingKeyError, match="nope"):
+        store.get("nope")
+    with pytest.raises(KeyError):
+        store.delete("nope")
+    store.put("gone", torch.ones(5)).wait()
+    store.delete("gone")
+    with pytest.raises(MissingKeyError, match="gone"):
+        store.get("gone")
+
+
+# ---- streaming ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_overlap_order_and_writeback(backend, tmp_path):
+    """Proof of overlap from recorded states, not timing: while the caller computes on item i, the read of item
+    i+1 has been submitted and not yet completed (observed), and the write-back of item i-1 is still in flight."""
+    log = EventLog()
+    keys = [f"m{i}" for i in range(6)]
+    with fs.NVMeStore(str(tmp_path), backend=backend, events=log) as s:
+        for i, k in enumerate(keys):
+            s.put(k, torch.full((5000,), float(i))).wait()
+        log.clear()
+        order = []
+        with s.stream(keys, depth=2, writeback=True) as stream:
+            for item in stream:
+                i = item.index
+                order.append(item.key)
+                log.record("compute_start", item.key)
+                if i + 1 < len(keys):
+                    assert keys[i + 1] in stream.inflight_reads()
+                if i >= 1:
+                    assert keys[i - 1] in stream.inflight_writes()
+                item.tensor.add_(100)  # the "update"
+                log.record("compute_end", item.key)
+                stream.writeback(item)
+        assert order == keys
+        pos = {e: n for n, e in enumerate(log)}
+        for i, k in enumerate(keys):
+            assert pos[("read_done", k)] < pos[("compute_start", k)]
+            if i + 1 < len(keys):
+                nxt = keys[i + 1]
+                assert pos[("read_submitted", nxt)] < pos[("compute_start", k)] < pos[("compute_end", k)]
+                assert pos[("compute_end", k)] < pos[("read_done", nxt)]
+            if i >= 1:
+                prev = keys[i - 1]
+                assert pos[("write_submitted", prev)] < pos[("compute_start", k)]
+                assert pos[("compute_end", k)] < pos[("write_done", prev)]
+        for i, k in enumerate(keys):
+            assert torch.equal(s.get(k).wait(), torch.full((5000,), float(i) + 100))
+        assert s.pool.in_use == 0
+
+
+def test_stream_bounded_buffers_and_misuse(tmp_path):
+    with fs.NVMeStore(str(tmp_path), max_buffers=6, max_buffer_bytes=6 * 65536) as s:
+        keys = [f"b{i}" for i in range(30)]
+        for k in keys:
+            s.put(k, torch.randn(16384)).wait()  # 64 KiB each
+        seen = 0
+        with s.stream(keys, depth=3, writeback=True) as stream:
+            for item in stream:
+                assert s.pool.resident_bytes <= 6 * 65536 and s.pool.in_use <= 6
+                item.tensor.mul_(0)
+                stream.writeback(item)
+                seen += 1
+        assert seen == 30 and all(torch.count_nonzero(s.get(k).wait()) == 0 for k in keys)
+        with pytest.raises(StoreError, match="neither written back nor released"):
+            with s.stream(keys[:3], depth=1, writeback=True) as stream:
+                next(stream)
+                next(stream)
+        # read-only streams release each item when the next one is requested
+        with s.stream(keys, depth=2) as stream:
+            assert sum(1 for _ in stream) == 30
+        assert s.pool.in_use == 0
+
+
+def test_cpu_store_stream():
+    with fs.CPUStore() as s:
+        for i in range(4):
+            s.put(i, torch.tensor([float(i)])).wait()
+        with s.stream(range(4), depth=2, writeback=True) as stream:
+            for item in stream:
+                item.tensor.add_(1)
+                stream.writeback(item)
+        assert [s.get(i).wait().item() for i in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
+# ---- integrity ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("second_read", [False, True], ids=["engine-read", "pread"])
+@pytest.mark.parametrize("fault", ["truncate", "corrupt", "delete"])
+def test_tampered_file_raises(store, fault, second_read):
+    key = f"t-{fault}-{second_read}"
+    x = torch.randn(10000)
+    store.put(key, x).wait()
+    if second_read:
+        assert torch.equal(store.get(key).wait(), x)
+    path = store.file_of(key)
+    if fault == "truncate":
+        os.truncate(path, 4096 * 3 + 5)
+    elif fault == "corrupt":
+        with open(path, "r+b") as f:
+            f.seek(12345)
+            b = f.read(1)
+            f.seek(12345)
+            f.write(bytes([b[0] ^ 0x10]))
+    else:
+        os.unlink(path)
+    expect = {"truncate": "truncated", "corrupt": "checksum mismatch", "delete": "deleted"}[fault]
+    with pytest.raises(CorruptedItemError, match=expect) as err:
+        store.get(key).wait()
+    assert key in str(err.value)
+    store.delete(key)
+
+
+def test_checksum_sees_flips_and_moved_blocks():
+    x = torch.randint(0, 256, (3 * 4096 + 77,), dtype=torch.uint8)
+    base = checksum(x)
+    y = x.clone()
+    y[5000] ^= 1
+    assert checksum(y) != base
+    z = x.clone()
+    z[:4096], z[4096:8192] = x[4096:8192].clone(), x[:4096].clone()  # two blocks swapped
+    assert checksum(z) != base
+    assert checksum(x[:-1]) != base and checksum(x, "crc32") != checksum(y, "crc32")
+
+
+# ---- directories, cleanup -------------------------------------------------------------------------------------
+def test_bad_directories(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(StoreDirectoryError, match="missing.*does not exist"):
+        fs.NVMeStore(str(missing), create=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(StoreDirectoryError, match="cannot create store directory .*afile/sub"):
+        fs.NVMeStore(str(afile / "sub"))
+    with pytest.raises(StoreDirectoryError, match="is not a directory"):
+        fs.NVMeStore(str(afile))
+    created = tmp_path / "new" / "deeper"
+    with fs.NVMeStore(str(created)) as s:  # a missing directory is created by default
+        s.put("a", torch.ones(2)).wait()
+    assert created.is_dir() and os.listdir(created) == []
+
+
+def _mount_tmpfs(path, options):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs (mount -t tmpfs); run the suite as root to exercise this fault")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs -o {options} failed: {r.stderr.strip()}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mounted = []
+
+    def mount(options):
+        path = tmp_path / f"mnt{len(mounted)}"
+        path.mkdir()
+        _mount_tmpfs(path, options)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for p in mounted:
+        subprocess.run(["umount", "-l", str(p)], check=False)
+
+
+def test_unwritable_directory(tmpfs):
+    ro = tmpfs("ro,size=1m")
+    with pytest.raises(StoreDirectoryError, match=f"{ro}.*not writable"):
+        fs.NVMeStore(str(ro))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disk_full_keeps_previous_versions(tmpfs, backend):
+    small = tmpfs("size=1m")
+    with fs.NVMeStore(str(small), backend=backend) as s:
+        old = torch.randn(64 * 1024)  # 256 KiB
+        s.put("a", old).wait()
+        with pytest.raises(StoreWriteError, match="'a'.*previous version is kept"):
+            s.put("a", torch.randn(512 * 1024)).wait()  # 2 MiB does not fit in 1 MiB
+        assert torch.equal(s.get("a").wait(), old)
+        stored, failed = {}, None
+        for i in range(20):  # fill the disk with fresh keys until a write fails
+            t = torch.full((32 * 1024,), float(i))
+            try:
+                s.put(i, t).wait()
+                stored[i] = t
+            except StoreWriteError as e:
+                failed = (i, e)
+                break
+        assert failed is not None and "nothing was stored" in str(failed[1])
+        assert failed[0] not in s and len(stored) >= 1
+        for i, t in stored.items():
+            assert torch.equal(s.get(i).wait(), t)
+        assert torch.equal(s.get("a").wait(), old)
+        for i in stored:  # deleting gives the space back: the failed key now fits
+            s.delete(i)
+        s.put(failed[0], torch.ones(32 * 1024)).wait()
+        assert torch.equal(s.get(failed[0]).wait(), torch.ones(32 * 1024))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_footprint_bounded_over_1000_rounds(backend, tmp_path):
+    keys, n = ["p", "q", "r", "s"], 16 * 1024  # 4 x 64 KiB
+    with fs.NVMeStore(str(tmp_path), backend=backend) as s:
+        peak_disk = peak_slots = 0
+        for r in range(1000):
+            hs = [s.put(k, torch.full((n,), float(r))) for k in keys]
+            for h in hs:
+                h.wait()
+            for k in keys:
+                assert s.get(k).wait()[0].item() == float(r)
+            peak_disk = max(peak_disk, s.disk_bytes())
+            peak_slots = max(peak_slots, s.slots)
+        live = len(keys) * n * 4
+        assert peak_disk <= 2 * live  # live items + the new versions written before the old ones are released
+        assert peak_slots <= 2 * len(keys)
+        du = sum(os.stat(os.path.join(s.directory, f)).st_blocks * 512 for f in os.listdir(s.directory))
+        assert du <= 2 * live
+
+
+def test_close_context_manager_and_exit_cleanup(tmp_path):
+    s = fs.NVMeStore(str(tmp_path))
+    s.put("a", torch.ones(10)).wait()
+    d = s.directory
+    assert os.listdir(d)
+    s.close()
+    assert not os.path.exists(d) and os.listdir(tmp_path) == []
+    with pytest.raises(StoreClosedError):
+        s.put("a", torch.ones(1))
+    s.close()  # idempotent
+    code = textwrap.dedent(f"""
+        import torch, fshard as fs
+        s = fs.NVMeStore({str(tmp_path)!r})
+        s.put("a", torch.ones(1000)).wait()
+        h = s.put("b", torch.ones(1000))  # still in flight at exit
+        print(s.directory)
+    """)  # no close(): weakref.finalize's atexit hook must remove the files
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert os.path.basename(out.stdout.strip()).startswith("fshard-store-")
+    assert os.listdir(tmp_path) == [], out.stderr
+
+
+# ---- buffer pool ----------------------------------------------------------------------------------------------
+def test_buffer_pool_aligned_reused_bounded():
+    pool = BufferPool(max_buffers=3, max_bytes=3 * 8192, block=4096)
+    a = pool.acquire(5000)
+    assert a.capacity == 8192 and a.bytes(5000).data_ptr() % 4096 == 0
+    assert a.bytes(5000).untyped_storage().nbytes() == 5000  # exact storage: safe for tensornvme's iovecs
+    pool.release(a)
+    b = pool.acquire(6000)
+    assert b is a  # reused, best fit
+    c, d = pool.acquire(100), pool.acquire(100)
+    assert pool.resident_bytes == 8192 + 4096 + 4096
+    with pytest.raises(PoolExhaustedError, match="exhausted"):
+        pool.acquire(10)
+    pool.release(c)
+    e = pool.acquire(8000)  # drops the free 4 KiB buffer to make room
+    assert e.capacity == 8192 and pool.resident_bytes <= 3 * 8192
+    for x in (b, d, e):
+        pool.release(x)
+    pool.clear()
+    assert pool.resident_bytes == 0
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_raw_tensornvme_grows_where_store_does_not(tmp_path):
+    """The defect the store guards against, shown on the raw engine: per-tensor rounds leak file space."""
+    from tensornvme import DiskOffloader
+
+    off = DiskOffloader(str(tmp_path / "raw"), backend="uring")
+    ts = [torch.ones(1024 * 256) for _ in range(4)]
+    path = os.path.join(str(tmp_path / "raw"), os.listdir(tmp_path / "raw")[0])
+    sizes = []
+    for _ in range(4):
+        for t in ts:
+            off.async_write(t)
+        off.synchronize()
+        for t in ts:
+            off.async_read(t)
+        off.synchronize()
+        sizes.append(os.path.getsize(path))
+    assert sizes[-1] > sizes[0]
+    del off
