@@ -69,13 +69,14 @@ inline void step8(const VConsts& k, __m256 g, float* p, float* m, float* v, __m2
   __m256 pv = _mm256_loadu_ps(p);
   if constexpr (WD) {
     if constexpr (ADAMW) pv = _mm256_mul_ps(pv, k.wd_mul);
-    else g = _mm256_add_ps(g, _mm256_mul_ps(pv, k.wd));
+    else g = _mm256_fmadd_ps(pv, k.wd, g);
   }
   __m256 mv = _mm256_loadu_ps(m);
   const __m256 d = _mm256_sub_ps(g, mv);
   mv = SMALL ? _mm256_fmadd_ps(k.lerp_w, d, mv) : _mm256_fmadd_ps(k.lerp_w1, d, g);
   __m256 vv = _mm256_loadu_ps(v);
-  vv = _mm256_add_ps(_mm256_mul_ps(vv, k.beta2), _mm256_mul_ps(_mm256_mul_ps(k.sq, g), g));
+  // ATen's `v * beta2 + (sq * g) * g`, contracted the way its AVX2 build contracts it.
+  vv = _mm256_fmadd_ps(_mm256_mul_ps(k.sq, g), g, _mm256_mul_ps(vv, k.beta2));
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), k.bc2), k.eps);
   pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.nstep, mv), denom));
   _mm256_storeu_ps(m, mv);

@@ -39,12 +39,12 @@ void range(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end) {
     float pv = p[i];
     if (c.has_wd) {
       if constexpr (ADAMW) pv = pv * c.wd_mul;
-      else g = g + pv * c.wd;
+      else g = std::fma(pv, c.wd, g);
     }
     // exp_avg.lerp_(g, w), as ATen computes it.
     float mv = small ? std::fma(c.lerp_w, g - m[i], m[i])
                      : std::fma(c.lerp_w - 1.0f, g - m[i], g);
-    float vv = v[i] * c.beta2 + c.sq_coeff * g * g;
+    float vv = std::fma(c.sq_coeff * g, g, v[i] * c.beta2);
     float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
     pv = pv + c.neg_step_size * mv / denom;
     m[i] = mv;

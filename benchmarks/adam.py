@@ -1,0 +1,182 @@
+"""AdamW update on 50M fp32 params: fshard.ops vs torch fused / foreach vs DeepSpeedCPUAdam.
+
+Run (2 threads, serialized with other benchmarks on the shared machine):
+    flock /tmp/fshard-bench.lock env PYTHONPATH=.:/tmp/ds .venv/bin/python benchmarks/adam.py
+
+Two layouts: (a) 4 large tensors, (b) 180 mixed-size tensors (a GPT-like block structure).
+Two workloads:
+  bare   fp32 grads, no clipping, no copy: the plain Adam pass (28 B/element of traffic).
+  mixed  bf16 grads, a clip coefficient, the non-finite check and a bf16 copy of the new
+         params: ours is one fshard.ops.adamw_ call, torch is its pass sequence.
+Every round times each implementation once, in turn; the figures are medians over rounds and
+each ratio compares medians from this same run. The roof is an in-place triad (x += a*y,
+12 B/element) on the same number of elements, measured in the same rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fshard.ops as ops  # noqa: E402
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def layout(name: str, n: int) -> list[int]:
+    if name == "large":
+        return [n // 4 + (1 if i < n % 4 else 0) for i in range(4)]
+    # 15 transformer-like blocks x 12 tensors (qkv, proj, fc1, fc2 weights; biases; norms).
+    d = int((n / 180) ** 0.5)
+    block = [3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d, d, d]
+    sizes = block * 15
+    sizes[0] += n - sum(sizes)  # an embedding-like first tensor takes the remainder
+    return sizes
+
+
+def bench(fns: dict, rounds: int, warmup: int = 1) -> dict[str, float]:
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def try_deepspeed():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam
+    except Exception as e:  # not installed, or its cpu_adam build failed
+        print(f"DeepSpeed not installed: skipped ({type(e).__name__}: {str(e)[:120]})")
+        return None
+
+
+def bare_fns(sizes, ds_cls) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    P = [torch.randn(s, generator=gen) for s in sizes]
+    G = [torch.randn(s, generator=gen) * 1e-2 for s in sizes]
+    M, V = [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes]
+    step = [0]
+
+    def ours(check):
+        def f():
+            step[0] += 1
+            assert not ops.adamw_(P, G, M, V, step=step[0], check_finite=check, **HP)
+        return f
+
+    def torch_opt(**kw):
+        params = [torch.nn.Parameter(t.clone()) for t in P]
+        for p, g in zip(params, G):
+            p.grad = g
+        opt = torch.optim.AdamW(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                                weight_decay=HP["weight_decay"], **kw)
+        return opt.step
+
+    fns = {"ours (bare, check_finite=False)": ours(False), "ours (with non-finite check)": ours(True),
+           "torch AdamW fused=True": torch_opt(fused=True), "torch AdamW foreach=True": torch_opt(foreach=True)}
+    if ds_cls is not None:
+        params = [torch.nn.Parameter(t.clone()) for t in P]
+        for p, g in zip(params, G):
+            p.grad = g
+        fns["DeepSpeedCPUAdam"] = ds_cls(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
+                                         eps=HP["eps"], weight_decay=HP["weight_decay"], adamw_mode=True).step
+    return fns
+
+
+def mixed_fns(sizes) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    P = [torch.randn(s, generator=gen) for s in sizes]
+    G = [(torch.randn(s, generator=gen) * 1e-2).bfloat16() for s in sizes]
+    M, V = [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes]
+    C = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+    coef = 0.5  # clip coefficient, computed beforehand from the grad norm by either side
+    step = [0]
+
+    def ours():
+        step[0] += 1
+        assert not ops.adamw_(P, G, M, V, step=step[0], grad_scale=coef, param_copies=C, **HP)
+
+    TP, TM, TV = [t.clone() for t in P], [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes]
+    tstep = [torch.tensor(0.0) for _ in sizes]
+    found = torch.zeros(1)
+    inv = torch.tensor(coef)
+
+    def torch_best():
+        # Fewest torch passes: cast (fused AdamW needs fp32 grads), one pass that scales and checks,
+        # the fused update (skipped on found_inf without a host sync), the bf16 copy.
+        g32 = [g.float() for g in G]
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(g32, found, inv)
+        torch._foreach_add_(tstep, 1)
+        torch._fused_adamw_(TP, g32, TM, TV, [], tstep, amsgrad=False, maximize=False, found_inf=found, **HP)
+        torch._foreach_copy_(C, TP)
+
+    def torch_literal():
+        # The textbook sequence: clip scale, non-finite check, fused AdamW, copy to bf16.
+        g32 = [g.float() for g in G]
+        torch._foreach_mul_(g32, coef)
+        bad = torch.stack([torch.logical_not(torch.isfinite(g)).any() for g in g32]).any()
+        if not bool(bad):
+            torch._foreach_add_(tstep, 1)
+            torch._fused_adamw_(TP, g32, TM, TV, [], tstep, amsgrad=False, maximize=False, **HP)
+        torch._foreach_copy_(C, TP)
+
+    return {"ours (one call)": ours, "torch: cast, check+scale, fused, copy": torch_best,
+            "torch: cast, scale, isfinite, fused, copy": torch_literal}
+
+
+def triad(n: int):
+    x, y = torch.zeros(n), torch.ones(n)
+    return lambda: x.add_(y, alpha=1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=50_000_000)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layouts", default="large,mixed")
+    ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, n={args.n:,}, rounds={args.rounds}")
+    print("fshard.ops:", {k: v for k, v in ops.backend_info().items() if k in ("backend", "cpu_isa", "cuda")})
+    ds_cls = try_deepspeed()
+    out = {}
+    for lay in args.layouts.split(","):
+        sizes = layout(lay, args.n)
+        n = sum(sizes)
+        for work, fns in (("bare", bare_fns(sizes, ds_cls)), ("mixed", mixed_fns(sizes))):
+            roof = triad(n)
+            res = bench({**fns, "roof: in-place triad": roof}, args.rounds)
+            roof_gbs = 12 * n / res.pop("roof: in-place triad") / 1e9
+            bpe = 28  # minimal bytes/element: fp32 p,m,v read+write + 4 B fp32 grad, or 2+2 B bf16 grad+copy
+            base_name = "torch AdamW fused=True" if work == "bare" else "torch: cast, check+scale, fused, copy"
+            print(f"\n### {lay} layout ({len(sizes)} tensors, {n:,} elements), {work} update; "
+                  f"roof (triad) {roof_gbs:.1f} GB/s")
+            print("| implementation | ms | Gelem/s | GB/s (28 B/elem) | roof fraction | speed-up vs " +
+                  base_name + " |\n|---|---|---|---|---|---|")
+            for k, t in res.items():
+                gbs = bpe * n / t / 1e9
+                print(f"| {k} | {t * 1e3:.1f} | {n / t / 1e9:.2f} | {gbs:.1f} | {gbs / roof_gbs:.2f} | "
+                      f"{res[base_name] / t:.2f}x |")
+                out[f"{lay}/{work}/{k}"] = t * 1e3
+            out[f"{lay}/{work}/roof_gbs"] = roof_gbs
+            del fns, roof
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

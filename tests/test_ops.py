@@ -1,0 +1,278 @@
+"""fshard.ops.adamw_ against torch's AdamW: shapes, dtypes, modes, non-finite grads, slices, errors."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fshard.ops as ops
+
+RTOL, ATOL = 1e-6, 1e-9  # <= 1e-6 relative; ATOL only guards exact zeros
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+EDGE = [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 1023, 1025, 2047, 2049, 4097]
+SIZES = st.lists(st.one_of(st.sampled_from(EDGE), st.integers(0, 3000)), min_size=0, max_size=6)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not ops.native_available():
+        pytest.skip(f"native ops unavailable: {ops.backend_info()['error']}")
+    return ops.load()
+
+
+ISAS = pytest.mark.parametrize("force_scalar", [False, True], ids=["auto-isa", "scalar"])
+
+
+def make_state(sizes, seed, gdtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(n, generator=gen) for n in sizes]
+    m = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
+    v = [torch.rand(n, generator=gen) * 0.01 for n in sizes]
+    g = [torch.randn(n, generator=gen).to(gdtype) for n in sizes]
+    return p, g, m, v
+
+
+def clone(ts):
+    return [t.clone() for t in ts]
+
+
+def assert_all_close(actual, expected):
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+
+
+def torch_optim_steps(p0, grads_per_step, adam_w_mode, grad_scale=1.0):
+    """Run torch.optim.AdamW / Adam (fused=True) over the given grads; returns params, m, v."""
+    params = [torch.nn.Parameter(t.clone()) for t in p0]
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    opt = cls(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+              weight_decay=HP["weight_decay"], fused=True)
+    for grads in grads_per_step:
+        for prm, g in zip(params, grads):
+            prm.grad = g.float() * torch.tensor(grad_scale, dtype=torch.float32)
+        opt.step()
+    st_ = [opt.state[prm] for prm in params]
+    return ([prm.detach() for prm in params], [s["exp_avg"] for s in st_], [s["exp_avg_sq"] for s in st_])
+
+
+@ISAS
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+@SETTINGS
+@given(sizes=SIZES, seed=st.integers(0, 2**31 - 1), grad_scale=st.sampled_from([1.0, 0.5, 0.37, 3.0]))
+def test_matches_torch_optim_over_steps(native, force_scalar, adam_w_mode, gdtype, sizes, seed, grad_scale):
+    sizes = [s for s in sizes if s > 0] or [1]  # torch.optim rejects nothing, but its state needs a param
+    p, _, _, _ = make_state(sizes, seed)
+    grads = [make_state(sizes, seed + k + 1, gdtype)[1] for k in range(3)]
+    m = [torch.zeros_like(t) for t in p]
+    v = [torch.zeros_like(t) for t in p]
+    for step, g in enumerate(grads, start=1):
+        found = ops.adamw_(p, g, m, v, step=step, grad_scale=grad_scale, adam_w_mode=adam_w_mode,
+                           _force_scalar=force_scalar, **HP)
+        assert found is False
+    ep, em, ev = torch_optim_steps(make_state(sizes, seed)[0], grads, adam_w_mode, grad_scale)
+    assert_all_close(p, ep)
+    assert_all_close(m, em)
+    assert_all_close(v, ev)
+
+
+@ISAS
+@SETTINGS
+@given(sizes=SIZES, seed=st.integers(0, 2**31 - 1), step=st.integers(1, 10_000),
+       copy_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_fused_adamw_and_param_copies(native, force_scalar, sizes, seed, step, copy_dtype, gdtype):
+    p, g, m, v = make_state(sizes, seed, gdtype)
+    copies = [torch.full((n,), 7.0, dtype=copy_dtype) for n in sizes]
+    rp, rm, rv = clone(p), clone(m), clone(v)
+    found = ops.adamw_(p, g, m, v, step=step, grad_scale=0.25, param_copies=copies,
+                       _force_scalar=force_scalar, **HP)
+    assert found is False
+    keep = [i for i, n in enumerate(sizes) if n]
+    if keep:
+        g32 = [g[i].float() * 0.25 for i in keep]
+        torch._fused_adamw_([rp[i] for i in keep], g32, [rm[i] for i in keep], [rv[i] for i in keep], [],
+                            [torch.tensor(float(step)) for _ in keep], amsgrad=False, maximize=False, **HP)
+    assert_all_close(p, rp)
+    assert_all_close(m, rm)
+    assert_all_close(v, rv)
+    for c, prm in zip(copies, p):  # the copy is exactly torch's rounding of the new param
+        assert torch.equal(c, prm.to(copy_dtype))
+
+
+@ISAS
+@SETTINGS
+@given(sizes=st.lists(st.one_of(st.sampled_from(EDGE[1:]), st.integers(1, 3000)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**31 - 1), data=st.data(),
+       bad=st.sampled_from([float("inf"), float("-inf"), float("nan")]),
+       gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_nonfinite_grad_updates_nothing(native, force_scalar, sizes, seed, data, bad, gdtype):
+    p, g, m, v = make_state(sizes, seed, gdtype)
+    t = data.draw(st.integers(0, len(sizes) - 1))
+    g[t][data.draw(st.integers(0, sizes[t] - 1))] = bad
+    copies = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    before = clone(p) + clone(m) + clone(v) + clone(copies)
+    assert ops.adamw_(p, g, m, v, step=5, param_copies=copies, _force_scalar=force_scalar, **HP) is True
+    for a, b in zip(p + m + v + copies, before):
+        assert torch.equal(a, b)
+
+
+def test_grad_scale_overflow_counts_as_nonfinite(native):
+    p, g, m, v = make_state([100], 0)
+    g[0][3] = 1e30
+    before = clone(p)
+    assert ops.adamw_(p, g, m, v, step=1, grad_scale=1e10, **HP) is True  # 1e40 overflows fp32
+    assert torch.equal(p[0], before[0])
+    assert ops.adamw_(p, g, m, v, step=1, grad_scale=1e-10, **HP) is False
+
+
+def test_check_finite_false_skips_the_check(native):
+    p, g, m, v = make_state([64], 1)
+    g[0][0] = float("inf")
+    assert ops.adamw_(p, g, m, v, step=1, check_finite=False, **HP) is False
+    assert not torch.isfinite(p[0][0])  # the caller asked for no check and got the raw update
+
+
+@ISAS
+def test_large_multithreaded_slices_of_flat_buffer(native, force_scalar):
+    """Unaligned 1-D views into one flat shard, spanning many blocks and both threads."""
+    sizes = [1, 130_001, 3, 70_000, 4097, 0, 99_999]
+    total = sum(sizes) + 2 * len(sizes) + 1
+    gen = torch.Generator().manual_seed(3)
+    flat = {k: torch.randn(total, generator=gen) for k in ("p", "m")}
+    flat["v"] = torch.rand(total, generator=gen)
+    flat["g"] = torch.randn(total, generator=gen).bfloat16()
+    flat["c"] = torch.zeros(total, dtype=torch.bfloat16)
+    ref = {k: t.clone() for k, t in flat.items()}
+    views, off = {k: [] for k in flat}, 1
+    for n in sizes:
+        for k in flat:
+            views[k].append(flat[k][off:off + n])
+        off += n + 2  # gaps of 2 elements must stay untouched
+    assert ops.adamw_(views["p"], views["g"], views["m"], views["v"], step=7, param_copies=views["c"],
+                      _force_scalar=force_scalar, **HP) is False
+    rv = {k: [] for k in ref}
+    off = 1
+    for n in sizes:
+        for k in ref:
+            rv[k].append(ref[k][off:off + n])
+        off += n + 2
+    ops.adamw_reference_(rv["p"], rv["g"], rv["m"], rv["v"], step=7, param_copies=rv["c"], **HP)
+    for k in ("p", "m", "v"):
+        torch.testing.assert_close(flat[k], ref[k], rtol=RTOL, atol=ATOL)
+    assert torch.equal(flat["c"], ref["c"])  # also checks the untouched gaps
+
+
+def test_empty_inputs(native):
+    assert ops.adamw_([], [], [], [], step=1, **HP) is False
+    e = torch.empty(0)
+    assert ops.adamw_(e, e.clone(), e.clone(), e.clone(), step=1, **HP) is False
+    p, g, m, v = make_state([5], 0)  # a single tensor is a 1-list
+    rp = p[0].clone()
+    assert ops.adamw_(p[0], g[0], m[0], v[0], step=1, **HP) is False
+    assert not torch.equal(p[0], rp)
+
+
+@pytest.mark.parametrize("case, exc, needle", [
+    ("len", ValueError, "same length"),
+    ("numel", ValueError, "grads[1] has"),
+    ("pdtype", TypeError, "exp_avgs[0] must be float32"),
+    ("gdtype", TypeError, "grads[0] has dtype"),
+    ("copy_dtype", TypeError, "param_copies[1] has dtype"),
+    ("copies_len", ValueError, "param_copies has 1 tensors"),
+    ("noncontig", ValueError, "params[1] is not contiguous"),
+    ("device", ValueError, "exp_avg_sqs[0] is on meta"),
+    ("step", ValueError, "step must be >= 1"),
+])
+def test_errors_name_the_argument(native, case, exc, needle):
+    p, g, m, v = make_state([6, 6], 0)
+    kw = dict(HP, step=1)
+    copies = None
+    if case == "len":
+        g = g[:1]
+    elif case == "numel":
+        g[1] = torch.randn(5)
+    elif case == "pdtype":
+        m[0] = m[0].double()
+    elif case == "gdtype":
+        g[0] = g[0].double()
+    elif case == "copy_dtype":
+        copies = [torch.zeros(6, dtype=torch.bfloat16), torch.zeros(6)]
+    elif case == "copies_len":
+        copies = [torch.zeros(6, dtype=torch.bfloat16)]
+    elif case == "noncontig":
+        p[1] = torch.randn(12)[::2]
+    elif case == "device":
+        v[0] = torch.empty(6, device="meta")
+    elif case == "step":
+        kw["step"] = 0
+    before = clone(p)
+    with pytest.raises(exc, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        ops.adamw_(p, g, m, v, param_copies=copies, **kw)
+    for a, b in zip(p, before):
+        assert torch.equal(a, b)
+
+
+def test_reference_matches_torch_optim():
+    sizes = [1, 17, 300]
+    p, _, m, v = make_state(sizes, 9)
+    m, v = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
+    grads = [make_state(sizes, 10 + k, torch.bfloat16)[1] for k in range(2)]
+    for step, g in enumerate(grads, start=1):
+        assert ops.adamw_reference_(p, g, m, v, step=step, grad_scale=0.5, **HP) is False
+    ep, em, ev = torch_optim_steps(make_state(sizes, 9)[0], grads, True, 0.5)
+    assert_all_close(p + m + v, ep + em + ev)
+    g = clone(grads[0])
+    g[1][3] = float("nan")
+    before = clone(p)
+    assert ops.adamw_reference_(p, g, m, v, step=3, **HP) is True
+    assert all(torch.equal(a, b) for a, b in zip(p, before))
+
+
+def test_missing_compiler_is_named_and_fallback_warns_once(monkeypatch):
+    from fshard.ops import _build
+
+    monkeypatch.setenv("CXX", "no-such-cxx-fshard")
+    with pytest.raises(_build.BuildError, match="no-such-cxx-fshard"):
+        _build.check_toolchain()
+
+    err = _build.BuildError("fshard.ops: C++ compiler 'no-such-cxx-fshard' not found")
+    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(ops, "_error", err)
+    monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.delenv("FSHARD_OPS_REQUIRE_NATIVE", raising=False)
+    before = ops.metrics()["fallback_calls"]
+    p, g, m, v = make_state([10], 0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ops.adamw_(p, g, m, v, step=1, **HP)
+        ops.adamw_(p, g, m, v, step=2, **HP)
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "no-such-cxx-fshard" in msgs[0] and "falling back" in msgs[0]
+    assert ops.metrics()["fallback_calls"] == before + 2
+    assert ops.backend_info()["backend"] == "reference"
+    monkeypatch.setenv("FSHARD_OPS_REQUIRE_NATIVE", "1")
+    with pytest.raises(_build.BuildError, match="no-such-cxx-fshard"):
+        ops.adamw_(p, g, m, v, step=3, **HP)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA kernel is compile-checked only")
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_cpu_reference(native, gdtype):
+    assert native.built_with_cuda(), "CUDA is available but fshard.ops was built without the .cu"
+    sizes = [0, 1, 1025, 65_537, 3, 1_000_003]
+    p, g, m, v = make_state(sizes, 4, gdtype)
+    copies = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    dev = [[t.cuda() for t in ts] for ts in (p, g, m, v, copies)]
+    assert ops.adamw_(*dev[:4], step=3, grad_scale=0.5, param_copies=dev[4], **HP) is False
+    assert ops.adamw_reference_(p, g, m, v, step=3, grad_scale=0.5, param_copies=copies, **HP) is False
+    for got, want in zip(dev, (p, g, m, v, copies)):
+        assert_all_close([t.cpu() for t in got], want)
+    dev[1][4][17] = float("inf")
+    before = [t.clone() for t in dev[0]]
+    assert ops.adamw_(*dev[:4], step=4, **HP) is True
+    assert all(torch.equal(a, b) for a, b in zip(dev[0], before))
