@@ -3,7 +3,8 @@
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/store.py --reps 5 --dir /var/tmp/fshard-bench
     .venv/bin/python benchmarks/store.py --rss            # RSS: put 1 GiB and drop it vs keep it
 
-Per repetition and per contender: write 1 GiB (async, to the page cache since tensornvme opens without O_DIRECT),
+Per repetition and per contender: evict the destination files from the page cache (so no contender overwrites
+pages its own previous read left cached), write 1 GiB (async, to the page cache: tensornvme opens without O_DIRECT),
 then fsync (durable), then evict the files from the page cache (fsync + posix_fadvise DONTNEED) and time a cold
 read. fio runs with direct=1, bs=1M, iodepth=32 (io_uring and libaio) on a 1 GiB file in the same directory.
 Medians over the repetitions are printed with ratios; all figures come from the same run.
@@ -58,10 +59,14 @@ class StoreRun:
         self.name = f"NVMeStore[{backend}]"
         self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum)
         self.srcs, self.outs = srcs, outs
-        self.round()  # warm-up: creates the slots (aio engines take ~65 ms each to set up) and faults in `outs`
+        # Warm-up: two rounds create the slots for the live and the next versions (aio engines take ~65 ms each to
+        # set up) and write their blocks once; steady state then overwrites allocated blocks. Also faults in `outs`.
+        self.round()
+        self.round()
 
     def round(self):
         s = self.store
+        evict(s.files())  # cold write for every contender: no destination page is cached, no writeback pending
         t0 = time.perf_counter()
         for h in [s.put(i, t) for i, t in enumerate(self.srcs)]:
             h.wait()
@@ -94,6 +99,7 @@ class RawRun:
 
     def round(self):
         e = self.engine
+        evict([self.path])
         t0 = time.perf_counter()
         e.async_writev(self.srcs, "all")
         e.synchronize()

@@ -160,10 +160,12 @@ class SlotSpace:
     def _best_free(self, nbytes: int) -> Optional[Slot]:
         if not self._free:
             return None
-        sizes = [(s.size(), i) for i, s in enumerate(self._free)]
-        fits = [(sz, i) for sz, i in sizes if sz >= nbytes]
-        _, i = min(fits) if fits else max(sizes)  # smallest that fits, else the largest (it grows)
-        return self._free.pop(i)
+        # Smallest that fits, else the largest (it grows); among equals the most recently freed, whose pages are
+        # the likeliest to still be in the page cache.
+        sizes = [s.size() for s in self._free]
+        order = sorted(range(len(sizes)), key=lambda i: (sizes[i], -i))
+        fits = [i for i in order if sizes[i] >= nbytes]
+        return self._free.pop(fits[0] if fits else order[-1])
 
     def release(self, slot: Slot, trim: bool = False) -> None:
         """The slot's version is dead. Keep the slot (and its blocks, unless `trim`) for reuse."""

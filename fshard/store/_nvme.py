@@ -72,9 +72,8 @@ class NVMeStore:
             staged = self._acquire_buffer(nbytes)
             u8 = staged.bytes(nbytes)
             u8.view(t.dtype).view(t.shape).copy_(t)
-        meta = meta_of(t, checksum(u8, self.checksum_kind))
         if nbytes == 0:
-            self._commit(key, _Item(meta, None))
+            self._commit(key, _Item(meta_of(t, checksum(u8, self.checksum_kind)), None))
             return Handle.completed("write", key, None, self.events)
         try:
             slot = self._space.acquire(nbytes)
@@ -90,6 +89,9 @@ class NVMeStore:
             self._give_back(staged)
             self._space.discard(slot)
             raise StoreWriteError(f"tensornvme rejected the write of key {key!r} to {slot.path!r}: {e}") from e
+        # Checksum after submission: io_uring usually hands a buffered write to a kernel worker, so this pass over
+        # the same (unchanging) source bytes runs on the other core while the kernel copies them.
+        meta = meta_of(t, checksum(u8, self.checksum_kind))
 
         def finish(_keep_alive: torch.Tensor = u8) -> None:  # the kernel reads from u8 until reaped
             try:
