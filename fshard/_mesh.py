@@ -17,6 +17,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TIMEOUT_S", "300"))
 _ids = itertools.count()
 
 
+def _registered_groups():
+    from torch.distributed.distributed_c10d import _world  # the live process groups; no public accessor exists
+    return _world.pg_map
+
+
 @dataclass(frozen=True, eq=False)
 class Mesh:
     """The ranks of one process group. ``group is None`` means a single local rank without torch.distributed."""
@@ -53,6 +58,18 @@ class Mesh:
         return cls(dist.get_rank(), dist.get_world_size(), backend, device, dist.group.WORLD, timeout)
 
     @classmethod
+    def from_group(cls, group) -> "Mesh":
+        """A mesh over an existing process group (e.g. one made with torch.distributed.new_group)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
+        return cls(dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group), device, group)
+
+    def same_as(self, other: "Mesh") -> bool:
+        """Whether two meshes are the same ranks of the same process group (so shards are interchangeable)."""
+        return self is other or (self.group is other.group and self.group is not None
+                                 and (self.rank, self.world_size) == (other.rank, other.world_size))
+
+    @classmethod
     def local(cls, device: str | torch.device = "cpu") -> "Mesh":
         """One rank, no process group: every collective is a local copy."""
         return cls(0, 1, "local", torch.device(device), None)
@@ -61,7 +78,7 @@ class Mesh:
         """Raise if this mesh's process group has been destroyed since the mesh was made."""
         if self.group is None:
             return
-        if not dist.is_initialized() or dist.get_world_size(self.group) != self.world_size:
+        if not dist.is_initialized() or self.group not in _registered_groups():
             raise MeshMismatchError(
                 f"{self} no longer exists: its process group was destroyed. A state holds shards for the mesh "
                 "it was made on; build a new state on the new mesh with fs.init(model, mesh, opt), or restore "

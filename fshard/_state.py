@@ -19,7 +19,7 @@ from ._layout import UnitLayout
 NAMESPACE = "fshard"
 
 
-def _frozen_setattr(self, name, value):
+def _frozen_setattr(self, name, value=None):
     raise FrozenStateError(
         f"cannot assign to {type(self).__name__}.{name}: fshard states are immutable values. Make a modified "
         f"copy with state.replace({name}=...) (dataclasses.replace), or take the new state a step returns."

@@ -82,7 +82,7 @@ class Step:
                             f"got {type(state).__name__}.")
         state.check_usable()
         spec = state.spec
-        if self.mesh is not None and self.mesh is not spec.mesh:
+        if self.mesh is not None and not self.mesh.same_as(spec.mesh):
             raise MeshMismatchError(
                 f"this step runs on {self.mesh} but the state was made on {spec.mesh}. Shards belong to the mesh "
                 "they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "

@@ -105,6 +105,11 @@ def module_loss(module, x):
 # ---------------------------------------------------------------- checkers
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor: compares NaNs and -0.0 exactly, where == would not."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def layout_of(tree: dict[str, torch.Tensor], world_size: int, frozen=()) -> UnitLayout:
     dtype = next(iter(tree.values())).dtype
     entries = [((n,), tuple(t.shape), n not in frozen) for n, t in tree.items()]
@@ -116,7 +121,7 @@ def check_roundtrip(tree: dict[str, torch.Tensor], world_size: int) -> None:
     layout = layout_of(tree, world_size)
     flat = flatten(layout, tree)
     back = unshard([shard(flat, layout, r) for r in range(world_size)])
-    assert torch.equal(back.view(torch.uint8) if back.numel() else back, flat.view(torch.uint8) if flat.numel() else flat)
+    assert torch.equal(_bits(back), _bits(flat)), "unshard(shard(x)) differs from x"
     for s in layout.slots:
         got = back[s.offset:s.offset + s.numel].view(s.shape)
         assert torch.equal(got, tree[s.name]) or (got.isnan() & tree[s.name].isnan()).any(), f"{s.name} changed"
@@ -133,7 +138,7 @@ def check_tiling(layout: UnitLayout, flat: torch.Tensor | None = None) -> None:
     for s in layout.slots:
         assert 0 <= s.offset and s.offset + s.numel <= layout.numel, f"{s.name} outside the buffer"
         covered[s.offset:s.offset + s.numel] += 1
-    assert int(covered.max(initial=0) if covered.numel() else 0) <= 1, f"{layout.name}: slots overlap"
+    assert int(covered.max()) <= 1, f"{layout.name}: slots overlap"
     if flat is not None:
         pad = flat[covered == 0]
         assert bool((pad == 0).all()), f"{layout.name}: padding is not zero"
@@ -158,8 +163,7 @@ def check_unchanged(state: TrainState, snap: list[torch.Tensor]) -> None:
     """Every leaf still equals its snapshot, bit for bit: nothing mutated the state."""
     for path, t, s in zip(optree.tree_paths(state, namespace=NAMESPACE),
                           optree.tree_leaves(state, namespace=NAMESPACE), snap):
-        assert torch.equal(t.view(torch.uint8) if t.numel() else t, s.view(torch.uint8) if s.numel() else s), \
-            f"leaf {path} was mutated"
+        assert torch.equal(_bits(t), _bits(s)), f"leaf {path} was mutated"
 
 
 def check_memory_bound(state: TrainState, moments: int = 2) -> None:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import queue as queues
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -16,41 +18,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, timeout_s):
+def _worker(rank, world_size, port, fn, args, out, timeout_s):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FSHARD_TIMEOUT_S=str(timeout_s))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(*args)))
+        out.put((rank, "ok", fn(*args)))
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60):
-    """fn(*args) on every rank (after env set-up; fn calls fs.Mesh.from_env()). Returns results in rank order;
-    raises with the rank's traceback if any rank failed, and fails (never hangs) after ``timeout_s``."""
+def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60):
+    """fn(*args) on every rank. Returns rank -> ("ok", value) | ("error", traceback) | ("died", exitcode) |
+    ("hung", None); never waits past ``timeout_s``."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, collective_timeout_s),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out, collective_timeout_s),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, {}
+    outcome, deadline = {}, time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout_s)
-            (results if status == "ok" else errors)[rank] = value
+        while len(outcome) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = out.get(timeout=0.5)
+                outcome[rank] = (status, value)
+            except queues.Empty:
+                # a rank that exited without reporting has died (its report, if any, is already queued)
+                for r, p in enumerate(procs):
+                    if r not in outcome and p.exitcode is not None and out.empty():
+                        outcome[r] = ("died", p.exitcode)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items())))
-    return [results[r] for r in range(world_size)]
+    return {r: outcome.get(r, ("hung", None)) for r in range(world_size)}
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60):
+    """fn(*args) on every rank (fn calls fs.Mesh.from_env()). Returns the results in rank order; raises with each
+    failing rank's traceback if any rank failed, died or hung."""
+    outcome = spawn(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    bad = {r: o for r, o in outcome.items() if o[0] != "ok"}
+    if bad:
+        raise AssertionError("\n".join(f"rank {r} {s}:\n{v}" for r, (s, v) in sorted(bad.items())))
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,132 @@
+"""Invariants and misuse that need several ranks: collective order, rank divergence, bad batches, dead ranks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _dist import run_ranks, spawn
+
+
+def _traces(model_name):
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        cfg = GPTConfig.tiny()
+        model, loss, batches = GPT(cfg), loss_fn, synthetic_batches(cfg, 2, 3, rank=mesh.rank, world_size=mesh.world_size)
+    else:
+        model, loss, batches = Awkward(), awkward_loss, awkward_batches(2, 3, mesh.rank, mesh.world_size)
+    state = fs.init(model, mesh, fs.adamw())
+    step = fs.compose(loss, trace=True)
+    traces, peaks = [], []
+    for b in batches:
+        state, m = step(state, b)
+        traces.append(m["trace/collectives"])
+        peaks.append(m["mem/peak_gathered_bytes"])
+    sizes = sorted((u.nbytes for u in state.spec.units), reverse=True)
+    return traces, max(peaks), sizes[0] + sizes[1]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(world_size):
+    import fshard.testing as ft
+    for name in ("gpt", "awkward"):
+        results = run_ranks(_traces, world_size, name)
+        for s in range(3):
+            ft.check_same_collectives([r[0][s] for r in results])
+        kinds = [c[0] for c in results[0][0][0]]
+        assert kinds[0] == "all_reduce" and kinds[-1] == "all_reduce"  # the rank checks around the step
+        assert "all_gather" in kinds and "reduce_scatter" in kinds
+        for _, peak, two_units in results:  # blocking: at most two units gathered at once
+            assert 0 < peak <= two_units
+
+
+def test_collective_checker_reports_the_first_difference():
+    import fshard.testing as ft
+    a = [("all_gather", "blocks.0", "float32", 16), ("reduce_scatter", "blocks.0", "float32", 16)]
+    b = [("all_gather", "blocks.1", "float32", 16), ("reduce_scatter", "blocks.0", "float32", 16)]
+    with pytest.raises(AssertionError, match="collective 0"):
+        ft.check_same_collectives([a, b])
+
+
+class _Swapped(nn.Module):
+    """Two same-size blocks run in a rank-dependent order: gathers pair up with the wrong unit on the other rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        rank = int(os.environ["RANK"])
+        order = [0, 1] if rank == 0 else [1, 0]
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x.square().mean()
+
+
+def _misuse():
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    out = {}
+    torch.manual_seed(0)
+    state = fs.init(_Swapped(), mesh, fs.adamw())
+    before = [t.clone() for t in state.params.values()]
+    try:
+        fs.compose(lambda m, x: m(x))(state, torch.randn(2, 4))
+    except fs.RankDivergenceError as e:
+        out["divergence"] = str(e)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, state.params.values()))
+
+    x = torch.randn(2, 4)
+    batch = (x, x) if mesh.rank == 0 else {"x": x, "y": x}
+    try:
+        fs.compose(lambda m, b: m(x))(state, batch)
+    except fs.BatchMismatchError as e:
+        out["batch"] = str(e)
+
+    import torch.distributed as dist
+    same = lambda m, x: m.blocks[0](x).square().mean()  # noqa: E731 - the same units on every rank
+    fs.compose(same, mesh=fs.Mesh.from_env())(state, x)  # another Mesh over the same group: fine
+    other = fs.Mesh.from_group(dist.new_group([0, 1]))
+    try:
+        fs.compose(same, mesh=other)(state, x)
+    except fs.MeshMismatchError as e:
+        out["mesh"] = str(e)
+
+    dist.destroy_process_group()
+    try:
+        fs.compose(same)(state, x)
+    except fs.MeshMismatchError as e:
+        out["stale"] = str(e)
+    return out
+
+
+def test_misuse_across_ranks_raises_clear_errors_and_never_hangs():
+    for out in run_ranks(_misuse, 2, timeout_s=120):
+        assert "ranks issued different collectives" in out["divergence"] and out["unchanged"]
+        assert "batches of different structure" in out["batch"] and "data loader" in out["batch"]
+        assert "but the state was made on" in out["mesh"]
+        assert "process group was destroyed" in out["stale"]
+
+
+def _dies():
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    if mesh.rank == 1:
+        os._exit(3)  # a crashed rank
+    fs.compose(awkward_loss)(state, next(awkward_batches(2, 1, mesh.rank, 2)))
+    return "step finished without rank 1?"
+
+
+def test_a_dead_rank_makes_the_others_fail_instead_of_hanging():
+    outcome = spawn(_dies, 2, timeout_s=120, collective_timeout_s=20)
+    assert outcome[1] == ("died", 3)
+    status, text = outcome[0]
+    assert status == "error", outcome[0]  # an exception (connection closed or timeout), not a hang
