@@ -1,0 +1,21 @@
+# The two set-up commands of the README. Each bootstraps what is missing first (scripts/bootstrap.sh: .venv,
+# torch 2.13.0, liburing-dev/libaio-dev, tensornvme, fshard), idempotently.
+.PHONY: train test bootstrap bench-step bench-adam bench-store
+
+train: bootstrap
+	.venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --tiny --steps 300 --nvme-dir "$$(mktemp -d)"
+
+test: bootstrap
+	.venv/bin/python -m pytest -q
+
+bootstrap:
+	@./scripts/bootstrap.sh
+
+bench-step: bootstrap
+	.venv/bin/python benchmarks/step.py
+
+bench-adam: bootstrap
+	.venv/bin/python benchmarks/adam.py
+
+bench-store: bootstrap
+	.venv/bin/python benchmarks/store.py
