@@ -74,8 +74,8 @@ def main(argv=None) -> dict:
     n_params = model.num_params()
 
     opt = fs.adamw(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-    torch.manual_seed(args.seed)  # the same init on every rank, whatever fs.init does with the RNG
-    state = fs.init(model, mesh, opt, init_fn=init_weights)
+    torch.manual_seed(args.seed)
+    state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed)
     del model  # the state owns the (sharded) parameters now
 
     if args.nvme_dir:
@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
     if rank == 0:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
+                   mininterval=0.1 if sys.stdout.isatty() else 2.0)
 
     metrics: dict = {}
     losses, times = [], []
@@ -110,7 +111,7 @@ def main(argv=None) -> dict:
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {i}")
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
+            bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}", refresh=False)
             bar.update(1)
             if args.log_every and (i + 1) % args.log_every == 0:
                 bar.write(f"step {i + 1:5d}  loss {loss:.4f}  {dt:.3f} s/step")
@@ -141,3 +142,8 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
+        dist.destroy_process_group()
