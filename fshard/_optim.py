@@ -74,6 +74,10 @@ class AdamW:
             self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step)
         return param, AdamWState(count, m, v)
 
+    def resolved_impl(self, device: torch.device) -> str:
+        """The implementation that runs for state on ``device`` ("auto": native where built, else fused)."""
+        return _resolve(self.impl, torch.device(device))
+
     def _apply(self, p, g, m, v, step: int) -> None:
         lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         impl = _resolve(self.impl, p.device)
@@ -83,7 +87,10 @@ class AdamW:
                                 eps=eps, amsgrad=False, maximize=False)
         elif impl == "native":
             from . import ops
-            ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            # check_finite=False: like torch, a non-finite gradient propagates; skipping a step on every rank
+            # consistently is a transform's job (it needs a collective), not the kernel's.
+            ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                       check_finite=False)
         else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float
             p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - b1)
@@ -99,13 +106,10 @@ class AdamW:
 def _resolve(impl: str, device: torch.device) -> str:
     if impl != "auto":
         return impl
-    try:
-        from . import ops
-        if ops.native_available(device):
-            return "native"
-    except Exception:  # noqa: BLE001 - no native build is a supported configuration; ops warns once itself
-        pass
-    return "fused"
+    from . import ops
+    if ops.native_available() and (device.type == "cpu" or ops.backend_info()["cuda"]):
+        return "native"
+    return "fused"  # no native build (no compiler): torch's fused kernel, still one pass; ops says why once
 
 
 def _segments(ranges, active, counts) -> list[tuple[int, int, int]]:

@@ -135,7 +135,8 @@ class Step:
              "time/compute": max(0.0, t2 - t1 - gather - reduce), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
              "mem/peak_gathered_bytes": run.peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0), **grad_metrics}
+             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0),
+             "optim/impl": new.spec.optimizer.resolved_impl(new.spec.mesh.device), **grad_metrics}
         if comm.trace is not None:
             m["trace/collectives"] = tuple(comm.trace)
         return m
