@@ -18,7 +18,7 @@ Configs are pluggable: ``CONFIGS`` maps a name to a builder ``builder(ctx) -> Ru
 
     @register("fshard+gather_ahead(1)")
     def _(ctx):
-        return fshard_runner(ctx, transform=lambda step: fs.gather_ahead(step, 1))
+        return fshard_runner(ctx, fs.gather_ahead(1))   # transforms go to fs.compose(loss_fn, *transforms)
 
 and pass ``--configs ddp,fsdp2,fshard,fshard+gather_ahead(1)``. Ratios are printed for every config against
 ``fsdp2`` and ``ddp``; per-phase profiles for every config whose metrics carry ``time/*`` keys (fshard's).
@@ -132,19 +132,17 @@ def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
     return Runner(step)
 
 
-def fshard_runner(ctx: Ctx, transform: Callable | None = None, init_kwargs: dict | None = None) -> Runner:
-    """fshard: ``fs.init`` + ``fs.compose(loss_fn)``; ``transform(step) -> step`` wraps the composed step."""
+def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, **compose_kwargs) -> Runner:
+    """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``)."""
     import fshard as fs
 
     for name in ("Mesh", "adamw", "init", "compose"):
         if not hasattr(fs, name):
             raise RuntimeError(f"fshard has no {name!r} yet (core API not landed)")
-    mesh = fs.Mesh.from_env()
+    mesh = fs.Mesh.from_env()  # reuses the process group this script initialised
     opt = fs.adamw(**_adamw_kwargs(ctx.args))
     state = fs.init(ctx.fresh_model(), mesh, opt, **(init_kwargs or {}))
-    step_fn = fs.compose(loss_fn)
-    if transform is not None:
-        step_fn = transform(step_fn)
+    step_fn = fs.compose(loss_fn, *transforms, **compose_kwargs)
     holder = {"state": state}
 
     def step(batch):
@@ -158,6 +156,7 @@ def fshard_runner(ctx: Ctx, transform: Callable | None = None, init_kwargs: dict
 
 
 register("fshard")(lambda ctx: fshard_runner(ctx))
+register("fshard+donate")(lambda ctx: fshard_runner(ctx, donate=True))  # update in place, no state copy
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,7 +361,9 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
                 result["configs"][n][f"ratio_vs_{base}"] = med[n] / med[base]
 
     for n in ok:
-        keys = sorted({k for r in everyone for k in r["phases"][n]})
+        order = ["check", "gather", "compute", "reduce", "control", "update", "step"]
+        keys = sorted({k for r in everyone for k in r["phases"][n]},
+                      key=lambda k: (order.index(k[5:]) if k[5:] in order else len(order), k))
         if not keys:
             continue
         print(f"\n{n} per-phase seconds per step (median over timed steps), by rank; share of the step median:")
