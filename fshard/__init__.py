@@ -34,7 +34,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fshard' has no attribute {name!r}")
 
 from ._errors import (BatchMismatchError, DonatedStateError, FrozenStateError, FshardError, InitError, LossError,
-                      MeshMismatchError, RankDivergenceError, TemplateCallError)
+                      MeshMismatchError, RankDivergenceError, TemplateCallError, UnboundParameterError)
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh

@@ -38,3 +38,7 @@ class TemplateCallError(FshardError, RuntimeError):
 
 class DonatedStateError(FshardError, RuntimeError):
     """A state that was donated to a step was used again."""
+
+
+class UnboundParameterError(FshardError, RuntimeError):
+    """A parameter was used while its unit was not bound (outside a call of the unit module)."""

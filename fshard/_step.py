@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from ._collectives import HASH_BITS, Comm, agree
-from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError
+from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError, UnboundParameterError
 from ._init import ROOT
 from ._state import TrainState
 from ._transforms import fold
@@ -97,8 +97,18 @@ class Step:
             if root is not None:
                 self.policy.gather.before_forward(run, root)
                 binding.update(root.bind([s.aliases for s in root.layout.slots]))
-            loss = functional_call(_Caller(run.spec.template, self.loss_fn), {"m." + k: v for k, v in binding.items()},
-                                   (batch,))
+            try:
+                loss = functional_call(_Caller(run.spec.template, self.loss_fn),
+                                       {"m." + k: v for k, v in binding.items()}, (batch,))
+            except (RuntimeError, NotImplementedError) as e:
+                if "meta" not in str(e):
+                    raise
+                raise UnboundParameterError(
+                    "a parameter was used while its unit was not gathered (outside a step, the template's tensors "
+                    "are on the meta device). fshard binds a unit's parameters only while the unit module itself "
+                    "is called: code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) "
+                    "instead of calling it sees no data. Call the unit module, or choose units with "
+                    f"fs.init(..., units=[...]) so that each parameter is used inside a call of its unit. ({e})") from e
             if root is not None:
                 self.policy.gather.after_forward(run, root)
             _check_loss(loss)
