@@ -156,15 +156,16 @@ def bench(args):
     for n, m in med.items():
         w = f"{gbps(m['write']):8.2f}" if "write" in m else f"{'-':>8s}"
         print(f"{n:26s} {w} {gbps(m['write+fsync']):12.2f} {gbps(m['cold read']):10.2f}")
-    print("\nratios (throughput, >1 means ours is faster)")
+    print("\nratios of throughput (>1: ours faster): of the medians, and the median of the per-rep ratios")
     for be, fe in (("uring", "io_uring"), ("aio", "libaio")):
-        ours, raw = med[f"NVMeStore[{be}]"], med[f"raw tensornvme[{be}]"]
-        for k in ("write", "write+fsync", "cold read"):
-            print(f"  NVMeStore[{be}] / raw[{be}] {k:12s} {raw[k] / ours[k]:.3f}")
+        pairs = [(f"raw[{be}]", f"raw tensornvme[{be}]", ("write", "write+fsync", "cold read"))]
         if have_fio:
-            f = med[f"fio[{fe}]"]
-            for k in ("write+fsync", "cold read"):
-                print(f"  NVMeStore[{be}] / fio[{fe}] {k:12s} {f[k] / ours[k]:.3f}")
+            pairs.append((f"fio[{fe}]", f"fio[{fe}]", ("write+fsync", "cold read")))
+        ours = f"NVMeStore[{be}]"
+        for label, other, phases in pairs:
+            for k in phases:
+                per_rep = statistics.median(o[k] / m[k] for o, m in zip(times[other], times[ours]))
+                print(f"  {ours} / {label:14s} {k:12s} {med[other][k] / med[ours][k]:6.3f}   per-rep {per_rep:6.3f}")
     # per-rep ratios, to show the spread on this shared machine
     print("\nper-rep cold read GB/s: " + "; ".join(
         f"{n}: " + ",".join(f"{gbps(x['cold read']):.2f}" for x in v) for n, v in times.items()))
