@@ -85,7 +85,7 @@ class TrainState:
                     for u, p in zip(self.spec.units, self.params.values()) if u.trainable)
         return {"params": sum(t.nbytes for t in leaves(self.params)),
                 "grads": grads,
-                "opt_state": sum(t.nbytes for t in leaves(self.opt_state) if t.dim() > 0 or t.is_floating_point()),
+                "opt_state": sum(t.nbytes for t in leaves(self.opt_state)),
                 "buffers": sum(t.nbytes for t in leaves(self.buffers))}
 
     def __repr__(self) -> str:

@@ -13,8 +13,6 @@ failed where.
 """
 from __future__ import annotations
 
-import math
-
 import optree
 import torch
 import torch.nn as nn
@@ -197,6 +195,3 @@ def check_same_collectives(traces: list[tuple]) -> None:
             raise AssertionError(f"rank {r} diverges from rank 0 at collective {i}: "
                                  f"{first[i] if i < len(first) else None} vs {t[i] if i < len(t) else None}")
 
-
-def numel(shape) -> int:
-    return math.prod(shape)

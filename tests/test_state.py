@@ -107,7 +107,7 @@ def test_meta_model_trains():
         model = GPT(cfg)
     state = _state(model)
     step = fs.compose(loss_fn)
-    losses = [step_out[1]["loss"] for step_out in [None] for _ in []]
+    losses = []
     for batch in synthetic_batches(cfg, 4, 15, seed=1):
         state, m = step(state, batch)
         losses.append(m["loss"])
