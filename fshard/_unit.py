@@ -75,7 +75,6 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         unit = ctx.unit
         unit.run.policy.reduce.reduce(unit.run, unit, grad)
-        unit.reduced = True
         return None, None
 
 
@@ -97,7 +96,6 @@ class UnitRun:
         self.shard = shard.detach().requires_grad_(self.trainable)
         self.flat: torch.Tensor | None = None
         self.alive = False
-        self.reduced = False
         self.grad: torch.Tensor | None = None
         self.got = [False] * len(layout.trainable)
 
@@ -110,8 +108,12 @@ class UnitRun:
         if self.alive:
             return
         if self.flat is None:
-            self.flat = _Gather.apply(self.shard, self) if self.trainable else self.fill(
-                torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device))
+            if self.trainable:
+                with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
+                    self.flat = _Gather.apply(self.shard, self)
+            else:
+                self.flat = self.fill(torch.empty(self.layout.numel, dtype=self.layout.dtype,
+                                                  device=self.shard.device))
         else:  # storage was freed: refill it in place, through an alias with its own version counter
             storage = self.flat.untyped_storage()
             storage.resize_(self.layout.nbytes)
@@ -130,15 +132,14 @@ class UnitRun:
         """name -> view of the gathered buffer, for each slot's ``names[i]``. Trainable views carry a hook that
         records that they got a gradient (torch skips a parameter whose .grad is None; so do we)."""
         assert self.alive, "bind() before acquire()"
-        frozen = views(self.flat.detach(), self.layout)
-        trainable = frozen
-        if self.trainable:
+        use = self.flat.view_as(self.flat)
+        if use.requires_grad:  # (not under torch.no_grad)
             # One view per use: its gradient is complete once this use's backward is done, which is when the
             # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
             # gathered while the units between its two uses run backward.
-            use = self.flat.view_as(self.flat)
             use.register_hook(self._use_done)
-            trainable = views(use, self.layout)
+        trainable = views(use, self.layout)
+        frozen = views(self.flat.detach(), self.layout) if len(self.layout.trainable) < len(self.layout.slots) else {}
         out, k = {}, 0
         for s, slot_names in zip(self.layout.slots, names):
             if s.requires_grad:

@@ -133,3 +133,15 @@ def test_half_precision_params(dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).to(dtype)
     _trains_like_torch(model, _mse, [b.to(dtype) for b in _batches()], dtype=dtype)
+
+
+def test_loss_fn_may_run_parts_under_no_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+
+    def loss(m, x):
+        with torch.no_grad():
+            target = m[0](x)  # a unit called without autograd: no gradient for that use
+        return (m(x) - target).square().mean()
+
+    _trains_like_torch(model, loss, _batches())
