@@ -91,33 +91,37 @@ class Step:
         return spec
 
     def _forward_backward(self, run: StepRun, buffers, batch) -> torch.Tensor:
-        root = run.units.get(ROOT)
         with run.active():
-            binding = dict(buffers)
-            if root is not None:
-                self.policy.gather.before_forward(run, root)
-                binding.update(root.bind([s.aliases for s in root.layout.slots]))
-            try:
-                loss = functional_call(_Caller(run.spec.template, self.loss_fn),
-                                       {"m." + k: v for k, v in binding.items()}, (batch,))
-            except (RuntimeError, NotImplementedError) as e:
-                if "meta" not in str(e):
-                    raise
-                raise UnboundParameterError(
-                    "a parameter was used while its unit was not gathered (outside a step, the template's tensors "
-                    "are on the meta device). fshard binds a unit's parameters only while the unit module itself "
-                    "is called: code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) "
-                    "instead of calling it sees no data. Call the unit module, or choose units with "
-                    f"fs.init(..., units=[...]) so that each parameter is used inside a call of its unit. ({e})") from e
-            if root is not None:
-                self.policy.gather.after_forward(run, root)
-            _check_loss(loss)
+            loss = self._forward(run, buffers, batch)
             leaves = [u.shard for u in run.units.values() if u.flat is not None and u.trainable]
             if loss.requires_grad and leaves:
-                torch.autograd.grad(loss, leaves, allow_unused=True)
+                torch.autograd.grad(loss, leaves, allow_unused=True)  # gradients land in the units (reduce policy)
             self.policy.reduce.finish(run)
         run.release_all()
         return loss.detach()
+
+    def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
+        """loss_fn(template, batch), with the root unit and the buffers bound for the whole call."""
+        root, binding = run.units.get(ROOT), dict(buffers)
+        if root is not None:
+            self.policy.gather.before_forward(run, root)
+            binding.update(root.bind([s.aliases for s in root.layout.slots]))
+        try:
+            loss = functional_call(_Caller(run.spec.template, self.loss_fn),
+                                   {"m." + k: v for k, v in binding.items()}, (batch,))
+        except (RuntimeError, NotImplementedError) as e:
+            if "meta" not in str(e):
+                raise
+            raise UnboundParameterError(
+                "a parameter was used while its unit was not gathered (outside a step, the template's tensors are "
+                "on the meta device). fshard binds a unit's parameters only while the unit module itself is called: "
+                "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
+                "it sees no data. Call the unit module, or choose units with fs.init(..., units=[...]) so that each "
+                f"parameter is used inside a call of its unit. ({e})") from e
+        if root is not None:
+            self.policy.gather.after_forward(run, root)
+        _check_loss(loss)
+        return loss
 
     def _agree(self, comm: Comm, run: StepRun, loss: torch.Tensor):
         """Sum the loss and the got-a-gradient marks over ranks, and check every rank issued the same collectives."""
