@@ -100,6 +100,13 @@ def test_put_overwrite_and_caller_reuse(store):
     assert h.done()
 
 
+def test_inflight_writes_bounded(tmp_path):
+    with fs.NVMeStore(str(tmp_path), max_inflight_writes=2) as s:
+        hs = [s.put(i, torch.full((1000,), float(i))) for i in range(10)]
+        assert sum(not h.done() for h in hs) <= 2 and all(h.done() for h in hs[:8])
+        assert [s.get(i).wait()[0].item() for i in range(10)] == [float(i) for i in range(10)]
+
+
 def test_missing_key(store):
     with pytest.raises(MissingKeyError, match="nope"):
         store.get("nope")

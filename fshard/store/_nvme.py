@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, List, Optional
+from typing import Deque, Dict, Hashable, Iterable, List, Optional
 
 import torch
 
@@ -39,7 +40,7 @@ class _Item:
 class NVMeStore:
     def __init__(self, directory: str, backend: str = "uring", *, create: bool = True, checksum: str = "fast",
                  max_buffers: int = 16, max_buffer_bytes: int = 1 << 30, block: int = 4096,
-                 max_free_slots: int = 64, events: Optional[EventLog] = None):
+                 max_free_slots: int = 64, max_inflight_writes: int = 4, events: Optional[EventLog] = None):
         try:
             from tensornvme._C import get_backends
         except ImportError as e:
@@ -56,6 +57,8 @@ class NVMeStore:
         self.events = events
         self._items: Dict[Hashable, _Item] = {}
         self._pending: Dict[Hashable, List[Handle]] = {}
+        self._writes: Deque[Handle] = deque()  # puts in flight, oldest first
+        self.max_inflight_writes = max_inflight_writes
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
 
@@ -104,7 +107,11 @@ class NVMeStore:
                 raise self._write_failed(key, problem)
             self._commit(key, _Item(meta, slot))
 
-        return self._track(Handle("write", key, finish, self.events))
+        h = self._track(Handle("write", key, finish, self.events))
+        self._writes.append(h)
+        while self._writes and (self._writes[0].done() or len(self._writes) > self.max_inflight_writes):
+            self._writes.popleft().reap()  # bound the kernel's outstanding writes; errors stay in the handle
+        return h
 
     def _write_failed(self, key: Hashable, why: str) -> StoreWriteError:
         kept = "the previous version is kept" if key in self._items else "nothing was stored"
