@@ -25,8 +25,9 @@ and pass ``--configs ddp,fsdp2,fshard,fshard+gather_ahead(1)``. Ratios are print
 If an fshard config's metrics carry no phase timings, one extra step is profiled with torch.profiler and its ops
 are bucketed into gather / compute / reduce / update.
 
-Peak RSS per rank is the VmHWM of each config's run alone (reset through /proc/self/clear_refs before each
-build), the max over rounds.
+Peak RSS per rank is the VmHWM of each config's training steps alone (memory freed by earlier configs is handed
+back with malloc_trim, and the high-water mark is reset through /proc/self/clear_refs after the build), the max
+over rounds; the build's own peak and the RSS before the build are printed beside it.
 """
 from __future__ import annotations
 
@@ -163,6 +164,23 @@ register("fshard+donate")(lambda ctx: fshard_runner(ctx, donate=True))  # update
 # Measurement helpers.
 
 
+def _release_free_memory() -> None:
+    """Hand memory that earlier configs freed back to the OS (glibc keeps it otherwise), so that each config's
+    peak RSS is its own and not the high-water mark of whatever ran before it in this process."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -226,6 +244,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
+    import faulthandler
+
+    faulthandler.enable()  # a native abort (e.g. in gloo) then shows where Python was
     torch.set_num_threads(args.threads)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -245,6 +266,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     loss_global: dict[str, bool] = {}
     phases: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     peak: dict[str, int] = {n: 0 for n in names}
+    base: dict[str, int] = {n: 0 for n in names}  # RSS right before the build, at the run where peak was taken
+    bpeak: dict[str, int] = {n: 0 for n in names}  # peak RSS while building (fs.init, DDP(...), fully_shard)
     failed: dict[str, str] = {}
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
@@ -255,13 +278,16 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
         for name in names:
             if name in failed:
                 continue
-            gc.collect()
+            _release_free_memory()
             _reset_peak_rss()
+            base_rss = _current_rss_bytes()
             dist.barrier()
             err = None
             runner = None
             try:
                 runner = CONFIGS[name](ctx)
+                build_peak = _peak_rss_bytes()
+                _reset_peak_rss()  # from here on: the peak of the training steps alone
                 step_losses, step_times = [], []
                 for i in range(n_total):
                     if i == args.warmup:
@@ -273,7 +299,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                     if i >= args.warmup:
                         step_times.append(dt)
                         for k, v in metrics.items():
-                            if k.startswith("time/") and isinstance(v, (int, float)):
+                            if k.startswith(("time/", "mem/", "comm/")) and isinstance(v, (int, float)):
                                 phases[name].setdefault(k, []).append(float(v))
                 if name.startswith("fshard") and not phases[name] and rnd == args.rounds - 1:
                     for k, v in _torch_profile_phases(runner, batches[n_total]).items():
@@ -297,12 +323,15 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                 failed[name] = next(e for e in errs if e)
                 log(f"[step.py] {name}: FAILED, skipped from now on:\n{failed[name]}", flush=True)
                 continue
-            peak[name] = max(peak[name], _peak_rss_bytes())
+            p = _peak_rss_bytes()
+            if p > peak[name]:
+                peak[name], base[name] = p, base_rss
+            bpeak[name] = max(bpeak[name], build_peak)
             log(f"[step.py] round {rnd} {name}: median {statistics.median(times[name][-1]):.3f} s/step "
                 f"(rank 0), loss {losses.get(name, [float('nan')])[-1]:.4f}", flush=True)
 
     # ---- gather everything to rank 0 and report -------------------------------------------------------------
-    mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak)
+    mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak, base=base, bpeak=bpeak)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -318,7 +347,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
     print("\n=== Training step, world size %d, gloo, %d thread(s)/rank, batch %d/rank, %s ==="
           % (world_size, args.threads, args.batch_size, "tiny GPT" if args.tiny else "GPT 27.4M"))
     print(f"{'config':28s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  {'per-round medians':28s} "
-          f"{'last loss':>11s}  peak RSS per rank")
+          f"{'last loss':>11s}  peak RSS per rank during the steps")
     med = {}
     for n in ok:
         # a step's time is the slowest rank's
@@ -333,11 +362,16 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
             loss_curve = [sum(r["losses"][n][i] for r in everyone) / world_size
                           for i in range(len(everyone[0]["losses"][n]))]
         peaks = [r["peak"][n] for r in everyone]
+        bases = [r["base"][n] for r in everyone]
+        bpeaks = [r["bpeak"][n] for r in everyone]
         print(f"{n:28s} {med[n]:9.3f} {min(flat):7.3f} {max(flat):7.3f}  {per_round:28s} {loss_curve[-1]:11.6f}  "
-              + " / ".join(_fmt_bytes(p) for p in peaks))
+              + " / ".join(_fmt_bytes(p) for p in peaks)
+              + "  (build: " + " / ".join(_fmt_bytes(b) for b in bpeaks)
+              + "; before build: " + " / ".join(_fmt_bytes(b) for b in bases) + ")")
         result["configs"][n] = {"median_s": med[n], "min_s": min(flat), "max_s": max(flat),
-                                "round_medians_s": [statistics.median(rd) for rd in rounds],
-                                "loss_curve": loss_curve, "peak_rss_bytes": peaks}
+                                "round_medians_s": [statistics.median(rd) for rd in rounds], "step_s": rounds,
+                                "loss_curve": loss_curve, "peak_rss_bytes": peaks,
+                                "rss_before_build_bytes": bases, "peak_rss_build_bytes": bpeaks}
     if not rss_resettable:
         print("(peak RSS: /proc/self/clear_refs unavailable, figures are process-wide maxima)")
     for n, e in failed.items():
@@ -362,7 +396,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
 
     for n in ok:
         order = ["check", "gather", "compute", "reduce", "control", "update", "step"]
-        keys = sorted({k for r in everyone for k in r["phases"][n]},
+        keys = sorted({k for r in everyone for k in r["phases"][n] if k.startswith("time/")},
                       key=lambda k: (order.index(k[5:]) if k[5:] in order else len(order), k))
         if not keys:
             continue
@@ -374,6 +408,11 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
             share = max(vals) / med[n] * 100
             print(f"  {k:28s} " + "  ".join(f"r{i}: {v:7.4f}" for i, v in enumerate(vals)) + f"   ({share:4.1f}%)")
         result["configs"][n]["phases_s"] = prof
+        other = sorted({k for r in everyone for k in r["phases"][n] if not k.startswith("time/")})
+        for k in other:
+            vals = [statistics.median(r["phases"][n][k]) if r["phases"][n].get(k) else float("nan") for r in everyone]
+            print(f"  {k:28s} " + "  ".join(f"r{i}: {v / 2**20:7.1f} MiB" for i, v in enumerate(vals)))
+            result["configs"][n].setdefault("metrics", {})[k] = vals
 
     if args.json:
         with open(args.json, "w") as f:
