@@ -1,6 +1,7 @@
 """Tests of fshard.store: round trips (hypothesis), streaming order and overlap, faults, bounded disk footprint."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -172,6 +173,11 @@ def test_stream_bounded_buffers_and_misuse(tmp_path):
                 stream.writeback(item)
                 seen += 1
         assert seen == 30 and all(torch.count_nonzero(s.get(k).wait()) == 0 for k in keys)
+        slots_after_one_round = s.slots
+        with s.stream(keys, depth=3, writeback=True) as stream:  # a second round reuses the freed slots
+            for item in stream:
+                stream.writeback(item)
+        assert s.slots == slots_after_one_round <= 2 * len(keys) + 3
         with pytest.raises(StoreError, match="neither written back nor released"):
             with s.stream(keys[:3], depth=1, writeback=True) as stream:
                 next(stream)
@@ -345,6 +351,12 @@ def test_close_context_manager_and_exit_cleanup(tmp_path):
     with pytest.raises(StoreClosedError):
         s.put("a", torch.ones(1))
     s.close()  # idempotent
+    s = fs.NVMeStore(str(tmp_path))
+    s.put("a", torch.ones(10)).wait()
+    d = s.directory
+    del s
+    gc.collect()  # garbage collection alone also cleans up (weakref.finalize)
+    assert not os.path.exists(d)
     code = textwrap.dedent(f"""
         import torch, fshard as fs
         s = fs.NVMeStore({str(tmp_path)!r})

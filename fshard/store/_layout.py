@@ -15,8 +15,8 @@ item. Space is then managed at slot granularity:
   slot that is large enough; a slot more than twice too large is trimmed first;
 - space is reserved with posix_fallocate before the write, so a full disk fails cleanly up front, before any byte
   of the new version is written (tensornvme would not report the short write; the size is checked after anyway);
-- delete() truncates its slot to 0 bytes: the space is returned at once. Free slots beyond `max_free` are
-  destroyed (tensornvme's destructor closes and removes the file);
+- delete() truncates its slot to 0 bytes: the space is returned at once. Free slots beyond `max_free()` (by
+  default one per live item) are destroyed (tensornvme's destructor closes and removes the file);
 - a slot whose entry was never read still holds a tensornvme registration, which only a read could clear, so it is
   destroyed rather than reused.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -136,7 +136,7 @@ class Slot:
 class SlotSpace:
     """Free list of slots for one store directory."""
 
-    def __init__(self, directory: str, backend: str, max_free: int = 64):
+    def __init__(self, directory: str, backend: str, max_free: Callable[[], int] = lambda: 64):
         self.directory, self.backend, self.max_free = directory, backend, max_free
         self._free: List[Slot] = []
         self._all: set = set()
@@ -169,7 +169,7 @@ class SlotSpace:
 
     def release(self, slot: Slot, trim: bool = False) -> None:
         """The slot's version is dead. Keep the slot (and its blocks, unless `trim`) for reuse."""
-        if slot.armed or len(self._free) >= self.max_free:
+        if slot.armed or len(self._free) >= self.max_free():
             return self.discard(slot)
         if trim:
             try:
