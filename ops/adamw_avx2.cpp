@@ -58,27 +58,32 @@ struct VConsts {
       : scale(_mm256_set1_ps(c.grad_scale)), wd_mul(_mm256_set1_ps(c.wd_mul)),
         wd(_mm256_set1_ps(c.wd)), lerp_w(_mm256_set1_ps(c.lerp_w)),
         lerp_w1(_mm256_set1_ps(c.lerp_w - 1.0f)), beta2(_mm256_set1_ps(c.beta2)),
-        sq(_mm256_set1_ps(c.sq_coeff)), bc2(_mm256_set1_ps(c.bc2_sqrt)),
+        sq(_mm256_set1_ps(c.sq_coeff)), bc2(_mm256_set1_ps(c.inv_bc2_sqrt)),
         eps(_mm256_set1_ps(c.eps)), nstep(_mm256_set1_ps(c.neg_step_size)) {}
 };
 
-// One vector of the update. Arithmetic order follows ATen's fused Adam.
+// One vector of the update, in registers. Arithmetic order follows ATen's fused Adam.
 template <bool ADAMW, bool WD, bool SMALL>
-inline void step8(const VConsts& k, __m256 g, float* p, float* m, float* v, __m256* pout) {
+inline void math8(const VConsts& k, __m256 g, __m256& pv, __m256& mv, __m256& vv) {
   g = _mm256_mul_ps(g, k.scale);
-  __m256 pv = _mm256_loadu_ps(p);
   if constexpr (WD) {
     if constexpr (ADAMW) pv = _mm256_mul_ps(pv, k.wd_mul);
     else g = _mm256_fmadd_ps(pv, k.wd, g);
   }
-  __m256 mv = _mm256_loadu_ps(m);
   const __m256 d = _mm256_sub_ps(g, mv);
   mv = SMALL ? _mm256_fmadd_ps(k.lerp_w, d, mv) : _mm256_fmadd_ps(k.lerp_w1, d, g);
-  __m256 vv = _mm256_loadu_ps(v);
   // ATen's `v * beta2 + (sq * g) * g`, contracted the way its AVX2 build contracts it.
   vv = _mm256_fmadd_ps(_mm256_mul_ps(k.sq, g), g, _mm256_mul_ps(vv, k.beta2));
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), k.bc2), k.eps);
+  // ATen divides by sqrt(bc2); a multiply by its reciprocal leaves one division per
+  // element (design/OPS.md).
+  const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), k.bc2), k.eps);
   pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.nstep, mv), denom));
+}
+
+template <bool ADAMW, bool WD, bool SMALL>
+inline void step8(const VConsts& k, __m256 g, float* p, float* m, float* v, __m256* pout) {
+  __m256 pv = _mm256_loadu_ps(p), mv = _mm256_loadu_ps(m), vv = _mm256_loadu_ps(v);
+  math8<ADAMW, WD, SMALL>(k, g, pv, mv, vv);
   _mm256_storeu_ps(m, mv);
   _mm256_storeu_ps(v, vv);
   _mm256_storeu_ps(p, pv);
@@ -87,11 +92,28 @@ inline void step8(const VConsts& k, __m256 g, float* p, float* m, float* v, __m2
 
 inline int grad_bytes(int gtype) { return gtype == kGradF32 ? 4 : 2; }
 
+
 template <int G, int C, bool ADAMW, bool WD, bool SMALL>
 void range(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end) {
   const VConsts k(c);
   __m256 pv;
   int64_t i = begin;
+  // U vectors per iteration, all loads first (as DeepSpeed's Step_AVX<8>): many
+  // independent misses in flight per core before the divide/sqrt chains start.
+  constexpr int U = 8;
+  for (; i + U * W <= end; i += U * W) {
+    __m256 g[U], p[U], m[U], v[U];
+    for (int u = 0; u < U; ++u) g[u] = load_grad<G>(s.g, i + u * W);
+    for (int u = 0; u < U; ++u) p[u] = _mm256_loadu_ps(s.p + i + u * W);
+    for (int u = 0; u < U; ++u) m[u] = _mm256_loadu_ps(s.m + i + u * W);
+    for (int u = 0; u < U; ++u) v[u] = _mm256_loadu_ps(s.v + i + u * W);
+    for (int u = 0; u < U; ++u) math8<ADAMW, WD, SMALL>(k, g[u], p[u], m[u], v[u]);
+    for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.p + i + u * W, p[u]);
+    for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.m + i + u * W, m[u]);
+    for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.v + i + u * W, v[u]);
+    if constexpr (C != kCopyNone)
+      for (int u = 0; u < U; ++u) store_copy<C>(s.copy, i + u * W, p[u]);
+  }
   for (; i + W <= end; i += W) {
     step8<ADAMW, WD, SMALL>(k, load_grad<G>(s.g, i), s.p + i, s.m + i, s.v + i, &pv);
     if constexpr (C != kCopyNone) store_copy<C>(s.copy, i, pv);
@@ -152,7 +174,19 @@ bool nonfinite(const Segment& s, float scale, int64_t begin, int64_t end) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000));
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  const char* base = static_cast<const char*>(s.g);
+  const int64_t gb = grad_bytes(G);
   int64_t i = begin;
+  // A read-only stream is latency-bound per core: unroll 4 and prefetch ~2 KiB ahead.
+  for (; i + 4 * W <= end; i += 4 * W) {
+    _mm_prefetch(base + i * gb + 2048, _MM_HINT_T0);  // never faults, even past the end
+    __m256 a = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i), k), absmask);
+    __m256 b = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i + W), k), absmask);
+    __m256 a2 = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i + 2 * W), k), absmask);
+    __m256 b2 = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i + 3 * W), k), absmask);
+    acc0 = _mm256_or_ps(acc0, _mm256_or_ps(_mm256_cmp_ps(a, inf, _CMP_NLT_UQ), _mm256_cmp_ps(a2, inf, _CMP_NLT_UQ)));
+    acc1 = _mm256_or_ps(acc1, _mm256_or_ps(_mm256_cmp_ps(b, inf, _CMP_NLT_UQ), _mm256_cmp_ps(b2, inf, _CMP_NLT_UQ)));
+  }
   for (; i + 2 * W <= end; i += 2 * W) {
     __m256 a = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i), k), absmask);
     __m256 b = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(s.g, i + W), k), absmask);
@@ -161,7 +195,6 @@ bool nonfinite(const Segment& s, float scale, int64_t begin, int64_t end) {
   }
   if (i < end) {
     alignas(32) unsigned char g[2 * W * 4] = {0};
-    const int gb = grad_bytes(G);
     std::memcpy(g, static_cast<const unsigned char*>(s.g) + i * gb, (end - i) * gb);
     __m256 a = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(g, 0), k), absmask);
     __m256 b = _mm256_and_ps(_mm256_mul_ps(load_grad<G>(g, W), k), absmask);

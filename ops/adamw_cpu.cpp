@@ -1,5 +1,5 @@
-// CPU driver: splits the concatenation of all segments into fixed-size blocks,
-// spreads the blocks over torch's OpenMP pool, and picks the AVX2 or scalar
+// CPU driver: splits the concatenation of all segments into fixed-size chunks,
+// hands the chunks out dynamically to torch's OpenMP pool, and picks the AVX2 or scalar
 // kernel at runtime. Two passes: a read-only non-finite check over the grads,
 // then the fused update (see design/OPS.md for why not one).
 #include <ATen/Parallel.h>
@@ -12,7 +12,7 @@
 namespace fshard {
 namespace {
 
-constexpr int64_t kBlock = 2048;  // elements per scheduling block (8 KiB of fp32)
+constexpr int64_t kChunk = 1 << 17;  // elements per scheduling chunk (512 KiB of each fp32 stream)
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -49,34 +49,43 @@ bool adamw_cpu(const std::vector<Segment>& segs, const AdamConsts& c, bool check
   const int64_t total = off.back();
   if (total == 0) return false;
   const bool avx2 = !force_scalar && cpu_has_avx2();
-  const int64_t nblocks = (total + kBlock - 1) / kBlock;
-  // at::parallel_for hands each thread one contiguous run of blocks; a grain of
-  // 16 blocks keeps small updates on one thread.
-  const int64_t grain = 16;
+  const int64_t nchunks = (total + kChunk - 1) / kChunk;
+  // Dynamic scheduling: each thread of torch's pool takes the next chunk from a shared
+  // counter. On a shared machine one slow core then costs its share, not the whole step.
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), nchunks);
+  auto run = [&](bool reverse, auto&& body) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) {
+        const int64_t k = reverse ? nchunks - 1 - i : i;
+        if (!body(k * kChunk, std::min((k + 1) * kChunk, total))) return;
+      }
+    });
+  };
 
   if (check_finite) {
     std::atomic<bool> found{false};
-    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1 && !found.load(std::memory_order_relaxed); blk += 64) {
-        const int64_t e = std::min(std::min(b1, blk + 64) * kBlock, total);
-        for_pieces(segs, off, blk * kBlock, e, [&](const Segment& s, int64_t lo, int64_t hi) {
-          const bool bad = avx2 ? nonfinite_range_avx2(s, c.grad_scale, lo, hi)
-                                : nonfinite_range_scalar(s, c.grad_scale, lo, hi);
-          if (bad) found.store(true, std::memory_order_relaxed);
-          return !bad;
-        });
-      }
+    run(false, [&](int64_t b, int64_t e) {
+      for_pieces(segs, off, b, e, [&](const Segment& s, int64_t lo, int64_t hi) {
+        const bool bad = avx2 ? nonfinite_range_avx2(s, c.grad_scale, lo, hi)
+                              : nonfinite_range_scalar(s, c.grad_scale, lo, hi);
+        if (bad) found.store(true, std::memory_order_relaxed);
+        return !bad;
+      });
+      return !found.load(std::memory_order_relaxed);
     });
     if (found.load()) return true;
   }
 
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t e = std::min(b1 * kBlock, total);
-    for_pieces(segs, off, b0 * kBlock, e, [&](const Segment& s, int64_t lo, int64_t hi) {
+  // After a check, walk the chunks backwards: the grads the check read last are still in
+  // the L3 cache (all of them, for updates under ~L3 size, such as offload chunks).
+  run(check_finite, [&](int64_t b, int64_t e) {
+    for_pieces(segs, off, b, e, [&](const Segment& s, int64_t lo, int64_t hi) {
       if (avx2) adamw_range_avx2(c, s, lo, hi);
       else adamw_range_scalar(c, s, lo, hi);
       return true;
     });
+    return true;
   });
   return false;
 }
