@@ -18,4 +18,5 @@ bench-adam: bootstrap
 	.venv/bin/python benchmarks/adam.py
 
 bench-store: bootstrap
+	@command -v fio >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q fio; }
 	.venv/bin/python benchmarks/store.py
