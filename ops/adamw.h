@@ -10,7 +10,7 @@ enum GradType : int { kGradF32 = 0, kGradBF16 = 1, kGradF16 = 2 };
 enum CopyType : int { kCopyNone = 0, kCopyBF16 = 1, kCopyF16 = 2 };
 
 // Hyper-parameters, folded the way ATen's fused Adam folds them: computed in
-// double, then cast to float once (results match torch._fused_adamw_ to ~1 ulp).
+// double, then cast to float once (results match torch._fused_adamw_ bit for bit in its vector path).
 struct AdamConsts {
   float grad_scale;     // g = grad * grad_scale (unscale / clip coefficient)
   float wd_mul;         // AdamW: p *= 1 - lr * wd
@@ -18,7 +18,7 @@ struct AdamConsts {
   float lerp_w;         // 1 - beta1 (exp_avg.lerp_(g, 1 - beta1))
   float beta2;
   float sq_coeff;       // 1 - beta2
-  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step) (ATen divides by the root; see OPS.md)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
   bool adamw;           // true: decoupled decay; false: L2 added to the grad

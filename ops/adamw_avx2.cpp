@@ -58,7 +58,7 @@ struct VConsts {
       : scale(_mm256_set1_ps(c.grad_scale)), wd_mul(_mm256_set1_ps(c.wd_mul)),
         wd(_mm256_set1_ps(c.wd)), lerp_w(_mm256_set1_ps(c.lerp_w)),
         lerp_w1(_mm256_set1_ps(c.lerp_w - 1.0f)), beta2(_mm256_set1_ps(c.beta2)),
-        sq(_mm256_set1_ps(c.sq_coeff)), bc2(_mm256_set1_ps(c.inv_bc2_sqrt)),
+        sq(_mm256_set1_ps(c.sq_coeff)), bc2(_mm256_set1_ps(c.bc2_sqrt)),
         eps(_mm256_set1_ps(c.eps)), nstep(_mm256_set1_ps(c.neg_step_size)) {}
 };
 
@@ -74,9 +74,8 @@ inline void math8(const VConsts& k, __m256 g, __m256& pv, __m256& mv, __m256& vv
   mv = SMALL ? _mm256_fmadd_ps(k.lerp_w, d, mv) : _mm256_fmadd_ps(k.lerp_w1, d, g);
   // ATen's `v * beta2 + (sq * g) * g`, contracted the way its AVX2 build contracts it.
   vv = _mm256_fmadd_ps(_mm256_mul_ps(k.sq, g), g, _mm256_mul_ps(vv, k.beta2));
-  // ATen divides by sqrt(bc2); a multiply by its reciprocal leaves one division per
-  // element (design/OPS.md).
-  const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), k.bc2), k.eps);
+  // Two divisions, as ATen: a multiply by 1/sqrt(bc2) measured no faster (design/OPS.md).
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), k.bc2), k.eps);
   pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.nstep, mv), denom));
 }
 

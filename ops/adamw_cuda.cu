@@ -74,7 +74,7 @@ __global__ void adamw_kernel(const Segment* segs, const Task* tasks, int64_t nta
       const float d = __fsub_rn(g, m);
       m = small ? __fmaf_rn(c.lerp_w, d, m) : __fmaf_rn(c.lerp_w - 1.0f, d, g);
       const float v = __fmaf_rn(__fmul_rn(c.sq_coeff, g), g, __fmul_rn(s.v[i], c.beta2));
-      const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), c.inv_bc2_sqrt), c.eps);
+      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
       p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), denom));
       s.m[i] = m;
       s.v[i] = v;

@@ -45,7 +45,7 @@ void range(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end) {
     float mv = small ? std::fma(c.lerp_w, g - m[i], m[i])
                      : std::fma(c.lerp_w - 1.0f, g - m[i], g);
     float vv = std::fma(c.sq_coeff * g, g, v[i] * c.beta2);
-    float denom = std::sqrt(vv) * c.inv_bc2_sqrt + c.eps;
+    float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
     pv = pv + c.neg_step_size * mv / denom;
     m[i] = mv;
     v[i] = vv;

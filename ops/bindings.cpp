@@ -69,7 +69,7 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
   c.lerp_w = float(1 - beta1);
   c.beta2 = float(beta2);
   c.sq_coeff = float(1 - beta2);
-  c.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));
+  c.bc2_sqrt = float(std::sqrt(bc2));
   c.eps = float(eps);
   c.neg_step_size = float(-(lr / bc1));
   c.adamw = adam_w_mode;

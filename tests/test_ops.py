@@ -14,7 +14,7 @@ RTOL, ATOL = 1e-6, 1e-9  # <= 1e-6 relative; ATOL only guards exact zeros
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 EDGE = [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 1023, 1025, 2047, 2049, 4097]
 SIZES = st.lists(st.one_of(st.sampled_from(EDGE), st.integers(0, 3000)), min_size=0, max_size=6)
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
