@@ -175,6 +175,10 @@ def main() -> None:
                 print(f"| {k} | {t * 1e3:.1f} | {n / t / 1e9:.2f} | {gbs:.1f} | {gbs / roof_gbs:.2f} | "
                       f"{res[base_name] / t:.2f}x |")
                 out[f"{lay}/{work}/{k}"] = t * 1e3
+            ours = res["ours (bare, check_finite=False)" if work == "bare" else "ours (one call)"]
+            peers = [k for k in res if not k.startswith("ours") and k != base_name]
+            print("speed-up of ours over each peer: " +
+                  ", ".join(f"{k} {res[k] / ours:.2f}x" for k in [base_name] + peers))
             out[f"{lay}/{work}/roof_gbs"] = roof_gbs
             del fns, roof
     if args.json:
