@@ -25,9 +25,13 @@ and pass ``--configs ddp,fsdp2,fshard,fshard+gather_ahead(1)``. Ratios are print
 If an fshard config's metrics carry no phase timings, one extra step is profiled with torch.profiler and its ops
 are bucketed into gather / compute / reduce / update.
 
-Peak RSS per rank is the VmHWM of each config's training steps alone (memory freed by earlier configs is handed
-back with malloc_trim, and the high-water mark is reset through /proc/self/clear_refs after the build), the max
-over rounds; the build's own peak and the RSS before the build are printed beside it.
+By default every (round, config) pair runs in freshly spawned processes, so that no config inherits another's
+heap (glibc keeps freed memory, which skews both the next config's peak RSS and its page-fault cost). Under
+torchrun, or with --in-process, everything runs in one set of processes (freed memory is handed back with
+malloc_trim between configs, but RSS figures are then only indicative).
+
+Peak RSS per rank is the VmHWM of each config's training steps alone (reset through /proc/self/clear_refs after
+the build), the max over rounds; the build's own peak and the RSS before the build are printed beside it.
 """
 from __future__ import annotations
 
@@ -238,7 +242,10 @@ def _fmt_bytes(n: float) -> str:
 # The per-rank benchmark.
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | None = None) -> None:
+def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | None = None,
+           names: list[str] | None = None, first_round: int = 0, out: str | None = None) -> None:
+    """Run ``names`` (default: all of --configs) for rounds ``first_round ..``; report, or with ``out`` write the
+    per-rank results there (a pickle, rank 0) for the parent to merge."""
     if port is not None:  # launched by mp.spawn: give this rank the env torchrun would have given it
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -255,10 +262,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     ctx = Ctx(args, cfg, rank, world_size)
     n_total = args.warmup + args.steps
     batches = list(synthetic_batches(cfg, args.batch_size, n_total + 1, args.seed, rank, world_size))
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
+    names = names or _config_names(args)
+    n_rounds = args.rounds - first_round if out is None else 1
     rss_resettable = _reset_peak_rss()
 
     times: dict[str, list[list[float]]] = {n: [] for n in names}  # per round, per timed step
@@ -270,11 +275,10 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     bpeak: dict[str, int] = {n: 0 for n in names}  # peak RSS while building (fs.init, DDP(...), fully_shard)
     failed: dict[str, str] = {}
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
-        f"params={GPT(cfg, device='meta').num_params():,} configs={names} rounds={args.rounds} "
-        f"warmup={args.warmup} steps={args.steps}", flush=True)
+    if out is None:
+        log(_header(args, cfg, world_size, "one process per rank for all configs"), flush=True)
 
-    for rnd in range(args.rounds):
+    for rnd in range(first_round, first_round + n_rounds):
         for name in names:
             if name in failed:
                 continue
@@ -328,14 +332,20 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                 peak[name], base[name] = p, base_rss
             bpeak[name] = max(bpeak[name], build_peak)
             log(f"[step.py] round {rnd} {name}: median {statistics.median(times[name][-1]):.3f} s/step "
-                f"(rank 0), loss {losses.get(name, [float('nan')])[-1]:.4f}", flush=True)
+                f"(rank 0), last loss {step_losses[-1]:.4f} (rank 0's)", flush=True)
 
     # ---- gather everything to rank 0 and report -------------------------------------------------------------
     mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak, base=base, bpeak=bpeak)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        report(args, cfg, world_size, names, failed, everyone, rss_resettable)
+        if out is None:
+            report(args, cfg, world_size, names, failed, everyone, rss_resettable)
+        else:
+            import pickle
+
+            with open(out, "wb") as f:
+                pickle.dump(dict(everyone=everyone, failed=failed, rss_resettable=rss_resettable), f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -396,7 +406,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
 
     for n in ok:
         order = ["check", "gather", "compute", "reduce", "control", "update", "step"]
-        keys = sorted({k for r in everyone for k in r["phases"][n] if k.startswith("time/")},
+        keys = sorted({k for r in everyone for k in r["phases"].get(n, {}) if k.startswith("time/")},
                       key=lambda k: (order.index(k[5:]) if k[5:] in order else len(order), k))
         if not keys:
             continue
@@ -408,7 +418,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
             share = max(vals) / med[n] * 100
             print(f"  {k:28s} " + "  ".join(f"r{i}: {v:7.4f}" for i, v in enumerate(vals)) + f"   ({share:4.1f}%)")
         result["configs"][n]["phases_s"] = prof
-        other = sorted({k for r in everyone for k in r["phases"][n] if not k.startswith("time/")})
+        other = sorted({k for r in everyone for k in r["phases"].get(n, {}) if not k.startswith("time/")})
         for k in other:
             vals = [statistics.median(r["phases"][n][k]) if r["phases"][n].get(k) else float("nan") for r in everyone]
             print(f"  {k:28s} " + "  ".join(f"r{i}: {v / 2**20:7.1f} MiB" for i, v in enumerate(vals)))
@@ -435,8 +445,84 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() instead of the 27.4M default (smoke test)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run all rounds and configs in one set of processes, as under torchrun (faster start). The "
+                        "default spawns fresh processes per round and config, so that configs share no allocator "
+                        "state or peak RSS")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     return p.parse_args(argv)
+
+
+def _config_names(args) -> list[str]:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
+    return names
+
+
+def _header(args, cfg, world_size, how) -> str:
+    return (f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
+            f"params={GPT(cfg, device='meta').num_params():,} configs={_config_names(args)} rounds={args.rounds} "
+            f"warmup={args.warmup} steps={args.steps} ({how})")
+
+
+def run_isolated(args) -> None:
+    """Each (round, config) in fresh processes: no allocator state or heap high-water mark carries over from one
+    config to the next, so timings and peak RSS are each config's own. Results come back through a pickle."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    names = _config_names(args)
+    cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
+    print(_header(args, cfg, args.world_size, "fresh processes for every round and config"), flush=True)
+    merged: list[dict] | None = None
+    failed: dict[str, str] = {}
+    resettable = True
+    with tempfile.TemporaryDirectory(prefix="fshard-step-") as tmp:
+        for rnd in range(args.rounds):
+            for name in names:
+                if name in failed:
+                    continue
+                out = os.path.join(tmp, f"r{rnd}-{len(os.listdir(tmp))}.pkl")
+                try:
+                    mp.spawn(worker, args=(args.world_size, args, _free_port(), [name], rnd, out),
+                             nprocs=args.world_size, join=True)
+                except Exception as e:  # noqa: BLE001
+                    if not os.path.exists(out):
+                        failed[name] = f"{type(e).__name__}: {e}"
+                        print(f"[step.py] round {rnd} {name}: processes failed: {e}", flush=True)
+                        continue
+                    print(f"[step.py] round {rnd} {name}: results saved, then a rank died at teardown: {e}",
+                          flush=True)
+                with open(out, "rb") as f:
+                    part = pickle.load(f)
+                resettable &= part["rss_resettable"]
+                failed.update(part["failed"])
+                if merged is None:
+                    merged = part["everyone"]
+                    continue
+                for dst, src in zip(merged, part["everyone"]):
+                    for key in ("times", "phases"):
+                        for n, v in src[key].items():
+                            if key == "times":
+                                dst[key].setdefault(n, []).extend(v)
+                            else:
+                                dst[key].setdefault(n, {})
+                                for k, vals in v.items():
+                                    dst[key].setdefault(n, {}).setdefault(k, []).extend(vals)
+                    for key in ("losses", "loss_global"):
+                        for n, v in src[key].items():
+                            dst[key].setdefault(n, v)
+                    for n, p in src["peak"].items():
+                        if p > dst["peak"].get(n, 0):
+                            dst["peak"][n], dst["base"][n] = p, src["base"][n]
+                        dst["bpeak"][n] = max(dst["bpeak"].get(n, 0), src["bpeak"][n])
+    if merged is None:
+        raise SystemExit("[step.py] no config produced results")
+    report(args, cfg, args.world_size, names, failed, merged, resettable)
 
 
 def _free_port() -> int:
@@ -447,8 +533,10 @@ def _free_port() -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one set of processes for everything
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    elif not args.in_process:
+        run_isolated(args)
     else:
         import torch.multiprocessing as mp
 
