@@ -152,3 +152,15 @@ def test_peak_gathered_bytes_during_a_blocking_step_is_at_most_two_units():
         _, m = fs.compose(loss)(state, batch)
         sizes = sorted((u.nbytes for u in state.spec.units), reverse=True)
         assert 0 < m["mem/peak_gathered_bytes"] <= sizes[0] + sizes[1]
+
+
+def test_default_adamw_runs_the_native_kernel_and_says_so():
+    import fshard.ops as ops
+    state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw())
+    before = ops.metrics()
+    _, m = fs.compose(awkward_loss)(state, next(awkward_batches(2, 1)))
+    after = ops.metrics()
+    if ops.native_available():
+        assert m["optim/impl"] == "native" and after["native_calls"] > before["native_calls"]
+    else:  # no compiler: torch's fused kernel, and the metrics say so
+        assert m["optim/impl"] == "fused" and after["native_calls"] == before["native_calls"]
