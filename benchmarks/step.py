@@ -137,15 +137,19 @@ def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
     return Runner(step)
 
 
-def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, **compose_kwargs) -> Runner:
-    """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``)."""
+def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
+                  **compose_kwargs) -> Runner:
+    """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``);
+    ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``)."""
     import fshard as fs
 
     for name in ("Mesh", "adamw", "init", "compose"):
         if not hasattr(fs, name):
             raise RuntimeError(f"fshard has no {name!r} yet (core API not landed)")
     mesh = fs.Mesh.from_env()  # reuses the process group this script initialised
-    opt = fs.adamw(**_adamw_kwargs(ctx.args))
+    opt = fs.adamw(**{**_adamw_kwargs(ctx.args), **(opt_kwargs or {})})
+    if ctx.rank == 0 and hasattr(opt, "resolved_impl"):
+        print(f"[step.py] fs.adamw implementation: {opt.resolved_impl(mesh.device)}", flush=True)
     state = fs.init(ctx.fresh_model(), mesh, opt, **(init_kwargs or {}))
     step_fn = fs.compose(loss_fn, *transforms, **compose_kwargs)
     holder = {"state": state}
@@ -162,6 +166,7 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, **comp
 
 register("fshard")(lambda ctx: fshard_runner(ctx))
 register("fshard+donate")(lambda ctx: fshard_runner(ctx, donate=True))  # update in place, no state copy
+register("fshard+torch_fused_adamw")(lambda ctx: fshard_runner(ctx, opt_kwargs=dict(impl="fused")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -461,8 +466,21 @@ def _config_names(args) -> list[str]:
     return names
 
 
+def _git_head() -> str:
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _header(args, cfg, world_size, how) -> str:
-    return (f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
+    return (f"[step.py] git {_git_head()} torch {torch.__version__}\n"f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
             f"params={GPT(cfg, device='meta').num_params():,} configs={_config_names(args)} rounds={args.rounds} "
             f"warmup={args.warmup} steps={args.steps} ({how})")
 
