@@ -17,7 +17,15 @@ from pathlib import Path
 
 log = logging.getLogger("fshard.ops")
 
-SRC_DIR = Path(__file__).resolve().parents[2] / "ops"
+
+def _src_dir() -> Path:
+    """The C++/CUDA sources: $FSHARD_OPS_SRC, else ``ops/`` at the repository root."""
+    if os.environ.get("FSHARD_OPS_SRC"):
+        return Path(os.environ["FSHARD_OPS_SRC"])
+    return Path(__file__).resolve().parents[2] / "ops"
+
+
+SRC_DIR = _src_dir()
 CPU_SOURCES = ["bindings.cpp", "adamw_cpu.cpp", "adamw_scalar.cpp", "adamw_avx2.cpp"]
 CUDA_SOURCES = ["adamw_cuda.cu"]
 HEADERS = ["adamw.h", "adamw_ops.h"]
@@ -73,7 +81,8 @@ def check_toolchain() -> None:
         raise BuildError("fshard.ops: ninja not found; pip install ninja (torch JIT builds need it).")
     for name in CPU_SOURCES + HEADERS:
         if not (SRC_DIR / name).is_file():
-            raise BuildError(f"fshard.ops: source {SRC_DIR / name} is missing; reinstall fshard.")
+            raise BuildError(f"fshard.ops: source {SRC_DIR / name} is missing; run from a checkout or set "
+                             "FSHARD_OPS_SRC to the ops/ source directory.")
 
 
 def build(verbose: bool = False):
