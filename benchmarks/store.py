@@ -3,11 +3,14 @@
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/store.py --reps 5 --dir /var/tmp/fshard-bench
     .venv/bin/python benchmarks/store.py --rss            # RSS: put 1 GiB and drop it vs keep it
 
-Per repetition and per contender: evict the destination files from the page cache (so no contender overwrites
-pages its own previous read left cached), write 1 GiB (async, to the page cache: tensornvme opens without O_DIRECT),
-then fsync (durable), then evict the files from the page cache (fsync + posix_fadvise DONTNEED) and time a cold
-read. fio runs with direct=1, bs=1M, iodepth=32 (io_uring and libaio) on a 1 GiB file in the same directory.
-Medians over the repetitions are printed with ratios; all figures come from the same run.
+Per repetition and per contender, before each timed write and each timed read: settle() (sync, drop the page
+cache, then wait until the guest's free page reporting has gone quiet, so every contender, fio included, starts
+from the same memory state; see RESULTS-store.md for why), then write 1 GiB, fsync (durable), settle, and time a
+cold read. fio runs with direct=1, bs=1M, iodepth=32 (io_uring and libaio) on a 1 GiB file in the same directory.
+NVMeStore writes items >= 1 MiB with O_DIRECT; `[...,buffered]` is the same store with direct=False. Raw
+tensornvme is the bare engine as shipped (buffered), and `[...,direct]` the same engine on page-aligned copies of
+the tensors with O_DIRECT set on its descriptor. Medians over the repetitions are printed with ratios; all figures
+come from the same run. --no-settle restores the old protocol (evict the files only).
 """
 from __future__ import annotations
 
@@ -50,14 +53,40 @@ def fsync_all(paths) -> None:
             os.close(fd)
 
 
+REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
+SETTLE = True
+
+
+def settle(paths=()) -> None:
+    """Same starting state for every contender: nothing dirty, nothing cached, free memory already reported to
+    the host (virtio-balloon free page reporting; a page the host took back costs a host fault on next touch)."""
+    if not SETTLE:
+        return evict(paths)
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+    except OSError:
+        evict(paths)
+    if not os.path.exists(REPORTED):
+        return
+    last, still, t0 = None, 0.0, time.perf_counter()
+    while still < 1.0 and time.perf_counter() - t0 < 10:
+        cur = open(REPORTED).read()
+        still = still + 0.25 if cur == last else 0.0
+        last = cur
+        time.sleep(0.25)
+
+
 def gbps(seconds: float) -> float:
     return TOTAL / seconds / 1e9
 
 
 class StoreRun:
-    def __init__(self, directory, backend, srcs, outs, checksum, writes=4, label=""):
+    def __init__(self, directory, backend, srcs, outs, checksum, writes=4, label="", direct=True):
         self.name = f"NVMeStore[{backend}{label}]"
-        self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum, max_inflight_writes=writes)
+        self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum, max_inflight_writes=writes,
+                                  direct=direct)
         self.srcs, self.outs = srcs, outs
         # Warm-up: two rounds create the slots for the live and the next versions (aio engines take ~65 ms each to
         # set up) and write their blocks once; steady state then overwrites allocated blocks. Also faults in `outs`.
@@ -66,7 +95,7 @@ class StoreRun:
 
     def round(self):
         s = self.store
-        evict(s.files())  # cold write for every contender: no destination page is cached, no writeback pending
+        settle(s.files())  # cold write for every contender: no destination page is cached, no writeback pending
         t0 = time.perf_counter()
         for h in [s.put(i, t) for i, t in enumerate(self.srcs)]:
             h.wait()
@@ -74,7 +103,7 @@ class StoreRun:
         live = [s.file_of(i) for i in range(N)]
         fsync_all(live)
         t2 = time.perf_counter()
-        evict(live)
+        settle(live)
         t3 = time.perf_counter()
         for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]:
             h.wait()  # includes checksum verification
@@ -88,30 +117,40 @@ class StoreRun:
 class RawRun:
     """tensornvme's engine used directly: one async_writev / async_readv of all 64 tensors, no checks."""
 
-    def __init__(self, directory, backend, srcs, outs):
+    def __init__(self, directory, backend, srcs, outs, direct=False):
+        import fcntl
         from tensornvme._C import Offloader
+        from fshard.store._layout import _engine_fd
 
-        self.name = f"raw tensornvme[{backend}]"
-        self.path = os.path.join(directory, f"raw-{backend}.bin")
+        self.name = f"raw tensornvme[{backend}{',direct' if direct else ''}]"
+        self.path = os.path.join(directory, f"raw-{backend}{'-direct' if direct else ''}.bin")
         self.engine = Offloader(self.path, 32, backend)
+        if direct:  # O_DIRECT needs page-aligned buffers: aligned copies of the same tensors
+            from fshard.store import aligned_empty_like
+            srcs = [aligned_empty_like(t).copy_(t) for t in srcs]
+            outs = [aligned_empty_like(t) for t in outs]
+            st = os.stat(self.path)
+            fd = _engine_fd(st.st_ino, st.st_dev, -1)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         self.srcs, self.outs = srcs, outs
         self.round()
 
     def round(self):
         e = self.engine
-        evict([self.path])
+        settle([self.path])
         t0 = time.perf_counter()
         e.async_writev(self.srcs, "all")
         e.synchronize()
         t1 = time.perf_counter()
         fsync_all([self.path])
         t2 = time.perf_counter()
-        evict([self.path])
+        settle([self.path])
         t3 = time.perf_counter()
         e.async_readv(self.outs, "all")
         e.synchronize()
         t4 = time.perf_counter()
         assert torch.equal(self.outs[0], self.srcs[0]) and torch.equal(self.outs[-1], self.srcs[-1])
+        self.outs[0].zero_()
         return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3}
 
     def close(self):
@@ -122,6 +161,7 @@ def fio(directory, engine):
     path = os.path.join(directory, f"fio-{engine}.dat")
     res = {}
     for rw, label in (("write", "write+fsync"), ("read", "cold read")):
+        settle([path] if os.path.exists(path) else [])
         cmd = ["fio", "--name=b", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--size=1G",
                f"--ioengine={engine}", "--iodepth=32", "--direct=1", "--end_fsync=1", "--output-format=json"]
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
@@ -137,14 +177,14 @@ def bench(args):
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(ITEM // 4, generator=g) for _ in range(N)]
     outs = [torch.empty(ITEM // 4) for _ in range(N)]
-    # Two uring stores (the default bound of 4 writes in flight, and 64). The first store created in the process
-    # writes ~8x slower on this VM whatever its settings; --swap-uring swaps which one is created first.
-    uring = [lambda: StoreRun(args.dir, "uring", srcs, outs, args.checksum),
-             lambda: StoreRun(args.dir, "uring", srcs, outs, args.checksum, writes=64, label=",64 writes")]
-    if args.swap_uring:
-        uring.reverse()
-    runs = [uring[0](), StoreRun(args.dir, "aio", srcs, outs, args.checksum), uring[1](),
-            RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs)]
+    global SETTLE
+    SETTLE = not args.no_settle
+    runs = [StoreRun(args.dir, "uring", srcs, outs, args.checksum),
+            StoreRun(args.dir, "aio", srcs, outs, args.checksum),
+            RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs),
+            RawRun(args.dir, "uring", srcs, outs, direct=True)]
+    if args.buffered:
+        runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",buffered", direct=False))
     runs.sort(key=lambda r: r.name)  # stable report order; creation order is what --swap-uring changes
     have_fio = shutil.which("fio") is not None
     fio_names = ["fio[io_uring]", "fio[libaio]"] if have_fio else []
@@ -170,13 +210,15 @@ def bench(args):
     print("\nratios of throughput (>1: ours faster): of the medians, and the median of the per-rep ratios")
     for be, fe in (("uring", "io_uring"), ("aio", "libaio")):
         pairs = [(f"raw[{be}]", f"raw tensornvme[{be}]", ("write", "write+fsync", "cold read"))]
+        if be == "uring":
+            pairs.append(("raw[uring,dir]", "raw tensornvme[uring,direct]", ("write+fsync", "cold read")))
         if have_fio:
             pairs.append((f"fio[{fe}]", f"fio[{fe}]", ("write+fsync", "cold read")))
         ours = f"NVMeStore[{be}]"
         for label, other, phases in pairs:
             for k in phases:
                 per_rep = statistics.median(o[k] / m[k] for o, m in zip(times[other], times[ours]))
-                print(f"  {ours} / {label:14s} {k:12s} {med[other][k] / med[ours][k]:6.3f}   per-rep {per_rep:6.3f}")
+                print(f"  {ours} / {label:15s} {k:12s} {med[other][k] / med[ours][k]:6.3f}   per-rep {per_rep:6.3f}")
     # per-rep ratios, to show the spread on this shared machine
     print("\nper-rep cold read GB/s: " + "; ".join(
         f"{n}: " + ",".join(f"{gbps(x['cold read']):.2f}" for x in v) for n, v in times.items()))
@@ -231,7 +273,8 @@ if __name__ == "__main__":
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--checksum", default="fast", choices=["fast", "crc32"])
     p.add_argument("--rss", action="store_true")
-    p.add_argument("--swap-uring", action="store_true", help="create the 64-writes uring store first")
+    p.add_argument("--no-settle", action="store_true", help="evict files only (the old, unequal protocol)")
+    p.add_argument("--buffered", action="store_true", help="also run the uring store with direct=False")
     p.add_argument("--rss-child", choices=["keep", "drop"])
     a = p.parse_args()
     if a.rss_child:

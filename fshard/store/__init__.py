@@ -14,12 +14,12 @@ from ._errors import (CorruptedItemError, MissingKeyError, PoolExhaustedError, S
                       StoreDirectoryError, StoreError, StoreWriteError)
 from ._handle import DONE, FAILED, IN_FLIGHT, EventLog, Handle
 from ._nvme import NVMeStore
-from ._pool import AlignedBuffer, BufferPool
+from ._pool import AlignedBuffer, BufferPool, aligned_empty_like
 from ._protocol import ItemMeta, Store
 from ._stream import Stream, StreamItem
 
 __all__ = [
     "Store", "CPUStore", "NVMeStore", "Handle", "EventLog", "ItemMeta", "Stream", "StreamItem", "BufferPool",
-    "AlignedBuffer", "StoreError", "StoreDirectoryError", "MissingKeyError", "CorruptedItemError",
+    "AlignedBuffer", "aligned_empty_like", "StoreError", "StoreDirectoryError", "MissingKeyError", "CorruptedItemError",
     "StoreWriteError", "StoreClosedError", "PoolExhaustedError", "IN_FLIGHT", "DONE", "FAILED",
 ]

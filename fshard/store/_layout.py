@@ -25,6 +25,7 @@ blocks, kept for reuse), whatever the number of put/get rounds.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -35,6 +36,23 @@ import torch
 from ._errors import StoreDirectoryError, StoreWriteError
 
 _ENGINE_KEY = "v"  # each engine holds at most one entry, so one fixed key suffices
+DIO_ALIGN = 4096  # O_DIRECT buffer address, length and offset alignment we ask for (ext4 needs <= 4096)
+
+
+def _engine_fd(ino: int, dev: int, mine: int) -> Optional[int]:
+    """The descriptor tensornvme opened on our file: the only other fd in this process naming the same inode."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd == mine:
+            continue
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if st.st_ino == ino and st.st_dev == dev:
+            found.append(fd)
+    return found[0] if len(found) == 1 else None
 
 
 def open_store_dir(directory: str, create: bool) -> str:
@@ -58,7 +76,7 @@ def open_store_dir(directory: str, create: bool) -> str:
 class Slot:
     """One file and the tensornvme engine bound to it."""
 
-    __slots__ = ("path", "fd", "ino", "engine", "armed")
+    __slots__ = ("path", "fd", "ino", "engine", "armed", "efd", "direct_ok", "_direct")
 
     def __init__(self, path: str, backend: str, n_entries: int = 2):
         from tensornvme._C import Offloader  # the bare engine: DiskOffloader's wrapper would free our storages
@@ -76,12 +94,33 @@ class Slot:
             os.unlink(path)
             raise
         self.armed = False  # True while the engine holds a registered (written, not yet read) entry
+        # O_DIRECT on tensornvme's own file description (it opens without it; its io_uring/aio requests use the
+        # plain fd, looked up at submission): set per request with F_SETFL, so aligned items bypass the page cache.
+        st = os.fstat(self.fd)
+        self.efd = _engine_fd(st.st_ino, st.st_dev, self.fd)
+        self._direct = False
+        self.direct_ok = self.efd is not None and self._set_direct(True) and self._set_direct(False)
 
-    def write(self, u8: torch.Tensor) -> None:
+    def _set_direct(self, on: bool) -> bool:
+        try:
+            flags = fcntl.fcntl(self.efd, fcntl.F_GETFL)
+            fcntl.fcntl(self.efd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+        except OSError:  # EINVAL: the filesystem has no O_DIRECT
+            return False
+        self._direct = on
+        return True
+
+    def _mode(self, direct: bool) -> None:
+        if direct != self._direct and not self._set_direct(direct):
+            raise OSError(f"cannot switch O_DIRECT {'on' if direct else 'off'} for {self.path!r}")
+
+    def write(self, u8: torch.Tensor, direct: bool = False) -> None:
+        self._mode(direct)  # no request is in flight on this slot: it is ours between acquire and release
         self.engine.async_writev([u8], _ENGINE_KEY)
         self.armed = True
 
-    def read(self, u8: torch.Tensor) -> None:
+    def read(self, u8: torch.Tensor, direct: bool = False) -> None:
+        self._mode(direct)
         self.engine.async_readv([u8], _ENGINE_KEY)  # completion frees the engine's extent; the bytes stay
         self.armed = False
 

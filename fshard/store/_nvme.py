@@ -22,12 +22,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, Hashable, Iterable, List, Optional
 
+import numpy as np
 import torch
 
 from ._checksum import checksum, validate_kind
 from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
-from ._layout import Slot, SlotSpace, cleanup, open_store_dir
+from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
 from ._pool import AlignedBuffer, BufferPool, aligned_empty
 from ._protocol import ItemMeta, as_bytes, from_bytes, is_engine_ready, meta_of
 
@@ -36,13 +37,31 @@ from ._protocol import ItemMeta, as_bytes, from_bytes, is_engine_ready, meta_of
 class _Item:
     meta: ItemMeta
     slot: Optional[Slot]  # None for 0-byte items, which never touch the disk
+    direct: bool = False  # written with O_DIRECT (the file holds nbytes rounded up to DIO_ALIGN)
+
+
+def _round_up(n: int, block: int) -> int:
+    return (n + block - 1) // block * block
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), as one single-threaded memcpy when both are contiguous: torch's parallel copy leaves its
+    OpenMP threads spinning, which takes the cores the kernel needs to run the I/O (2 vCPUs here)."""
+    if dst.is_contiguous() and src.is_contiguous() and src.device.type == "cpu" and dst.dtype == src.dtype:
+        np.copyto(as_bytes(dst).numpy(), as_bytes(src).numpy())
+    else:
+        dst.copy_(src)
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % DIO_ALIGN == 0 and nbytes % DIO_ALIGN == 0
 
 
 class NVMeStore:
     def __init__(self, directory: str, backend: str = "uring", *, create: bool = True, checksum: str = "fast",
                  max_buffers: int = 16, max_buffer_bytes: int = 1 << 30, block: int = 4096,
                  max_free_slots: Optional[int] = None, max_inflight_writes: int = 4,
-                 events: Optional[EventLog] = None):
+                 direct: bool = True, direct_min_bytes: int = 1 << 20, events: Optional[EventLog] = None):
         try:
             from tensornvme._C import get_backends
         except ImportError as e:
@@ -65,7 +84,10 @@ class NVMeStore:
         self._items = items
         self._pending: Dict[Hashable, List[Handle]] = {}
         self._writes: Deque[Handle] = deque()  # puts in flight, oldest first
+        self._staged: Deque[Handle] = deque()  # operations holding a pool buffer, oldest first
         self.max_inflight_writes = max_inflight_writes
+        # Items of at least direct_min_bytes bypass the page cache (O_DIRECT) when the filesystem allows it.
+        self.direct_min_bytes = direct_min_bytes if direct else float("inf")
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
 
@@ -75,35 +97,38 @@ class NVMeStore:
         self._settle(key)  # earlier operations on this key complete first: puts commit in order
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
-        staged: Optional[AlignedBuffer] = None
-        if is_engine_ready(t):
-            u8 = as_bytes(t)  # zero copy; the handle keeps `t` alive until the write is reaped
-        else:
-            staged = self._acquire_buffer(nbytes)
-            u8 = staged.bytes(nbytes)
-            u8.view(t.dtype).view(t.shape).copy_(t)
         if nbytes == 0:
+            u8 = as_bytes(t.contiguous())
             self._commit(key, _Item(meta_of(t, checksum(u8, self.checksum_kind)), None))
             return Handle.completed("write", key, None, self.events)
+        staged: Optional[AlignedBuffer] = None
         try:
-            slot = self._space.acquire(nbytes)
+            slot = self._space.acquire(_round_up(nbytes, DIO_ALIGN))
         except StoreWriteError as e:
-            self._give_back(staged)
             raise self._write_failed(key, str(e)) from e
-        except BaseException:
-            self._give_back(staged)
-            raise
+        direct = slot.direct_ok and nbytes >= self.direct_min_bytes
         try:
-            slot.write(u8)
+            if is_engine_ready(t) and (not direct or _aligned(t, nbytes)):
+                u8 = as_bytes(t)  # zero copy; the handle keeps `t` alive until the write is reaped
+                span = u8
+            else:  # staged: an unaligned tensor goes through a pool buffer, padded to whole blocks for O_DIRECT
+                n = _round_up(nbytes, DIO_ALIGN) if direct else nbytes
+                staged = self._acquire_buffer(n)
+                span = staged.bytes(n)
+                u8 = span[:nbytes]
+                _copy(u8.view(t.dtype).view(t.shape), t)
+            slot.write(span, direct)
         except BaseException as e:
             self._give_back(staged)
             self._space.discard(slot)
-            raise StoreWriteError(f"tensornvme rejected the write of key {key!r} to {slot.path!r}: {e}") from e
+            if isinstance(e, Exception) and not isinstance(e, StoreError):
+                raise StoreWriteError(f"tensornvme rejected the write of key {key!r} to {slot.path!r}: {e}") from e
+            raise
         # Checksum after submission: io_uring usually hands a buffered write to a kernel worker, so this pass over
         # the same (unchanging) source bytes runs on the other core while the kernel copies them.
         meta = meta_of(t, checksum(u8, self.checksum_kind))
 
-        def finish(_keep_alive: torch.Tensor = u8) -> None:  # the kernel reads from u8 until reaped
+        def finish(_keep_alive: torch.Tensor = span) -> None:  # the kernel reads from span until reaped
             try:
                 slot.wait()
             finally:
@@ -112,10 +137,11 @@ class NVMeStore:
             if problem is not None:
                 self._space.discard(slot)
                 raise self._write_failed(key, problem)
-            self._commit(key, _Item(meta, slot))
+            self._commit(key, _Item(meta, slot, direct))
 
         h = self._track(Handle("write", key, finish, self.events))
         self._writes.append(h)
+        self._hold(h, staged)
         while self._writes and (self._writes[0].done() or len(self._writes) > self.max_inflight_writes):
             self._writes.popleft().reap()  # bound the kernel's outstanding writes; errors stay in the handle
         return h
@@ -145,35 +171,51 @@ class NVMeStore:
         if meta.nbytes == 0:
             value = torch.empty(meta.shape, dtype=meta.dtype) if out is None else out
             return Handle.completed("read", key, value, self.events)
-        direct = out is not None and is_engine_ready(out)
-        u8 = as_bytes(out) if direct else aligned_empty(meta.nbytes, self.pool.block)
         slot = item.slot
         problem = slot.problem(meta.nbytes)
         if problem is not None:
             return Handle.failed("read", key, CorruptedItemError(f"cannot read key {key!r}: {problem}"), self.events)
+        direct = item.direct and slot.armed  # the pread fallback (below) stays buffered
+        span_n = _round_up(meta.nbytes, DIO_ALIGN) if direct else meta.nbytes
+        staged: Optional[AlignedBuffer] = None
+        if out is not None and is_engine_ready(out) and (not direct or _aligned(out, meta.nbytes)):
+            span = as_bytes(out)  # in place
+        elif out is not None:  # unaligned `out`: read into a pool buffer, then one copy
+            staged = self._acquire_buffer(span_n)
+            span = staged.bytes(span_n)
+        else:
+            span = aligned_empty(span_n, self.pool.block)
+        u8 = span[:meta.nbytes]
         if slot.armed:
-            slot.read(u8)
+            try:
+                slot.read(span, direct)
+            except BaseException:
+                self._give_back(staged)
+                raise
             waiter = slot.wait
         else:  # the engine already consumed its entry; the file still holds the item and no one writes it
             waiter = self._pool_executor().submit(slot.pread, u8).result
 
         def finish() -> torch.Tensor:
-            n = waiter()
-            problem = slot.problem(meta.nbytes)
-            if problem is None and n is not None and n != meta.nbytes:
-                problem = f"short read of {n} bytes from {slot.path!r}, {meta.nbytes} expected"
-            if problem is not None:
-                raise CorruptedItemError(f"cannot read key {key!r}: {problem}")
-            if checksum(u8, self.checksum_kind) != meta.checksum:
-                raise CorruptedItemError(f"key {key!r}: checksum mismatch reading {slot.path!r}; the file was "
-                                         f"corrupted or modified after the put")
-            if out is None:
-                return from_bytes(u8, meta)
-            if not direct:
-                out.copy_(from_bytes(u8, meta))
-            return out
+            try:
+                n = waiter()
+                problem = slot.problem(meta.nbytes)
+                if problem is None and n is not None and n != meta.nbytes:
+                    problem = f"short read of {n} bytes from {slot.path!r}, {meta.nbytes} expected"
+                if problem is not None:
+                    raise CorruptedItemError(f"cannot read key {key!r}: {problem}")
+                if checksum(u8, self.checksum_kind) != meta.checksum:
+                    raise CorruptedItemError(f"key {key!r}: checksum mismatch reading {slot.path!r}; the file "
+                                             f"was corrupted or modified after the put")
+                if out is None:
+                    return from_bytes(u8, meta)
+                if staged is not None:
+                    _copy(out, from_bytes(u8, meta))
+                return out
+            finally:
+                self._give_back(staged)
 
-        return self._track(Handle("read", key, finish, self.events))
+        return self._hold(self._track(Handle("read", key, finish, self.events)), staged)
 
     # ---- delete, close, introspection --------------------------------------------------------------------
     def delete(self, key: Hashable) -> None:
@@ -275,9 +317,18 @@ class NVMeStore:
             del self._pending[key]
 
     def _acquire_buffer(self, nbytes: int) -> AlignedBuffer:
+        while not self.pool.can_acquire(nbytes) and self._staged:
+            self._staged.popleft().reap()  # oldest first: the rest stay in flight (no pipeline drain)
         if not self.pool.can_acquire(nbytes):
-            self.flush()  # staged writes in flight hold buffers; finishing them gives the buffers back
+            self.flush()  # staged operations in flight hold buffers; finishing them gives the buffers back
         return self.pool.acquire(nbytes)
+
+    def _hold(self, h: Handle, staged: Optional[AlignedBuffer]) -> Handle:
+        if staged is not None:
+            self._staged.append(h)
+            while self._staged and self._staged[0].done():
+                self._staged.popleft()
+        return h
 
     def _give_back(self, buf: Optional[AlignedBuffer]) -> None:
         if buf is not None:

@@ -60,6 +60,13 @@ def aligned_empty(nbytes: int, block: int = 4096) -> torch.Tensor:
     return AlignedBuffer(_round_up(nbytes, block)).bytes(nbytes)
 
 
+def aligned_empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor like `t` (dtype, shape) on page-aligned memory of its own: NVMeStore
+    puts and gets such tensors in place with O_DIRECT when their size is a multiple of 4 KiB (no staging copy)."""
+    n = t.numel() * t.element_size()
+    return aligned_empty(n).view(t.dtype).view(t.shape) if n else torch.empty_like(t, device="cpu")
+
+
 class BufferPool:
     def __init__(self, max_buffers: int = 16, max_bytes: int = 1 << 30, block: int = 4096):
         if block <= 0 or block % PAGE and PAGE % block:
