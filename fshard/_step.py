@@ -61,20 +61,23 @@ class Step:
         comm = Comm(spec.mesh, trace=self.trace)
         _check_ranks(comm, state, batch)
         run = StepRun(spec, state.params, comm, self.policy)
-        buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
-        t1 = time.perf_counter()
-        loss = self._forward_backward(run, buffers, batch)
-        t2 = time.perf_counter()
-        grads = {name: u.grad for name, u in run.units.items() if u.grad is not None}
-        loss, active = self._agree(comm, run, loss)
-        grads, grad_metrics = self.policy.grads(comm, grads)
-        t3 = time.perf_counter()
-        params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
-        t4 = time.perf_counter()
-        if self.donate:
-            object.__setattr__(state, "_donated", True)
-        new = TrainState(params, opt_state, state.step + 1, buffers, spec)
-        return new, self._metrics(comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4)
+        try:
+            buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+            t1 = time.perf_counter()
+            loss = self._forward_backward(run, buffers, batch)
+            t2 = time.perf_counter()
+            grads = {name: u.grad for name, u in run.units.items() if u.grad is not None}
+            loss, active = self._agree(comm, run, loss)
+            grads, grad_metrics = self.policy.grads(comm, grads)
+            t3 = time.perf_counter()
+            params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
+            t4 = time.perf_counter()
+            if self.donate:
+                object.__setattr__(state, "_donated", True)
+            new = TrainState(params, opt_state, state.step + 1, buffers, spec)
+            return new, self._metrics(comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4)
+        finally:
+            run.close()  # free this step's buffers now, also when it raised
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):

@@ -73,7 +73,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        unit = ctx.unit
+        unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
         unit.run.policy.reduce.reduce(unit.run, unit, grad)
         return None, None
 
@@ -213,3 +213,13 @@ class StepRun:
     def release_all(self) -> None:
         for unit in self.units.values():
             unit.release()
+
+    def close(self) -> None:
+        """Drop every tensor this step's runtime holds and break its reference cycles (StepRun <-> UnitRun, and
+        flat buffer -> autograd node -> UnitRun), so a finished step frees its memory at once, not at the next
+        cycle collection."""
+        for unit in self.units.values():
+            unit.release()
+            unit.flat = unit.grad = unit.shard = unit.run = None
+        self.units.clear()
+        self._live.clear()

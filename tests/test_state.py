@@ -164,3 +164,20 @@ def test_default_adamw_runs_the_native_kernel_and_says_so():
         assert m["optim/impl"] == "native" and after["native_calls"] > before["native_calls"]
     else:  # no compiler: torch's fused kernel, and the metrics say so
         assert m["optim/impl"] == "fused" and after["native_calls"] == before["native_calls"]
+
+
+def test_a_finished_step_leaves_nothing_for_the_cycle_collector():
+    import gc
+
+    from fshard._unit import StepRun, UnitRun
+    state = _state()
+    step = fs.compose(awkward_loss)
+    gc.collect()
+    gc.disable()
+    try:
+        for batch in awkward_batches(2, 3):
+            state, _ = step(state, batch)
+        live = [o for o in gc.get_objects() if type(o) in (StepRun, UnitRun)]
+    finally:
+        gc.enable()
+    assert live == [], f"{len(live)} step runtimes still alive: they hold gathered buffers and gradient shards"
