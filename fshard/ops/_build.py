@@ -19,10 +19,12 @@ log = logging.getLogger("fshard.ops")
 
 
 def _src_dir() -> Path:
-    """The C++/CUDA sources: $FSHARD_OPS_SRC, else ``ops/`` at the repository root."""
+    """The C++/CUDA sources: $FSHARD_OPS_SRC, else ``ops/`` at the repository root (a checkout or an editable
+    install), else the copy a wheel carries as the package ``fshard.ops.csrc`` (pyproject.toml maps it to ops/)."""
     if os.environ.get("FSHARD_OPS_SRC"):
         return Path(os.environ["FSHARD_OPS_SRC"])
-    return Path(__file__).resolve().parents[2] / "ops"
+    checkout = Path(__file__).resolve().parents[2] / "ops"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "csrc"
 
 
 SRC_DIR = _src_dir()
