@@ -1,10 +1,11 @@
 """NVMeStore: tensors on disk through tensornvme, made safe.
 
-put: the tensor goes to tensornvme as is when it is a whole contiguous CPU storage (no copy), otherwise it is
-staged through a pool buffer. The new version goes to a free slot with space reserved up front (a full disk fails
-there), its checksum is taken while the kernel copies, and on wait() the file must hold the whole item (tensornvme
-ignores write results, so a short write shows only in the size). Only then is the key switched to the new version
-and the old slot released. At most `max_inflight_writes` puts are outstanding.
+put: items >= direct_min_bytes (1 MiB) are written with O_DIRECT (set on tensornvme's descriptor, see _layout),
+others buffered. A page-aligned tensor (or, buffered, any whole contiguous CPU storage) goes to tensornvme as is;
+otherwise it is staged through a pool buffer. The new version goes to a free slot with space reserved up front (a
+full disk fails there), its checksum is taken while the kernel writes, and on wait() the file must hold the whole
+item (tensornvme ignores write results, so a short write shows only in the size). Only then is the key switched
+to the new version and the old slot released. At most `max_inflight_writes` puts are outstanding.
 
 get: file presence, identity and size are checked, the bytes are read into an aligned buffer (or `out`), and the
 checksum is verified before the tensor is returned. tensornvme can read an entry once (its read frees the entry), so
@@ -22,14 +23,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, Hashable, Iterable, List, Optional
 
-import numpy as np
 import torch
 
 from ._checksum import checksum, validate_kind
 from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
-from ._pool import AlignedBuffer, BufferPool, aligned_empty
+from ._pool import round_up, AlignedBuffer, BufferPool, aligned_empty, aligned_for_direct as _aligned, copy_bytes as _copy
 from ._protocol import ItemMeta, as_bytes, from_bytes, is_engine_ready, meta_of
 
 
@@ -38,23 +38,6 @@ class _Item:
     meta: ItemMeta
     slot: Optional[Slot]  # None for 0-byte items, which never touch the disk
     direct: bool = False  # written with O_DIRECT (the file holds nbytes rounded up to DIO_ALIGN)
-
-
-def _round_up(n: int, block: int) -> int:
-    return (n + block - 1) // block * block
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), as one single-threaded memcpy when both are contiguous: torch's parallel copy leaves its
-    OpenMP threads spinning, which takes the cores the kernel needs to run the I/O (2 vCPUs here)."""
-    if dst.is_contiguous() and src.is_contiguous() and src.device.type == "cpu" and dst.dtype == src.dtype:
-        np.copyto(as_bytes(dst).numpy(), as_bytes(src).numpy())
-    else:
-        dst.copy_(src)
-
-
-def _aligned(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % DIO_ALIGN == 0 and nbytes % DIO_ALIGN == 0
 
 
 class NVMeStore:
@@ -103,7 +86,7 @@ class NVMeStore:
             return Handle.completed("write", key, None, self.events)
         staged: Optional[AlignedBuffer] = None
         try:
-            slot = self._space.acquire(_round_up(nbytes, DIO_ALIGN))
+            slot = self._space.acquire(round_up(nbytes, DIO_ALIGN))
         except StoreWriteError as e:
             raise self._write_failed(key, str(e)) from e
         direct = slot.direct_ok and nbytes >= self.direct_min_bytes
@@ -112,7 +95,7 @@ class NVMeStore:
                 u8 = as_bytes(t)  # zero copy; the handle keeps `t` alive until the write is reaped
                 span = u8
             else:  # staged: an unaligned tensor goes through a pool buffer, padded to whole blocks for O_DIRECT
-                n = _round_up(nbytes, DIO_ALIGN) if direct else nbytes
+                n = round_up(nbytes, DIO_ALIGN) if direct else nbytes
                 staged = self._acquire_buffer(n)
                 span = staged.bytes(n)
                 u8 = span[:nbytes]
@@ -176,7 +159,7 @@ class NVMeStore:
         if problem is not None:
             return Handle.failed("read", key, CorruptedItemError(f"cannot read key {key!r}: {problem}"), self.events)
         direct = item.direct and slot.armed  # the pread fallback (below) stays buffered
-        span_n = _round_up(meta.nbytes, DIO_ALIGN) if direct else meta.nbytes
+        span_n = round_up(meta.nbytes, DIO_ALIGN) if direct else meta.nbytes
         staged: Optional[AlignedBuffer] = None
         if out is not None and is_engine_ready(out) and (not direct or _aligned(out, meta.nbytes)):
             span = as_bytes(out)  # in place

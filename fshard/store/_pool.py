@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 from typing import List
 
+import numpy as np
 import torch
 
 from ._errors import PoolExhaustedError
@@ -42,6 +43,23 @@ class AlignedBuffer:
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.mm, dtype=torch.uint8, count=n)
+
+
+def round_up(n: int, block: int) -> int:
+    return (n + block - 1) // block * block
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), as one single-threaded memcpy when both are contiguous: torch's parallel copy leaves its
+    OpenMP threads spinning, which takes the cores the kernel needs to run the I/O (2 vCPUs here)."""
+    if dst.is_contiguous() and src.is_contiguous() and src.device.type == "cpu" and dst.dtype == src.dtype:
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
+
+
+def aligned_for_direct(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % 4096 == 0 and nbytes % 4096 == 0
 
 
 def _maybe_pin(buf: AlignedBuffer) -> bool:
