@@ -71,6 +71,9 @@ class NVMeStore:
         self.max_inflight_writes = max_inflight_writes
         # Items of at least direct_min_bytes bypass the page cache (O_DIRECT) when the filesystem allows it.
         self.direct_min_bytes = direct_min_bytes if direct else float("inf")
+        # Reads: direct on aio (buffered io_submit runs synchronously), buffered on uring, whose direct reads of
+        # 16 MiB items ran at 1.2-1.5 GB/s against 2.5-2.6 buffered (benchmarks/RESULTS-store.md).
+        self.direct_reads = backend == "aio"
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
 
@@ -158,10 +161,11 @@ class NVMeStore:
         problem = slot.problem(meta.nbytes)
         if problem is not None:
             return Handle.failed("read", key, CorruptedItemError(f"cannot read key {key!r}: {problem}"), self.events)
-        direct = item.direct and slot.armed  # the pread fallback (below) stays buffered
-        span_n = round_up(meta.nbytes, DIO_ALIGN) if direct else meta.nbytes
+        direct = item.direct and slot.armed and self.direct_reads  # the pread fallback (below) stays buffered
+        span_n = round_up(meta.nbytes, DIO_ALIGN) if item.direct else meta.nbytes  # = written size
         staged: Optional[AlignedBuffer] = None
-        if out is not None and is_engine_ready(out) and (not direct or _aligned(out, meta.nbytes)):
+        if (out is not None and is_engine_ready(out) and span_n == meta.nbytes
+                and (not direct or _aligned(out, meta.nbytes))):
             span = as_bytes(out)  # in place
         elif out is not None:  # unaligned `out`: read into a pool buffer, then one copy
             staged = self._acquire_buffer(span_n)
