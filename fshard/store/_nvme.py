@@ -71,9 +71,9 @@ class NVMeStore:
         self.max_inflight_writes = max_inflight_writes
         # Items of at least direct_min_bytes bypass the page cache (O_DIRECT) when the filesystem allows it.
         self.direct_min_bytes = direct_min_bytes if direct else float("inf")
-        # Reads: direct on aio (buffered io_submit runs synchronously), buffered on uring, whose direct reads of
-        # 16 MiB items ran at 1.2-1.5 GB/s against 2.5-2.6 buffered (benchmarks/RESULTS-store.md).
-        self.direct_reads = backend == "aio"
+        # Direct items are read direct too. Reading them buffered on uring was tried and measured no faster (run E
+        # in benchmarks/RESULTS-store.md); it is kept as a switch for experiments.
+        self.direct_reads = True
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
 
