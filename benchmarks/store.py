@@ -185,7 +185,7 @@ def bench(args):
             RawRun(args.dir, "uring", srcs, outs, direct=True)]
     if args.buffered:
         runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",buffered", direct=False))
-    runs.sort(key=lambda r: r.name)  # stable report order; creation order is what --swap-uring changes
+    runs.sort(key=lambda r: r.name)  # stable report order
     have_fio = shutil.which("fio") is not None
     fio_names = ["fio[io_uring]", "fio[libaio]"] if have_fio else []
     times = {r.name: [] for r in runs}
