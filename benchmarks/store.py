@@ -5,7 +5,7 @@
 
 Per repetition and per contender, before each timed write and each timed read: settle() (sync, drop the page
 cache, then wait until the guest's free page reporting has gone quiet, so every contender, fio included, starts
-from the same memory state; see RESULTS-store.md for why), then write 1 GiB, fsync (durable), settle, and time a
+from the same memory state; see RESULTS.md (NVMe store) for why), then write 1 GiB, fsync (durable), settle, and time a
 cold read. fio runs with direct=1, bs=1M, iodepth=32 (io_uring and libaio) on a 1 GiB file in the same directory.
 NVMeStore writes items >= 1 MiB with O_DIRECT; `[...,buffered]` is the same store with direct=False. Raw
 tensornvme is the bare engine as shipped (buffered), and `[...,direct]` the same engine on page-aligned copies of

@@ -72,7 +72,7 @@ class NVMeStore:
         # Items of at least direct_min_bytes bypass the page cache (O_DIRECT) when the filesystem allows it.
         self.direct_min_bytes = direct_min_bytes if direct else float("inf")
         # Direct items are read direct too. Reading them buffered on uring was tried and measured no faster (run E
-        # in benchmarks/RESULTS-store.md); it is kept as a switch for experiments.
+        # in benchmarks/RESULTS.md (NVMe store)); it is kept as a switch for experiments.
         self.direct_reads = True
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
