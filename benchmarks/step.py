@@ -98,11 +98,8 @@ def _adamw_kwargs(args) -> dict:
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-@register("ddp")
-def ddp_runner(ctx: Ctx) -> Runner:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(ctx.fresh_model())
+def _torch_runner(ctx: Ctx, model: torch.nn.Module) -> Runner:
+    """The peers' step: the wrapped model and torch.optim.AdamW(fused=True)."""
     opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
 
     def step(batch):
@@ -113,6 +110,13 @@ def ddp_runner(ctx: Ctx) -> Runner:
         return loss.item(), {}
 
     return Runner(step)
+
+
+@register("ddp")
+def ddp_runner(ctx: Ctx) -> Runner:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _torch_runner(ctx, DDP(ctx.fresh_model()))
 
 
 @register("fsdp2")
@@ -125,16 +129,7 @@ def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
-
-    def step(batch):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        return loss.item(), {}
-
-    return Runner(step)
+    return _torch_runner(ctx, model)
 
 
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
