@@ -37,25 +37,23 @@ class Comm:
         if self.trace is not None:
             self.trace.append(entry)
 
+    def _issue(self, kind: str, phase: str, tag: str, t: torch.Tensor, collective, local) -> None:
+        """Note, then run and time one data collective (``local`` when there is no process group)."""
+        self._note(kind, tag, t)
+        t0 = time.perf_counter()
+        local() if self.mesh.group is None else collective()
+        self.seconds[phase] += time.perf_counter() - t0
+
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> None:
         """out <- concatenation of every rank's ``shard`` (blocking)."""
-        self._note("all_gather", tag, out)
-        t0 = time.perf_counter()
-        if self.mesh.group is None:
-            out.copy_(shard)
-        else:
-            dist.all_gather_single(out, shard, group=self.mesh.group)
-        self.seconds["gather"] += time.perf_counter() - t0
+        self._issue("all_gather", "gather", tag, out, lambda: dist.all_gather_single(out, shard, group=self.mesh.group),
+                    lambda: out.copy_(shard))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> None:
         """out <- this rank's slice of the sum over ranks of ``full`` (blocking)."""
-        self._note("reduce_scatter", tag, full)
-        t0 = time.perf_counter()
-        if self.mesh.group is None:
-            out.copy_(full)
-        else:
-            dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group)
-        self.seconds["reduce"] += time.perf_counter() - t0
+        self._issue("reduce_scatter", "reduce", tag, full,
+                    lambda: dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group),
+                    lambda: out.copy_(full))
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""

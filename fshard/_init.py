@@ -53,7 +53,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
     template = _make_template(model)
     route_units(template, layouts)
     names = tuple(n for n, _ in model.named_parameters())
-    spec = ShardSpec(template, tuple(layouts), names, tuple(buffers), mesh, opt,
+    spec = ShardSpec(template, tuple(layouts), names, mesh, opt,
                      zlib.crc32(repr((layouts, names, tuple(buffers))).encode()) & ((1 << HASH_BITS) - 1))
     return TrainState(params, opt_state, torch.zeros((), dtype=torch.int64), buffers, spec)
 
@@ -153,10 +153,9 @@ def _materialize(model, unit_mods, aliases, device, init_fn, seed):
             torch.manual_seed((seed * 1_000_003 + i) % (1 << 63))
             for sub_path, sub in part.named_modules():
                 _init_module(sub, f"{path}.{sub_path}".strip("."), init_fn)
-        prefix = path
-        for n, p in part.named_parameters(prefix=prefix, remove_duplicate=False):
+        for n, p in part.named_parameters(prefix=path, remove_duplicate=False):
             values.setdefault(to_canon[n], p.detach())
-        for n, b in part.named_buffers(prefix=prefix):
+        for n, b in part.named_buffers(prefix=path):
             buffers[n] = b.detach()
         del part
     names = [n for n, _ in model.named_buffers()]

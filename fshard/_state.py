@@ -45,7 +45,6 @@ class ShardSpec:
     template: Any                 # the nn.Module, on the meta device, with its unit modules routed through fshard
     units: tuple[UnitLayout, ...]
     param_names: tuple[str, ...]  # canonical names in model.named_parameters() order
-    buffer_names: tuple[str, ...]
     mesh: Any
     optimizer: Any
     fingerprint: int              # identical on every rank that built the same model: checked each step
@@ -81,8 +80,7 @@ class TrainState:
     def nbytes(self) -> dict[str, int]:
         """Bytes this rank holds, by part (gradient shards exist only inside a step; they are counted too)."""
         leaves = lambda t: optree.tree_leaves(t, namespace=NAMESPACE)  # noqa: E731
-        grads = sum(min(p.numel(), u.trainable_numel) * p.element_size()
-                    for u, p in zip(self.spec.units, self.params.values()) if u.trainable)
+        grads = sum(self.params[u.name].nbytes for u in self.spec.units if u.trainable)  # one reduced shard each
         return {"params": sum(t.nbytes for t in leaves(self.params)),
                 "grads": grads,
                 "opt_state": sum(t.nbytes for t in leaves(self.opt_state)),
