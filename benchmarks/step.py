@@ -22,8 +22,6 @@ Configs are pluggable: ``CONFIGS`` maps a name to a builder ``builder(ctx) -> Ru
 
 and pass ``--configs ddp,fsdp2,fshard,fshard+gather_ahead(1)``. Ratios are printed for every config against
 ``fsdp2`` and ``ddp``; per-phase profiles for every config whose metrics carry ``time/*`` keys (fshard's).
-If an fshard config's metrics carry no phase timings, one extra step is profiled with torch.profiler and its ops
-are bucketed into gather / compute / reduce / update.
 
 By default every (round, config) pair runs in freshly spawned processes, so that no config inherits another's
 heap (glibc keeps freed memory, which skews both the next config's peak RSS and its page-fault cost). Under
@@ -207,33 +205,6 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-PHASE_BUCKETS = (  # (phase, substrings of profiler event names), first match wins
-    ("gather", ("all_gather", "allgather", "broadcast")),
-    ("reduce", ("reduce_scatter", "reducescatter", "all_reduce", "allreduce")),
-    ("update", ("adam", "_foreach_", "lerp", "addcdiv")),
-    ("compute", ("aten::",)),
-)
-
-
-def _torch_profile_phases(runner: Runner, batch) -> dict[str, float]:
-    """Fallback profile: one step under torch.profiler, self CPU time bucketed by op name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        runner.step(batch)
-        total = time.perf_counter() - t0
-    out = {name: 0.0 for name, _ in PHASE_BUCKETS}
-    for ev in prof.key_averages():
-        key = ev.key.lower()
-        for name, subs in PHASE_BUCKETS:
-            if any(s in key for s in subs):
-                out[name] += ev.self_cpu_time_total / 1e6
-                break
-    out["other"] = max(0.0, total - sum(out.values()))
-    return {f"time/{k}(profiler)": v for k, v in out.items()}
-
-
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -261,7 +232,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
     ctx = Ctx(args, cfg, rank, world_size)
     n_total = args.warmup + args.steps
-    batches = list(synthetic_batches(cfg, args.batch_size, n_total + 1, args.seed, rank, world_size))
+    batches = list(synthetic_batches(cfg, args.batch_size, n_total, args.seed, rank, world_size))
     names = names or _config_names(args)
     n_rounds = args.rounds - first_round if out is None else 1
     rss_resettable = _reset_peak_rss()
@@ -305,9 +276,6 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                         for k, v in metrics.items():
                             if k.startswith(("time/", "mem/", "comm/")) and isinstance(v, (int, float)):
                                 phases[name].setdefault(k, []).append(float(v))
-                if name.startswith("fshard") and not phases[name] and rnd == args.rounds - 1:
-                    for k, v in _torch_profile_phases(runner, batches[n_total]).items():
-                        phases[name].setdefault(k, []).append(v)
                 times[name].append(step_times)
                 if rnd == 0:
                     losses[name], loss_global[name] = step_losses, runner.loss_is_global

@@ -43,29 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _rank_world(mesh) -> tuple[int, int]:
-    rank = getattr(mesh, "rank", None)
-    world = getattr(mesh, "world_size", None) or getattr(mesh, "size", None)
-    if callable(rank):
-        rank = rank()
-    if callable(world):
-        world = world()
-    if rank is None or world is None:
-        import torch.distributed as dist
-
-        initialised = dist.is_available() and dist.is_initialized()
-        rank = dist.get_rank() if initialised else 0
-        world = dist.get_world_size() if initialised else 1
-    return int(rank), int(world)
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
 
     mesh = fs.Mesh.from_env()
-    rank, world = _rank_world(mesh)
+    rank, world = mesh.rank, mesh.world_size
     log = print if rank == 0 else (lambda *a, **k: None)
 
     cfg = (GPTConfig.tiny if args.tiny else GPTConfig)(tie_weights=args.tie_weights)
