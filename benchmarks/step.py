@@ -118,7 +118,7 @@ def ddp_runner(ctx: Ctx) -> Runner:
 
 
 @register("fsdp2")
-def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
+def fsdp2_runner(ctx: Ctx, prefetch: int = 0, **fully_shard_kwargs) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -127,14 +127,26 @@ def fsdp2_runner(ctx: Ctx, **fully_shard_kwargs) -> Runner:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    if prefetch:  # FSDP2's explicit prefetch: the next `prefetch` blocks in forward, the previous ones in backward
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     return _torch_runner(ctx, model)
 
 
+register("fsdp2+prefetch(2)")(lambda ctx: fsdp2_runner(ctx, prefetch=2))
+
+
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
-                  **compose_kwargs) -> Runner:
+                  env: dict | None = None, **compose_kwargs) -> Runner:
     """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``);
-    ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``)."""
+    ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``); ``env`` is
+    set while the config runs (e.g. ``FSHARD_GATHER``)."""
     import fshard as fs
+
+    saved_env = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
 
     for name in ("Mesh", "adamw", "init", "compose"):
         if not hasattr(fs, name):
@@ -153,6 +165,8 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kw
 
     def close():
         holder.clear()
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
     return Runner(step, close, loss_is_global=True)
 
@@ -160,6 +174,19 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kw
 register("fshard")(lambda ctx: fshard_runner(ctx))
 register("fshard+donate")(lambda ctx: fshard_runner(ctx, donate=True))  # update in place, no state copy
 register("fshard+torch_fused_adamw")(lambda ctx: fshard_runner(ctx, opt_kwargs=dict(impl="fused")))
+# the blocking gather as the core landed it (#2): one all_gather_single per unit, not gloo's faster broadcasts
+register("fshard(all_gather)")(lambda ctx: fshard_runner(ctx, env={"FSHARD_GATHER": "all_gather"}))
+
+
+def _gather_ahead(depth, **kw):
+    import fshard as fs
+    return fs.gather_ahead(depth, **kw)
+
+
+register("fshard+gather_ahead(1)")(lambda ctx: fshard_runner(ctx, _gather_ahead(1)))
+register("fshard+gather_ahead(2)")(lambda ctx: fshard_runner(ctx, _gather_ahead(2)))
+register("fshard+gather_ahead(2,keep)")(  # reshard_after_forward=False: one gather per unit per step
+    lambda ctx: fshard_runner(ctx, _gather_ahead(2, reshard_after_forward=False)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,7 +301,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                     if i >= args.warmup:
                         step_times.append(dt)
                         for k, v in metrics.items():
-                            if k.startswith(("time/", "mem/", "comm/")) and isinstance(v, (int, float)):
+                            if k.startswith(("time/", "mem/", "comm/", "gather/")) and isinstance(v, (int, float)):
                                 phases[name].setdefault(k, []).append(float(v))
                 times[name].append(step_times)
                 if rnd == 0:
@@ -373,7 +400,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
                 result["configs"][n][f"ratio_vs_{base}"] = med[n] / med[base]
 
     for n in ok:
-        order = ["check", "gather", "compute", "reduce", "control", "update", "step"]
+        order = ["check", "gather", "gather_exposed", "compute", "reduce", "control", "update", "step"]
         keys = sorted({k for r in everyone for k in r["phases"].get(n, {}) if k.startswith("time/")},
                       key=lambda k: (order.index(k[5:]) if k[5:] in order else len(order), k))
         if not keys:
@@ -384,12 +411,15 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
             vals = [statistics.median(r["phases"][n][k]) if r["phases"][n].get(k) else float("nan") for r in everyone]
             prof[k] = vals
             share = max(vals) / med[n] * 100
-            print(f"  {k:28s} " + "  ".join(f"r{i}: {v:7.4f}" for i, v in enumerate(vals)) + f"   ({share:4.1f}%)")
+            print(f"  {k:34s} " + "  ".join(f"r{i}: {v:7.4f}" for i, v in enumerate(vals)) + f"   ({share:4.1f}%)")
         result["configs"][n]["phases_s"] = prof
         other = sorted({k for r in everyone for k in r["phases"].get(n, {}) if not k.startswith("time/")})
         for k in other:
             vals = [statistics.median(r["phases"][n][k]) if r["phases"][n].get(k) else float("nan") for r in everyone]
-            print(f"  {k:28s} " + "  ".join(f"r{i}: {v / 2**20:7.1f} MiB" for i, v in enumerate(vals)))
+            if k.startswith(("mem/", "comm/")):
+                print(f"  {k:34s} " + "  ".join(f"r{i}: {v / 2**20:7.1f} MiB" for i, v in enumerate(vals)))
+            else:
+                print(f"  {k:34s} " + "  ".join(f"r{i}: {v:7.3f}" for i, v in enumerate(vals)))
             result["configs"][n].setdefault("metrics", {})[k] = vals
 
     if args.json:

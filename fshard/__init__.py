@@ -34,7 +34,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fshard' has no attribute {name!r}")
 
 from ._errors import (BatchMismatchError, DonatedStateError, FrozenStateError, FshardError, InitError, LossError,
-                      MeshMismatchError, RankDivergenceError, TemplateCallError, UnboundParameterError)
+                      MeshMismatchError, RankDivergenceError, ScheduleError, TemplateCallError,
+                      UnboundParameterError)
+from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh

@@ -3,9 +3,20 @@
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, (b) seconds spent
 per kind, for the step's profile, and (c) optionally the full list, which tests compare across ranks.
+
+Gathers are issued asynchronously and return a ``Flight``; the caller waits on it right before the data is used.
+Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy`` the wall time during which at
+least one gather was in flight. Blocking use (issue, then wait at once) makes the two equal.
+
+How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
+on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.68x the time of
+``all_gather_single``; on NCCL, ``all_gather_single`` is the native ring. ``FSHARD_GATHER`` overrides it
+(``all_gather``, ``broadcast``, ``all_reduce``). Every implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import zlib
 from collections import defaultdict
@@ -16,14 +27,61 @@ import torch.distributed as dist
 from ._mesh import Mesh
 
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see agree())
+GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
+_FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_single
+
+
+def gather_impl(mesh: Mesh) -> str:
+    impl = os.environ.get("FSHARD_GATHER", "auto")
+    if impl == "auto":
+        return _FASTEST_GATHER.get(mesh.backend, "all_gather")
+    if impl not in GATHER_IMPLS:
+        raise ValueError(f"FSHARD_GATHER={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}.")
+    return impl
+
+
+class Flight:
+    """One gather in flight. ``wait()`` returns once the output holds every rank's shard (on CUDA: once the
+    current stream is ordered after the gather)."""
+
+    __slots__ = ("comm", "works", "t_issue", "t_done", "_left")
+
+    def __init__(self, comm: "Comm", works: list, t_issue: float):
+        self.comm, self.works, self.t_issue, self.t_done = comm, works, t_issue, None
+        self._left = len(works)
+        if comm.mesh.device.type == "cpu":  # stamp completion from gloo's thread, for the busy-time figure
+            for w in works:
+                w.get_future().add_done_callback(self._one_done)
+        if not works:
+            self.t_done = time.perf_counter()
+
+    def _one_done(self, _fut) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self.t_done = time.perf_counter()
+
+    def wait(self) -> None:
+        if self.works is None:
+            return
+        t0 = time.perf_counter()
+        for w in self.works:
+            w.wait()
+        t1 = time.perf_counter()
+        self.works = None
+        if self.t_done is None or self.comm.mesh.device.type != "cpu":
+            self.t_done = t1
+        self.comm.seconds["gather_exposed"] += t1 - t0
 
 
 class Comm:
-    def __init__(self, mesh: Mesh, trace: bool = False):
+    def __init__(self, mesh: Mesh, trace: bool = False, stream=None):
         self.mesh = mesh
         self.trace: list[tuple] | None = [] if trace else None
         self.seconds: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, int] = defaultdict(int)
+        self.flights: list[Flight] = []
+        self.impl = gather_impl(mesh)
+        self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
 
     @property
@@ -37,17 +95,68 @@ class Comm:
         if self.trace is not None:
             self.trace.append(entry)
 
+    # --- gathers -------------------------------------------------------------------------------------------------
+
+    def gather_scope(self):
+        """Where a gather's output is allocated and its collective issued. On CUDA that is the gather stream, so
+        the caching allocator ties the buffer to it (see ``before_free``); elsewhere nothing."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())  # the shard may have just been written
+        return torch.cuda.stream(self.stream)
+
+    def before_free(self) -> None:
+        """Call before freeing a gathered buffer. On CUDA the buffer returns to the gather stream's pool at once,
+        so the gather stream must not reuse it before compute has finished reading it: order the gather stream
+        after everything compute has queued (FSDP2's alternative to ``record_stream``)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    def gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> Flight:
+        """Start ``out <- concatenation of every rank's shard``; wait on the returned flight before reading out."""
+        self._note("all_gather", tag, out)
+        t0 = time.perf_counter()
+        g, n, rank = self.mesh.group, self.mesh.world_size, self.mesh.rank
+        if g is None:
+            out.copy_(shard)
+            works = []
+        elif self.impl == "all_gather":
+            works = [dist.all_gather_single(out, shard, group=g, async_op=True)]
+        elif self.impl == "broadcast":
+            parts = out.chunk(n)
+            parts[rank].copy_(shard)
+            works = [dist.broadcast(parts[r], group_src=r, group=g, async_op=True) for r in range(n)]
+        else:  # all_reduce of a buffer that is -0.0 except this rank's shard: x + (-0.0) == x for every float x
+            out.fill_(-0.0 if out.is_floating_point() else 0)
+            out.chunk(n)[rank].copy_(shard)
+            works = [dist.all_reduce(out, group=g, async_op=True)]
+        f = Flight(self, works, t0)
+        self.flights.append(f)
+        self.seconds["gather_exposed"] += time.perf_counter() - t0  # issuing runs on the compute thread
+        return f
+
+    def gather_busy_seconds(self) -> float:
+        """Wall time during which at least one gather was in flight (the union of their intervals)."""
+        total, end = 0.0, float("-inf")
+        for f in sorted(self.flights, key=lambda f: f.t_issue):
+            done = f.t_done if f.t_done is not None else f.t_issue
+            if done > end:
+                total += done - max(f.t_issue, end)
+                end = done
+        return total
+
+    # --- reductions ----------------------------------------------------------------------------------------------
+
     def _issue(self, kind: str, phase: str, tag: str, t: torch.Tensor, collective, local) -> None:
-        """Note, then run and time one data collective (``local`` when there is no process group)."""
+        """Note, then run and time one blocking data collective (``local`` when there is no process group)."""
         self._note(kind, tag, t)
         t0 = time.perf_counter()
         local() if self.mesh.group is None else collective()
         self.seconds[phase] += time.perf_counter() - t0
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> None:
-        """out <- concatenation of every rank's ``shard`` (blocking)."""
-        self._issue("all_gather", "gather", tag, out, lambda: dist.all_gather_single(out, shard, group=self.mesh.group),
-                    lambda: out.copy_(shard))
+        """Blocking gather (outside a step: fs.full_params)."""
+        self.gather(out, shard, tag).wait()
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> None:
         """out <- this rank's slice of the sum over ranks of ``full`` (blocking)."""

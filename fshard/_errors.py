@@ -42,3 +42,7 @@ class DonatedStateError(FshardError, RuntimeError):
 
 class UnboundParameterError(FshardError, RuntimeError):
     """A parameter was used while its unit was not bound (outside a call of the unit module)."""
+
+
+class ScheduleError(FshardError):
+    """The model acquired its units in a different order than the gather_ahead schedule (on_change="error")."""

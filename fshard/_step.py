@@ -51,6 +51,21 @@ class Step:
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
         self.donate, self.trace, self.mesh = donate, trace, mesh
         self.policy = fold(self.transforms)
+        self._streams: dict = {}
+
+    def _gather_stream(self, device: torch.device):
+        """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    @property
+    def schedule(self):
+        """The gather_ahead schedule this step follows (an ``fs.Schedule``), or None: no gather_ahead, or no step
+        has run yet to record it."""
+        return getattr(self.policy.gather, "schedule", None)
 
     def __repr__(self) -> str:
         return f"fs.compose({getattr(self.loss_fn, '__name__', self.loss_fn)}, {', '.join(map(repr, self.transforms))})"
@@ -58,13 +73,13 @@ class Step:
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
         spec = self._check_state(state)
-        comm = Comm(spec.mesh, trace=self.trace)
+        comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device))
         _check_ranks(comm, state, batch)
         run = StepRun(spec, state.params, comm, self.policy)
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
             t1 = time.perf_counter()
-            loss = self._forward_backward(run, buffers, batch)
+            loss, gather_metrics = self._forward_backward(run, buffers, batch)
             t2 = time.perf_counter()
             grads = {name: u.grad for name, u in run.units.items() if u.grad is not None}
             loss, active = self._agree(comm, run, loss)
@@ -75,7 +90,7 @@ class Step:
             if self.donate:
                 object.__setattr__(state, "_donated", True)
             new = TrainState(params, opt_state, state.step + 1, buffers, spec)
-            return new, self._metrics(comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4)
+            return new, self._metrics(comm, run, loss, new, {**gather_metrics, **grad_metrics}, t0, t1, t2, t3, t4)
         finally:
             run.close()  # free this step's buffers now, also when it raised
 
@@ -95,13 +110,16 @@ class Step:
 
     def _forward_backward(self, run: StepRun, buffers, batch) -> torch.Tensor:
         with run.active():
+            self.policy.gather.start(run)
             loss = self._forward(run, buffers, batch)
+            run.phase = "backward"
             leaves = [u.shard for u in run.units.values() if u.flat is not None and u.trainable]
             if loss.requires_grad and leaves:
                 torch.autograd.grad(loss, leaves, allow_unused=True)  # gradients land in the units (reduce policy)
             self.policy.reduce.finish(run)
+            gather_metrics = self.policy.gather.finish(run)
         run.release_all()
-        return loss.detach()
+        return loss.detach(), gather_metrics
 
     def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
         """loss_fn(template, batch), with the root unit and the buffers bound for the whole call."""
@@ -146,12 +164,17 @@ class Step:
         return sums[0] / comm.mesh.world_size, active
 
     def _metrics(self, comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
-        gather, reduce = comm.seconds.get("gather", 0.0), comm.seconds.get("reduce", 0.0)
+        gather, exposed = comm.gather_busy_seconds(), comm.seconds.get("gather_exposed", 0.0)
+        reduce = comm.seconds.get("reduce", 0.0)
         m = {"loss": loss, "step": int(new.step),
-             "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/reduce": reduce,
-             "time/compute": max(0.0, t2 - t1 - gather - reduce), "time/update": t4 - t3,
+             "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
+             "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
+             "time/reduce": reduce, "time/compute": max(0.0, t2 - t1 - exposed - reduce), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
-             "mem/peak_gathered_bytes": run.peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+             "mem/peak_gathered_bytes": run.peak_bytes,
+             "mem/peak_gathered_bytes_forward": run.phase_peak["forward"],
+             "mem/peak_gathered_bytes_backward": run.phase_peak["backward"],
+             "comm/gather_bytes": comm.bytes.get("all_gather", 0),
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0),
              "optim/impl": new.spec.optimizer.resolved_impl(new.spec.mesh.device), **grad_metrics}
         if comm.trace is not None:

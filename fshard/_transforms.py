@@ -41,7 +41,18 @@ class Transform:
 
 
 class BlockingGather:
-    """Gather a unit right before it computes and free it right after, in forward and in backward."""
+    """Gather a unit right before it computes and free it right after, in forward and in backward.
+
+    The gather protocol: ``start(run)`` before forward; ``before_forward/after_forward(run, unit)`` around each
+    call of a unit (the root unit: around the whole forward); ``before_backward(run, unit)`` whenever autograd
+    reads a saved tensor of the unit; ``after_backward(run, unit)`` when one use of the unit has finished
+    backward; ``finish(run) -> metrics`` after backward."""
+
+    def start(self, run) -> None:
+        pass
+
+    def finish(self, run) -> dict:
+        return {}
 
     def before_forward(self, run, unit) -> None:
         unit.acquire()

@@ -63,13 +63,16 @@ def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> full flat buffer. Its backward receives the gradient of the whole buffer once all uses of the unit
-    (a unit may run twice in one forward) have produced theirs."""
+    """shard -> full flat buffer. Forward only starts the gather (the unit waits on it before use); backward
+    receives the gradient of the whole buffer once all uses of the unit (a unit may run twice in one forward) have
+    produced theirs."""
 
     @staticmethod
     def forward(ctx, shard, unit):
         ctx.unit = unit
-        return unit.fill(torch.empty(unit.layout.numel, dtype=shard.dtype, device=shard.device))
+        out = torch.empty(unit.layout.numel, dtype=shard.dtype, device=shard.device)
+        unit.pending = unit.run.comm.gather(out, shard, unit.layout.name)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -96,35 +99,46 @@ class UnitRun:
         self.shard = shard.detach().requires_grad_(self.trainable)
         self.flat: torch.Tensor | None = None
         self.alive = False
+        self.pending = None  # the Flight of a gather into ``flat`` that nobody has waited on yet
         self.grad: torch.Tensor | None = None
         self.got = [False] * len(layout.trainable)
 
-    def fill(self, out: torch.Tensor) -> torch.Tensor:
-        self.run.comm.all_gather(out, self.shard.detach(), self.layout.name)
-        return out
-
-    def acquire(self) -> None:
-        """Make the gathered buffer live (blocking all-gather if it is not)."""
+    def launch(self) -> None:
+        """Make the gathered buffer live and start filling it; returns at once. ``acquire`` waits for the data."""
         if self.alive:
             return
-        if self.flat is None:
-            if self.trainable:
-                with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
-                    self.flat = _Gather.apply(self.shard, self)
-            else:
-                self.flat = self.fill(torch.empty(self.layout.numel, dtype=self.layout.dtype,
-                                                  device=self.shard.device))
-        else:  # storage was freed: refill it in place, through an alias with its own version counter
-            storage = self.flat.untyped_storage()
-            storage.resize_(self.layout.nbytes)
-            self.fill(torch.empty(0, dtype=self.layout.dtype, device=self.flat.device).set_(
-                storage, 0, (self.layout.numel,)))
+        comm = self.run.comm
+        with comm.gather_scope():
+            if self.flat is None:
+                if self.trainable:
+                    with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
+                        self.flat = _Gather.apply(self.shard, self)
+                else:
+                    self.flat = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
+                    self.pending = comm.gather(self.flat, self.shard.detach(), self.layout.name)
+            else:  # storage was freed: refill it in place, through an alias with its own version counter
+                storage = self.flat.untyped_storage()
+                storage.resize_(self.layout.nbytes)
+                alias = torch.empty(0, dtype=self.layout.dtype, device=self.flat.device).set_(
+                    storage, 0, (self.layout.numel,))
+                self.pending = comm.gather(alias, self.shard.detach(), self.layout.name)
         self.alive = True
         self.run.on_alive(self, +1)
 
+    def acquire(self) -> None:
+        """Make the gathered buffer live and its data ready (gathering it now if nobody launched it)."""
+        self.launch()
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
     def release(self) -> None:
         if self.alive:
+            if self.pending is not None:  # a gather still writing into this buffer must finish first
+                self.pending.wait()
+                self.pending = None
             self.run.on_alive(self, -1)
+            self.run.comm.before_free()
             self.flat.untyped_storage().resize_(0)
             self.alive = False
 
@@ -169,6 +183,8 @@ class StepRun:
         self.units = {u.name: UnitRun(self, u, params[u.name]) for u in spec.units}
         self._live: dict[int, UnitRun] = {}
         self.live_bytes = self.peak_bytes = 0
+        self.phase = "forward"  # the step sets "backward" once forward has returned
+        self.phase_peak = {"forward": 0, "backward": 0}
         self.order: list[str] = []  # units in the order forward used them
 
     def on_alive(self, unit: UnitRun, sign: int) -> None:
@@ -179,6 +195,7 @@ class StepRun:
             self._live.pop(ptr, None)
         self.live_bytes += sign * unit.layout.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.phase_peak[self.phase] = max(self.phase_peak[self.phase], self.live_bytes)
 
     def call_unit(self, route: _UnitForward, args, kwargs):
         unit, gather = self.units[route.name], self.policy.gather
