@@ -185,7 +185,7 @@ def _gather_ahead(depth, **kw):
 
 register("fshard+gather_ahead(1)")(lambda ctx: fshard_runner(ctx, _gather_ahead(1)))
 register("fshard+gather_ahead(2)")(lambda ctx: fshard_runner(ctx, _gather_ahead(2)))
-register("fshard+gather_ahead(2,keep)")(  # reshard_after_forward=False: one gather per unit per step
+register("fshard+gather_ahead(2)+keep")(  # reshard_after_forward=False: one gather per unit per step
     lambda ctx: fshard_runner(ctx, _gather_ahead(2, reshard_after_forward=False)))
 
 
