@@ -185,6 +185,15 @@ def _gather_ahead(depth, **kw):
 
 register("fshard+gather_ahead(1)")(lambda ctx: fshard_runner(ctx, _gather_ahead(1)))
 register("fshard+gather_ahead(2)")(lambda ctx: fshard_runner(ctx, _gather_ahead(2)))
+def _ahead_buckets(keep=False, bucket_mb=25):
+    import fshard as fs
+    return fs.gather_ahead(2, reshard_after_forward=not keep), fs.bucket_reduce(bucket_mb)
+
+
+register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
+register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
+register("fshard+ahead+buckets+keep+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))
 register("fshard+gather_ahead(2)+keep")(  # reshard_after_forward=False: one gather per unit per step
     lambda ctx: fshard_runner(ctx, _gather_ahead(2, reshard_after_forward=False)))
 

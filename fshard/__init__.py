@@ -36,11 +36,15 @@ def __getattr__(name: str):
 from ._errors import (BatchMismatchError, DonatedStateError, FrozenStateError, FshardError, InitError, LossError,
                       MeshMismatchError, RankDivergenceError, ScheduleError, TemplateCallError,
                       UnboundParameterError)
+from ._accumulate import accumulate
+from ._bucket_reduce import bucket_reduce
+from ._clip import clip_by_global_norm
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
 from ._optim import AdamW, AdamWState, adamw
 from ._state import ShardSpec, TrainState
+from ._skip import skip_nonfinite
 from ._step import Step, compose
-from ._transforms import Transform
+from ._transforms import Grads, Transform

@@ -41,17 +41,21 @@ def gather_impl(mesh: Mesh) -> str:
 
 
 class Flight:
-    """One gather in flight. ``wait()`` returns once the output holds every rank's shard (on CUDA: once the
-    current stream is ordered after the gather)."""
+    """One collective in flight (a gather or a reduction, ``phase``). ``wait()`` returns once its output is
+    complete (on CUDA: once the current stream is ordered after it)."""
 
-    __slots__ = ("comm", "works", "t_issue", "t_done", "_left")
+    __slots__ = ("comm", "works", "t_issue", "t_done", "_left", "phase")
 
-    def __init__(self, comm: "Comm", works: list, t_issue: float):
-        self.comm, self.works, self.t_issue, self.t_done = comm, works, t_issue, None
+    def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather"):
+        self.comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
         self._left = len(works)
         if comm.mesh.device.type == "cpu":  # stamp completion from gloo's thread, for the busy-time figure
-            for w in works:
-                w.get_future().add_done_callback(self._one_done)
+            try:
+                futures = [w.get_future() for w in works]
+            except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
+                futures = []
+            for fut in futures:
+                fut.add_done_callback(self._one_done)
         if not works:
             self.t_done = time.perf_counter()
 
@@ -70,7 +74,7 @@ class Flight:
         self.works = None
         if self.t_done is None or self.comm.mesh.device.type != "cpu":
             self.t_done = t1
-        self.comm.seconds["gather_exposed"] += t1 - t0
+        self.comm.seconds[self.phase + "_exposed"] += t1 - t0
 
 
 class Comm:
@@ -79,7 +83,7 @@ class Comm:
         self.trace: list[tuple] | None = [] if trace else None
         self.seconds: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, int] = defaultdict(int)
-        self.flights: list[Flight] = []
+        self.flights: dict[str, list[Flight]] = defaultdict(list)
         self.impl = gather_impl(mesh)
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
@@ -130,15 +134,19 @@ class Comm:
             out.fill_(-0.0 if out.is_floating_point() else 0)
             out.chunk(n)[rank].copy_(shard)
             works = [dist.all_reduce(out, group=g, async_op=True)]
-        f = Flight(self, works, t0)
-        self.flights.append(f)
-        self.seconds["gather_exposed"] += time.perf_counter() - t0  # issuing runs on the compute thread
+        return self._flight(works, t0, "gather")
+
+    def _flight(self, works: list, t0: float, phase: str) -> Flight:
+        f = Flight(self, works, t0, phase)
+        self.flights[phase].append(f)
+        self.seconds[phase + "_exposed"] += time.perf_counter() - t0  # issuing runs on the compute thread
         return f
 
-    def gather_busy_seconds(self) -> float:
-        """Wall time during which at least one gather was in flight (the union of their intervals)."""
+    def busy_seconds(self, phase: str) -> float:
+        """Wall time during which at least one collective of ``phase`` was in flight (the union of their
+        intervals)."""
         total, end = 0.0, float("-inf")
-        for f in sorted(self.flights, key=lambda f: f.t_issue):
+        for f in sorted(self.flights[phase], key=lambda f: f.t_issue):
             done = f.t_done if f.t_done is not None else f.t_issue
             if done > end:
                 total += done - max(f.t_issue, end)
@@ -147,22 +155,32 @@ class Comm:
 
     # --- reductions ----------------------------------------------------------------------------------------------
 
-    def _issue(self, kind: str, phase: str, tag: str, t: torch.Tensor, collective, local) -> None:
-        """Note, then run and time one blocking data collective (``local`` when there is no process group)."""
-        self._note(kind, tag, t)
-        t0 = time.perf_counter()
-        local() if self.mesh.group is None else collective()
-        self.seconds[phase] += time.perf_counter() - t0
-
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> None:
         """Blocking gather (outside a step: fs.full_params)."""
         self.gather(out, shard, tag).wait()
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> None:
-        """out <- this rank's slice of the sum over ranks of ``full`` (blocking)."""
-        self._issue("reduce_scatter", "reduce", tag, full,
-                    lambda: dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group),
-                    lambda: out.copy_(full))
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
+        """Start ``out <- this rank's slice of the sum over ranks of full``; wait on the returned flight."""
+        self._note("reduce_scatter", tag, full)
+        t0 = time.perf_counter()
+        if self.mesh.group is None:
+            out.copy_(full)
+            works = []
+        else:
+            works = [dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
+                                                async_op=True)]
+        return self._flight(works, t0, "reduce")
+
+    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]`` (the
+        others' are scratch). Sections may differ in size, so a bucket can end anywhere in a unit."""
+        for r, t in enumerate(sections):
+            self._note("reduce", f"{tag}/r{r}", t)
+        t0 = time.perf_counter()
+        g = self.mesh.group
+        works = [] if g is None else [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
+                                      for r, t in enumerate(sections)]
+        return self._flight(works, t0, "reduce")
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""

@@ -60,8 +60,10 @@ class AdamW:
         return AdamWState(torch.zeros(len(layout.trainable), dtype=torch.int64), zeros(), zeros())
 
     def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
-               state: AdamWState, active: list[bool], donate: bool) -> tuple[torch.Tensor, AdamWState]:
-        """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank."""
+               state: AdamWState, active: list[bool], donate: bool,
+               grad_scale: float = 1.0) -> tuple[torch.Tensor, AdamWState]:
+        """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank.
+        The gradient is multiplied by ``grad_scale`` first (clipping), inside the kernel where it can be."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         segments = _segments(layout.trainable_ranges(rank), active, count.tolist())
         if not segments:
@@ -71,16 +73,18 @@ class AdamW:
         else:
             m, v = state.exp_avg, state.exp_avg_sq
         for lo, hi, step in segments:
-            self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step)
+            self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale)
         return param, AdamWState(count, m, v)
 
     def resolved_impl(self, device: torch.device) -> str:
         """The implementation that runs for state on ``device`` ("auto": native where built, else fused)."""
         return _resolve(self.impl, torch.device(device))
 
-    def _apply(self, p, g, m, v, step: int) -> None:
+    def _apply(self, p, g, m, v, step: int, grad_scale: float = 1.0) -> None:
         lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         impl = _resolve(self.impl, p.device)
+        if grad_scale != 1.0 and impl != "native":
+            g = g * grad_scale  # what clip_grad_norm_ does to .grad; the native kernel fuses it
         if impl == "fused":
             st = torch.tensor(float(step), device=p.device)
             torch._fused_adamw_([p], [g], [m], [v], [], [st], lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
@@ -90,7 +94,7 @@ class AdamW:
             # check_finite=False: like torch, a non-finite gradient propagates; skipping a step on every rank
             # consistently is a transform's job (it needs a collective), not the kernel's.
             ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                       check_finite=False)
+                       grad_scale=grad_scale, check_finite=False)
         else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float
             p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - b1)

@@ -23,8 +23,8 @@ from ._collectives import HASH_BITS, Comm, agree
 from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError, UnboundParameterError
 from ._init import ROOT
 from ._state import TrainState
-from ._transforms import fold
-from ._unit import StepRun
+from ._transforms import Grads, fold
+from ._unit import Accumulator, StepRun
 
 
 class _Caller(nn.Module):
@@ -73,26 +73,35 @@ class Step:
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
         spec = self._check_state(state)
+        micro = self.policy.batches(batch)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device))
         _check_ranks(comm, state, batch)
-        run = StepRun(spec, state.params, comm, self.policy)
+        acc, runs = Accumulator(len(micro)), []
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
             t1 = time.perf_counter()
-            loss, gather_metrics = self._forward_backward(run, buffers, batch)
+            loss, gather_metrics = 0.0, {}
+            for i, mb in enumerate(micro):
+                runs.append(StepRun(spec, state.params, comm, self.policy, acc, last=i == len(micro) - 1))
+                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
+                loss += float(mb_loss) / len(micro)
             t2 = time.perf_counter()
-            grads = {name: u.grad for name, u in run.units.items() if u.grad is not None}
-            loss, active = self._agree(comm, run, loss)
-            grads, grad_metrics = self.policy.grads(comm, grads)
+            run = runs[-1]
+            loss, active = self._agree(comm, run, acc, loss)
+            grads = self.policy.grads(comm, Grads({n: u.grad for n, u in run.units.items() if u.grad is not None}))
             t3 = time.perf_counter()
-            params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
+            if grads.skip:  # nothing changes: the input state is the result (also when donated: nothing was written)
+                new = state
+            else:
+                params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
+                if self.donate:
+                    object.__setattr__(state, "_donated", True)
+                new = TrainState(params, opt_state, state.step + 1, buffers, spec)
             t4 = time.perf_counter()
-            if self.donate:
-                object.__setattr__(state, "_donated", True)
-            new = TrainState(params, opt_state, state.step + 1, buffers, spec)
-            return new, self._metrics(comm, run, loss, new, {**gather_metrics, **grad_metrics}, t0, t1, t2, t3, t4)
+            return new, self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics}, t0, t1, t2, t3, t4)
         finally:
-            run.close()  # free this step's buffers now, also when it raised
+            for run in runs:
+                run.close()  # free this step's buffers now, also when it raised
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):
@@ -108,15 +117,16 @@ class Step:
         spec.mesh.check_alive()
         return spec
 
-    def _forward_backward(self, run: StepRun, buffers, batch) -> torch.Tensor:
+    def _forward_backward(self, run: StepRun, buffers, batch, k: int):
         with run.active():
             self.policy.gather.start(run)
             loss = self._forward(run, buffers, batch)
             run.phase = "backward"
             leaves = [u.shard for u in run.units.values() if u.flat is not None and u.trainable]
             if loss.requires_grad and leaves:
-                torch.autograd.grad(loss, leaves, allow_unused=True)  # gradients land in the units (reduce policy)
-            self.policy.reduce.finish(run)
+                # gradients land in the units (reduce policy); k micro-batches: the average, as loss / k would
+                torch.autograd.grad(loss if k == 1 else loss / k, leaves, allow_unused=True)
+            run.end_backward()
             gather_metrics = self.policy.gather.finish(run)
         run.release_all()
         return loss.detach(), gather_metrics
@@ -144,10 +154,10 @@ class Step:
         _check_loss(loss)
         return loss
 
-    def _agree(self, comm: Comm, run: StepRun, loss: torch.Tensor):
+    def _agree(self, comm: Comm, run: StepRun, acc: Accumulator, loss: float):
         """Sum the loss and the got-a-gradient marks over ranks, and check every rank issued the same collectives."""
-        got = [float(g) for u in run.units.values() for g in u.got]
-        sums, (same_seq,) = agree(comm, [float(loss)] + got, [comm.seq_hash])
+        got = [float(g) for name, u in run.units.items() for g in acc.got.get(name, u.got)]
+        sums, (same_seq,) = agree(comm, [loss] + got, [comm.seq_hash])
         if not same_seq:
             raise RankDivergenceError(
                 "ranks issued different collectives in this step (different units, order or sizes), so gathered "
@@ -163,19 +173,21 @@ class Step:
                                           "was never reduced here; make the forward the same on every rank.")
         return sums[0] / comm.mesh.world_size, active
 
-    def _metrics(self, comm, run, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
-        gather, exposed = comm.gather_busy_seconds(), comm.seconds.get("gather_exposed", 0.0)
-        reduce = comm.seconds.get("reduce", 0.0)
+    def _metrics(self, comm, runs, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
+        gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
+        reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
         m = {"loss": loss, "step": int(new.step),
              "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
              "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
-             "time/reduce": reduce, "time/compute": max(0.0, t2 - t1 - exposed - reduce), "time/update": t4 - t3,
+             "time/reduce": reduce, "time/reduce_exposed": r_exposed,
+             "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
+             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
-             "mem/peak_gathered_bytes": run.peak_bytes,
-             "mem/peak_gathered_bytes_forward": run.phase_peak["forward"],
-             "mem/peak_gathered_bytes_backward": run.phase_peak["backward"],
+             "mem/peak_gathered_bytes": max(r.peak_bytes for r in runs),
+             "mem/peak_gathered_bytes_forward": max(r.phase_peak["forward"] for r in runs),
+             "mem/peak_gathered_bytes_backward": max(r.phase_peak["backward"] for r in runs),
              "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0),
+             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
              "optim/impl": new.spec.optimizer.resolved_impl(new.spec.mesh.device), **grad_metrics}
         if comm.trace is not None:
             m["trace/collectives"] = tuple(comm.trace)

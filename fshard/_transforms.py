@@ -5,7 +5,8 @@ A step has four stages that transforms can change (design/ARCHITECTURE.md):
 - ``gather``: when each unit's flat buffer is gathered and freed, in forward and in backward (gather_ahead);
 - ``reduce``: how the gradient of a unit's flat buffer becomes this rank's gradient shard (bucket_reduce);
 - ``grads``:  what happens to the reduced gradient shards before the update (clipping, non-finite skip);
-- ``update``: where and how the optimizer runs on the shards (offload_state).
+- ``update``: where and how the optimizer runs on the shards (offload_state);
+- ``batches``: how the step's batch splits into micro-batches whose gradients are summed (accumulate).
 
 A transform is a small named object. For each stage it either returns the policy it was given, or a new policy
 that wraps it; ``fs.compose`` folds the transforms over the blocking policies below, left to right. The step itself
@@ -13,7 +14,7 @@ calls the four policies and nothing else, so it never grows a branch per transfo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ class Transform:
 
     def wrap_update(self, update):
         return update
+
+    def wrap_batches(self, batches):
+        return batches
 
     def __repr__(self) -> str:
         return f"fs.{self.name}()"
@@ -77,30 +81,51 @@ class BlockingReduce:
         n = run.comm.mesh.world_size
         full = grad.contiguous() if n == 1 else grad * (1.0 / n)
         out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
-        run.comm.reduce_scatter(out, full, unit.layout.name)
+        run.comm.reduce_scatter(out, full, unit.layout.name).wait()
         unit.grad = out
 
     def finish(self, run) -> None:
         """Called after backward: every outstanding reduction is complete when it returns."""
 
 
+@dataclass
+class Grads:
+    """What the grads stage hands to the update: the reduced gradient shards (unit name -> shard), a factor the
+    update multiplies every gradient by (fused into the optimizer kernel where it can be), whether to skip the
+    update altogether, and metrics. ``sq_norm`` is the global sum of squares, once a transform has computed it."""
+
+    shards: dict[str, torch.Tensor]
+    scale: float = 1.0
+    skip: bool = False
+    sq_norm: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
 class IdentityGrads:
     """Reduced gradient shards go to the update as they are."""
 
-    def __call__(self, comm, grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return grads, {}
+    def __call__(self, comm, grads: Grads) -> Grads:
+        return grads
 
 
 class DeviceUpdate:
     """Run the optimizer on the shards where they live, one unit at a time."""
 
-    def __call__(self, spec, state, grads, active, donate):
+    def __call__(self, spec, state, grads: Grads, active, donate):
         rank, params, opt_state = spec.mesh.rank, dict(state.params), dict(state.opt_state)
         for u in spec.units:
             if u.name in opt_state and any(active[u.name]):
                 params[u.name], opt_state[u.name] = spec.optimizer.update(
-                    u, rank, state.params[u.name], grads[u.name], state.opt_state[u.name], active[u.name], donate)
+                    u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
+                    donate, grad_scale=grads.scale)
         return params, opt_state
+
+
+class OneBatch:
+    """The batch is one micro-batch (``fs.accumulate(k)`` makes it a list of k)."""
+
+    def __call__(self, batch) -> list:
+        return [batch]
 
 
 @dataclass(frozen=True)
@@ -109,15 +134,17 @@ class Policy:
     reduce: Any
     grads: Any
     update: Any
+    batches: Any
 
 
 def fold(transforms) -> Policy:
     """The step's policies: the blocking ones, wrapped by each transform in turn."""
     gather, reduce, grads, update = BlockingGather(), BlockingReduce(), IdentityGrads(), DeviceUpdate()
+    batches = OneBatch()
     for t in transforms:
         if not isinstance(t, Transform):
             raise TypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
                             "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
         gather, reduce = t.wrap_gather(gather), t.wrap_reduce(reduce)
-        grads, update = t.wrap_grads(grads), t.wrap_update(update)
-    return Policy(gather, reduce, grads, update)
+        grads, update, batches = t.wrap_grads(grads), t.wrap_update(update), t.wrap_batches(batches)
+    return Policy(gather, reduce, grads, update, batches)

@@ -77,8 +77,30 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
-        unit.run.policy.reduce.reduce(unit.run, unit, grad)
+        run = unit.run
+        if run.last:
+            run.policy.reduce.reduce(run, unit, run.acc.take(unit.layout.name, grad))
+        else:  # more micro-batches follow: sum locally, reduce once in the last one (DDP's no_sync)
+            run.acc.add(unit.layout.name, grad)
         return None, None
+
+
+class Accumulator:
+    """One step's gradients summed over its micro-batches before their one reduction, and which parameters got
+    a gradient in any of them. With one micro-batch it stays empty."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.grads: dict[str, torch.Tensor] = {}
+        self.got: dict[str, list[bool]] = {}
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        acc = self.grads.get(name)
+        self.grads[name] = grad if acc is None else acc.add_(grad)  # autograd hands over the first one
+
+    def take(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        acc = self.grads.pop(name, None)
+        return grad if acc is None else acc.add_(grad)
 
 
 class _Saved:
@@ -178,8 +200,10 @@ class UnitRun:
 class StepRun:
     """All units of one step: routing target, saved-tensor hooks, and the gathered-bytes counter."""
 
-    def __init__(self, spec, params: dict[str, torch.Tensor], comm, policy):
+    def __init__(self, spec, params: dict[str, torch.Tensor], comm, policy, acc: Accumulator | None = None,
+                 last: bool = True):
         self.spec, self.comm, self.policy = spec, comm, policy
+        self.acc, self.last = acc if acc is not None else Accumulator(1), last
         self.units = {u.name: UnitRun(self, u, params[u.name]) for u in spec.units}
         self._live: dict[int, UnitRun] = {}
         self.live_bytes = self.peak_bytes = 0
@@ -226,6 +250,19 @@ class StepRun:
             self.policy.gather.before_backward(self, x.unit)
             return x.tensor
         return x
+
+    def end_backward(self) -> None:
+        """After this micro-batch's backward. In the last one, units that got a gradient only in earlier
+        micro-batches are reduced now (in unit order), then the reduce policy completes every reduction."""
+        if self.last:
+            for u in self.spec.units:
+                if u.name in self.acc.grads:
+                    self.policy.reduce.reduce(self, self.units[u.name], self.acc.grads.pop(u.name))
+            self.policy.reduce.finish(self)
+        if self.acc.k > 1:
+            for name, u in self.units.items():
+                prev = self.acc.got.get(name)
+                self.acc.got[name] = list(u.got) if prev is None else [a or b for a, b in zip(prev, u.got)]
 
     def release_all(self) -> None:
         for unit in self.units.values():

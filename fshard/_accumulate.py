@@ -1,0 +1,42 @@
+"""fs.accumulate: k micro-batches per optimizer step, reduced once.
+
+With ``fs.compose(loss_fn, fs.accumulate(k))`` the step takes a list of k micro-batches. It runs forward and
+backward on each in turn; each unit's gradient is summed locally over the first k-1 micro-batches and reduced
+once, in the last micro-batch's backward, as DDP's ``no_sync`` does (with bucket_reduce, the buckets of the last
+backward overlap it). The gradient is the average over the micro-batches, as if each loss were divided by k, and
+``metrics["loss"]`` is the mean loss. The local sums are full-size gradients of the trainable units, held only
+while the step runs (DDP and FSDP keep the same under ``no_sync``).
+"""
+from __future__ import annotations
+
+from ._transforms import Transform
+
+
+class _MicroBatches:
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, batch) -> list:
+        if not isinstance(batch, list) or len(batch) != self.k:
+            what = f"a list of {len(batch)}" if isinstance(batch, list) else type(batch).__name__
+            raise TypeError(f"a step composed with fs.accumulate({self.k}) takes a list of {self.k} micro-batches, "
+                            f"got {what}. Pass step(state, [mb_1, ..., mb_{self.k}]) (a list, so that a tuple batch "
+                            "such as (x, y) is never mistaken for micro-batches).")
+        return batch
+
+
+class accumulate(Transform):
+    """Accumulate the gradients of k micro-batches per step; reduce them once, in the last micro-batch."""
+
+    name = "accumulate"
+
+    def __init__(self, k: int):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"fs.accumulate: k must be an int >= 1 (micro-batches per step), got {k!r}.")
+        self.k = k
+
+    def wrap_batches(self, batches):
+        return _MicroBatches(self.k)
+
+    def __repr__(self) -> str:
+        return f"fs.accumulate({self.k})"

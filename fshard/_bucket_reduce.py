@@ -1,0 +1,207 @@
+"""fs.bucket_reduce: reduce gradients in flat buckets, launched asynchronously while backward goes on.
+
+The plan is static, made from the layout alone, so every rank has the same one: each unit with trainable
+parameters is cut at parameter boundaries into segments; segments are packed, in the order backward completes
+units (the reverse of the model's unit order), into buckets of about ``bucket_mb``. A segment of a unit covers
+pieces of several ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another
+(rank-major). One SUM reduce per rank then leaves each rank the sum of exactly its own pieces, whatever the
+bucket's boundaries, so a bucket may end inside a unit ("one bucket per parameter") or span the whole model.
+
+Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
+the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
+arrives, its segments are scaled into their buckets; a bucket whose units have all arrived is launched, in plan
+order, so ranks issue the same collectives in the same order even when their units finish at different times.
+Buckets still waiting at the end of backward (a unit unused on this rank) are zero-filled and launched then.
+The step waits for all of them before the update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._transforms import Transform
+
+
+@dataclass(frozen=True)
+class _Piece:
+    unit: str
+    lo: int        # range in the unit's flat buffer
+    hi: int
+    at: int        # offset in the bucket buffer
+    rank: int      # the rank whose shard holds [lo, hi)
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    index: int
+    units: frozenset
+    pieces: tuple      # _Piece, rank-major
+    sections: tuple    # (offset, numel) per rank
+    numel: int
+
+
+def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
+    """Static bucket plan over the units with trainable parameters, in reverse model order."""
+    segments = []  # (unit layout, lo, hi)
+    for u in reversed(units):
+        if not u.trainable:
+            continue
+        cuts = sorted({s.offset for s in u.slots if s.requires_grad} | {0})[1:] + [u.numel]
+        lo = 0
+        for c in cuts:
+            if c > lo:
+                segments.append((u, lo, c))
+                lo = c
+    groups, cur, size = [], [], 0
+    for seg in segments:
+        nbytes = (seg[2] - seg[1]) * seg[0].dtype.itemsize
+        if cur and size + nbytes > bucket_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(seg)
+        size += nbytes
+    if cur:
+        groups.append(cur)
+    buckets = []
+    for i, group in enumerate(groups):
+        pieces, sections, at = [], [], 0
+        for r in range(world_size):
+            start = at
+            for u, lo, hi in group:
+                s = u.shard_numel
+                a, b = max(lo, r * s), min(hi, (r + 1) * s)
+                if a < b:
+                    pieces.append(_Piece(u.name, a, b, at, r))
+                    at += b - a
+            sections.append((start, at - start))
+        buckets.append(_Bucket(i, frozenset(u.name for u, _, _ in group), tuple(pieces), tuple(sections), at))
+    return buckets
+
+
+class _Pending:
+    """One step's buckets: buffers, which units each still waits for, and the flights launched."""
+
+    def __init__(self, plan, layouts):
+        self.plan, self.layouts = plan, layouts
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.waiting = {b.index: set(b.units) for b in plan}
+        self.arrived: set[str] = set()
+        self.next = 0  # the first bucket not launched yet
+        self.flights = []
+
+
+class BucketReduce:
+    def __init__(self, bucket_bytes: int, reduce_dtype, op: str):
+        self.bucket_bytes, self.reduce_dtype, self.op = bucket_bytes, reduce_dtype, op
+        self._plan = None  # (key, plan), made on the first step from the layout
+
+    def _plan_for(self, run):
+        key = (run.spec.fingerprint, run.comm.mesh.world_size)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_buckets(run.spec.units, run.comm.mesh.world_size, self.bucket_bytes))
+        return self._plan[1]
+
+    def _state(self, run) -> _Pending:
+        if getattr(run, "buckets", None) is None:
+            run.buckets = _Pending(self._plan_for(run), {u.name: u for u in run.spec.units})
+        return run.buckets
+
+    def reduce(self, run, unit, grad: torch.Tensor) -> None:
+        st = self._state(run)
+        name = unit.layout.name
+        n = run.comm.mesh.world_size
+        scale = 1.0 / n if (self.op == "avg" and n > 1) else None
+        for b in st.plan:
+            if name not in b.units:
+                continue
+            buf = self._buffer(st, b, grad)
+            for p in b.pieces:
+                if p.unit == name:
+                    dst = buf[p.at:p.at + p.hi - p.lo]
+                    src = grad[p.lo:p.hi]
+                    if scale is None:
+                        dst.copy_(src)
+                    elif dst.dtype == src.dtype:
+                        torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
+                    else:
+                        dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
+            st.waiting[b.index].discard(name)
+        st.arrived.add(name)
+        self._launch_ready(run, st, force=False)
+
+    def finish(self, run) -> None:
+        st = self._state(run)
+        self._launch_ready(run, st, force=True)
+        for f in st.flights:
+            f.wait()
+        self._scatter(run, st)
+        run.buckets = None
+
+    def _buffer(self, st: _Pending, b: _Bucket, like: torch.Tensor) -> torch.Tensor:
+        if b.index not in st.buffers:
+            dtype = self.reduce_dtype or like.dtype
+            st.buffers[b.index] = torch.empty(b.numel, dtype=dtype, device=like.device)
+        return st.buffers[b.index]
+
+    def _launch_ready(self, run, st: _Pending, force: bool) -> None:
+        while st.next < len(st.plan):
+            b = st.plan[st.next]
+            if st.waiting[b.index] and not force:
+                return
+            if b.index not in st.buffers:  # none of its units got a gradient on this rank
+                layout = st.layouts[next(iter(b.units))]
+                st.buffers[b.index] = torch.zeros(b.numel, dtype=self.reduce_dtype or layout.dtype,
+                                                  device=run.units[layout.name].shard.device)
+            else:
+                buf = st.buffers[b.index]
+                for p in b.pieces:  # pieces of units that never arrived hold zeros
+                    if p.unit in st.waiting[b.index]:
+                        buf[p.at:p.at + p.hi - p.lo].zero_()
+            buf = st.buffers[b.index]
+            sections = [buf[o:o + k] for o, k in b.sections]
+            st.flights.append(run.comm.reduce_each(sections, f"bucket{b.index}"))
+            st.next += 1
+
+    def _scatter(self, run, st: _Pending) -> None:
+        """Give each unit its reduced gradient shard: a view where its pieces sit together in one bucket."""
+        rank = run.comm.mesh.rank
+        mine: dict[str, list] = {}
+        for b in st.plan:
+            buf = st.buffers[b.index]
+            for p in b.pieces:
+                if p.rank == rank:
+                    mine.setdefault(p.unit, []).append(buf[p.at:p.at + p.hi - p.lo])
+        for name, parts in mine.items():
+            layout = st.layouts[name]
+            g = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if g.numel() < layout.shard_numel:  # this rank's shard lies past the unit's segments: padding
+                g = torch.cat([g, g.new_zeros(layout.shard_numel - g.numel())])
+            run.units[name].grad = g if g.dtype == layout.dtype else g.to(layout.dtype)
+
+
+class bucket_reduce(Transform):
+    """Reduce gradients in flat buckets of about ``bucket_mb`` MiB, each launched asynchronously as soon as
+    backward has produced all of it, and waited for before the update.
+
+    reduce_dtype: reduce in this dtype (e.g. torch.float32 for bf16 gradients); by default the gradients' own.
+    op: "avg" (scale by 1/N, then sum: DDP's order, bitwise at 2 ranks) or "sum".
+    """
+
+    name = "bucket_reduce"
+
+    def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg"):
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"fs.bucket_reduce: bucket_mb must be a number > 0, got {bucket_mb!r}.")
+        if op not in ("avg", "sum"):
+            raise ValueError(f"fs.bucket_reduce: op must be 'avg' or 'sum', got {op!r}.")
+        if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype)
+                                         or not reduce_dtype.is_floating_point):
+            raise TypeError(f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
+        self.bucket_mb, self.reduce_dtype, self.op = bucket_mb, reduce_dtype, op
+
+    def wrap_reduce(self, reduce):
+        return BucketReduce(int(self.bucket_mb * 2**20), self.reduce_dtype, self.op)
+
+    def __repr__(self) -> str:
+        return f"fs.bucket_reduce(bucket_mb={self.bucket_mb}, op={self.op!r})"
