@@ -194,6 +194,18 @@ register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(
 register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
 register("fshard+ahead+buckets+keep+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))
+def _split_units(ctx):
+    """Blocks, and the embedding and the head as units of their own: the head's gradient is then reduced at
+    the start of backward instead of with the embedding's at its end (the root keeps only pos_emb and ln_f)."""
+    return dict(units=[f"blocks.{i}" for i in range(ctx.cfg.n_layers)] + ["tok_emb", "lm_head"])
+
+
+for _mb in (8, 25):
+    register(f"fshard+ahead+buckets{_mb}+keep+donate+split")(
+        lambda ctx, mb=_mb: fshard_runner(ctx, *_ahead_buckets(keep=True, bucket_mb=mb), donate=True,
+                                          init_kwargs=_split_units(ctx)))
+register("fshard+gather_ahead(2)+split")(
+    lambda ctx: fshard_runner(ctx, _gather_ahead(2), init_kwargs=_split_units(ctx)))
 register("fshard+gather_ahead(2)+keep")(  # reshard_after_forward=False: one gather per unit per step
     lambda ctx: fshard_runner(ctx, _gather_ahead(2, reshard_after_forward=False)))
 
