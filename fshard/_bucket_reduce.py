@@ -1,8 +1,9 @@
 """fs.bucket_reduce: reduce gradients in flat buckets, launched asynchronously while backward goes on.
 
-The plan is static, made from the layout alone, so every rank has the same one: each unit with trainable
-parameters is cut at parameter boundaries into segments; segments are packed, in the order backward completes
-units (the reverse of the model's unit order), into buckets of about ``bucket_mb``. A segment of a unit covers
+The plan is made once, in the first step's backward, from the layout and that step's forward order, so every
+rank has the same one: each unit with trainable parameters is cut at parameter boundaries into segments; segments
+are packed, in the order backward completes units (the reverse of their first use in forward; the root and
+units forward never called last), into buckets of about ``bucket_mb``. A segment of a unit covers
 pieces of several ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another
 (rank-major). One SUM reduce per rank then leaves each rank the sum of exactly its own pieces, whatever the
 bucket's boundaries, so a bucket may end inside a unit ("one bucket per parameter") or span the whole model.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._init import ROOT
 from ._transforms import Transform
 
 
@@ -41,10 +43,23 @@ class _Bucket:
     numel: int
 
 
+def backward_order(units, forward_order) -> list:
+    """Units in the order backward completes their gradients: the reverse of their first use in forward (a unit
+    used twice completes after its first use's backward); units forward did not call, and the root (its
+    parameters are used around all the others), last."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(forward_order):
+        first.setdefault(name, i)
+    by_name = {u.name: u for u in units}
+    used = sorted(first, key=first.get, reverse=True)
+    rest = [u.name for u in units if u.name not in first]
+    return [by_name[n] for n in used + [n for n in rest if n != ROOT] + [n for n in rest if n == ROOT]]
+
+
 def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
-    """Static bucket plan over the units with trainable parameters, in reverse model order."""
+    """Bucket plan over the units with trainable parameters, taken in the given (backward) order."""
     segments = []  # (unit layout, lo, hi)
-    for u in reversed(units):
+    for u in units:
         if not u.trainable:
             continue
         cuts = sorted({s.offset for s in u.slots if s.requires_grad} | {0})[1:] + [u.numel]
@@ -97,9 +112,12 @@ class BucketReduce:
         self._plan = None  # (key, plan), made on the first step from the layout
 
     def _plan_for(self, run):
+        # Made once per layout, in the first step's backward, when that step's forward order is known. Ranks run
+        # the same forward (or the collective-sequence check fails the step), so they make the same plan.
         key = (run.spec.fingerprint, run.comm.mesh.world_size)
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_buckets(run.spec.units, run.comm.mesh.world_size, self.bucket_bytes))
+            order = backward_order(run.spec.units, run.order)
+            self._plan = (key, plan_buckets(order, run.comm.mesh.world_size, self.bucket_bytes))
         return self._plan[1]
 
     def _state(self, run) -> _Pending:

@@ -63,16 +63,16 @@ def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> full flat buffer. Forward only starts the gather (the unit waits on it before use); backward
+    """shard -> full flat buffer, as autograd sees it. The data is gathered by ``UnitRun.launch`` into the unit's
+    buffer; this node is made at the unit's first use, so that its place in backward (autograd runs ready nodes
+    newest first) follows the unit's compute rather than the earlier moment its gather was launched. Backward
     receives the gradient of the whole buffer once all uses of the unit (a unit may run twice in one forward) have
     produced theirs."""
 
     @staticmethod
     def forward(ctx, shard, unit):
         ctx.unit = unit
-        out = torch.empty(unit.layout.numel, dtype=shard.dtype, device=shard.device)
-        unit.pending = unit.run.comm.gather(out, shard, unit.layout.name)
-        return out
+        return unit.alias()  # a new tensor on the gathered buffer's storage (not a view of an input)
 
     @staticmethod
     def backward(ctx, grad):
@@ -119,11 +119,17 @@ class UnitRun:
         self.run, self.layout = run, layout
         self.trainable = bool(layout.trainable)
         self.shard = shard.detach().requires_grad_(self.trainable)
-        self.flat: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
+        self.flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
         self.alive = False
         self.pending = None  # the Flight of a gather into ``flat`` that nobody has waited on yet
         self.grad: torch.Tensor | None = None
         self.got = [False] * len(layout.trainable)
+
+    def alias(self) -> torch.Tensor:
+        """A new tensor object on the gathered buffer's storage (its own version counter)."""
+        return torch.empty(0, dtype=self.layout.dtype, device=self.buf.device).set_(
+            self.buf.untyped_storage(), 0, (self.layout.numel,))
 
     def launch(self) -> None:
         """Make the gathered buffer live and start filling it; returns at once. ``acquire`` waits for the data."""
@@ -131,19 +137,11 @@ class UnitRun:
             return
         comm = self.run.comm
         with comm.gather_scope():
-            if self.flat is None:
-                if self.trainable:
-                    with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
-                        self.flat = _Gather.apply(self.shard, self)
-                else:
-                    self.flat = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
-                    self.pending = comm.gather(self.flat, self.shard.detach(), self.layout.name)
-            else:  # storage was freed: refill it in place, through an alias with its own version counter
-                storage = self.flat.untyped_storage()
-                storage.resize_(self.layout.nbytes)
-                alias = torch.empty(0, dtype=self.layout.dtype, device=self.flat.device).set_(
-                    storage, 0, (self.layout.numel,))
-                self.pending = comm.gather(alias, self.shard.detach(), self.layout.name)
+            if self.buf is None:
+                self.buf = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
+            else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
+                self.buf.untyped_storage().resize_(self.layout.nbytes)
+            self.pending = comm.gather(self.alias(), self.shard.detach(), self.layout.name)
         self.alive = True
         self.run.on_alive(self, +1)
 
@@ -153,6 +151,12 @@ class UnitRun:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+        if self.flat is None:
+            if self.trainable:
+                with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
+                    self.flat = _Gather.apply(self.shard, self)
+            else:
+                self.flat = self.buf
 
     def release(self) -> None:
         if self.alive:
@@ -161,7 +165,7 @@ class UnitRun:
                 self.pending = None
             self.run.on_alive(self, -1)
             self.run.comm.before_free()
-            self.flat.untyped_storage().resize_(0)
+            self.buf.untyped_storage().resize_(0)
             self.alive = False
 
     def bind(self, names) -> dict[str, torch.Tensor]:
@@ -212,7 +216,7 @@ class StepRun:
         self.order: list[str] = []  # units in the order forward used them
 
     def on_alive(self, unit: UnitRun, sign: int) -> None:
-        ptr = unit.flat.untyped_storage().data_ptr()
+        ptr = unit.buf.untyped_storage().data_ptr()
         if sign > 0:
             self._live[ptr] = unit
         else:
@@ -274,6 +278,6 @@ class StepRun:
         cycle collection."""
         for unit in self.units.values():
             unit.release()
-            unit.flat = unit.grad = unit.shard = unit.run = None
+            unit.flat = unit.buf = unit.grad = unit.shard = unit.run = None
         self.units.clear()
         self._live.clear()
