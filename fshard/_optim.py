@@ -76,13 +76,14 @@ class AdamW:
             self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale)
         return param, AdamWState(count, m, v)
 
-    def resolved_impl(self, device: torch.device) -> str:
-        """The implementation that runs for state on ``device`` ("auto": native where built, else fused)."""
-        return _resolve(self.impl, torch.device(device))
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        """The implementation that runs for state of ``dtype`` on ``device`` ("auto": native for fp32 where it is
+        built, else fused)."""
+        return _resolve(self.impl, torch.device(device), dtype)
 
     def _apply(self, p, g, m, v, step: int, grad_scale: float = 1.0) -> None:
         lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
-        impl = _resolve(self.impl, p.device)
+        impl = _resolve(self.impl, p.device, p.dtype)
         if grad_scale != 1.0 and impl != "native":
             g = g * grad_scale  # what clip_grad_norm_ does to .grad; the native kernel fuses it
         if impl == "fused":
@@ -107,10 +108,12 @@ class AdamW:
             p.addcdiv_(m, denom, value=-step_size)
 
 
-def _resolve(impl: str, device: torch.device) -> str:
+def _resolve(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     if impl != "auto":
         return impl
     from . import ops
+    if dtype != torch.float32:  # the native kernel keeps fp32 state; torch's fused one takes bf16/fp16 state too
+        return "fused"
     if ops.native_available() and (device.type == "cpu" or ops.backend_info()["cuda"]):
         return "native"
     return "fused"  # no native build (no compiler): torch's fused kernel, still one pass; ops says why once

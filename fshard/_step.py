@@ -188,7 +188,8 @@ class Step:
              "mem/peak_gathered_bytes_backward": max(r.phase_peak["backward"] for r in runs),
              "comm/gather_bytes": comm.bytes.get("all_gather", 0),
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-             "optim/impl": new.spec.optimizer.resolved_impl(new.spec.mesh.device), **grad_metrics}
+             "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
+                                            for u in new.spec.units if u.trainable})), **grad_metrics}
         if comm.trace is not None:
             m["trace/collectives"] = tuple(comm.trace)
         return m

@@ -230,3 +230,56 @@ def test_misuse_is_named():
         fs.clip_by_global_norm(-1)
     with pytest.raises(ValueError, match="k must be"):
         fs.accumulate(0)
+
+
+def _bf16_reduce(reduce_dtype):
+    """Reduced bf16 gradient shards vs the fp32 sum of every rank's bf16 gradient, rounded once to bf16."""
+    import torch.distributed as dist
+
+    import fshard as fs
+    from fshard._layout import flatten
+    from models import Block
+
+    class Capture(fs.Transform):
+        name = "capture"
+
+        def __init__(self):
+            self.shards = {}
+
+        def wrap_grads(self, inner):
+            def grads(comm, g):
+                g = inner(comm, g)
+                self.shards.update({k: v.clone() for k, v in g.shards.items()})
+                return g
+            return grads
+
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(24) for _ in range(3)]).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    cap = Capture()
+    state = fs.init(model, mesh, fs.adamw())
+    x = torch.randn(5, 7, 24, generator=torch.Generator().manual_seed(mesh.rank)).to(torch.bfloat16)
+    loss_fn = lambda m, b: (m(b).float() ** 2).mean()  # noqa: E731
+    fs.compose(loss_fn, fs.bucket_reduce(bucket_mb=1e-3, reduce_dtype=reduce_dtype), cap)(state, x)
+    loss_fn(ref, x).backward()
+    worst = 0
+    for u in state.spec.units:
+        local = flatten(u, {s.name: dict(ref.named_parameters())[s.name].grad for s in u.slots})
+        total = local.float() * (1.0 / mesh.world_size)
+        dist.all_reduce(total)  # the reference: the bf16 gradients scaled and summed in fp32, rounded once
+        lo, hi = u.shard_range(mesh.rank)
+        want = total[lo:hi]
+        got = cap.shards[u.name]
+        assert got.dtype == torch.bfloat16
+        # error in units of bf16's spacing (2^-7 relative) at each element
+        ulps = (got.float() - want).abs() / (want.abs().clamp_min(1e-30) * 2.0**-7)
+        worst = max(worst, ulps.max().item())
+    return worst
+
+
+def test_reduce_dtype_sums_bf16_gradients_in_fp32():
+    exact = run_ranks(_bf16_reduce, 3, torch.float32)
+    plain = run_ranks(_bf16_reduce, 3, None)
+    assert max(exact) <= 1.0  # summed in fp32 and rounded to bf16 once: within one bf16 step of the reference
+    assert max(plain) > 1.0  # summed in bf16: rounded at every step of the sum, it drifts further
