@@ -43,6 +43,7 @@ from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
+from ._offload import OffloadError, Stored, offload_state
 from ._optim import AdamW, AdamWState, adamw
 from ._state import ShardSpec, TrainState
 from ._skip import skip_nonfinite

@@ -78,13 +78,16 @@ class TrainState:
                 "place; use the state that step returned, or compose without donate=True to keep inputs intact.")
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes this rank holds, by part (gradient shards exist only inside a step; they are counted too)."""
+        """Bytes this rank holds in memory, by part (gradient shards exist only inside a step; they are counted
+        too), and ``stored``: the bytes of leaves that live in a store (fs.offload_state)."""
         leaves = lambda t: optree.tree_leaves(t, namespace=NAMESPACE)  # noqa: E731
         grads = sum(self.params[u.name].nbytes for u in self.spec.units if u.trainable)  # one reduced shard each
+        opt = leaves(self.opt_state)
         return {"params": sum(t.nbytes for t in leaves(self.params)),
                 "grads": grads,
-                "opt_state": sum(t.nbytes for t in leaves(self.opt_state)),
-                "buffers": sum(t.nbytes for t in leaves(self.buffers))}
+                "opt_state": sum(t.nbytes for t in opt if isinstance(t, torch.Tensor)),
+                "buffers": sum(t.nbytes for t in leaves(self.buffers)),
+                "stored": sum(t.nbytes for t in opt if not isinstance(t, torch.Tensor))}
 
     def __repr__(self) -> str:
         m = self.spec.mesh
@@ -97,7 +100,12 @@ class TrainState:
                         f"{str(u.dtype).removeprefix('torch.'):>10}{per_rank:>12,}")
         nb = self.nbytes()
         rows.append(f"  per rank: params {nb['params']:,} B, opt_state {nb['opt_state']:,} B, "
-                    f"grads (in step) {nb['grads']:,} B, buffers {nb['buffers']:,} B ({len(self.buffers)} replicated)")
+                    f"grads (in step) {nb['grads']:,} B, buffers {nb['buffers']:,} B ({len(self.buffers)} replicated)"
+                    + (f", in a store {nb['stored']:,} B" if nb["stored"] else ""))
+        for name, s in self.opt_state.items():  # leaves that live in a store: key, bytes, location
+            stored = [(f, getattr(s, f)) for f in getattr(s, "__dataclass_fields__", {})
+                      if not isinstance(getattr(s, f), torch.Tensor)]
+            rows += [f"  {name}.{f}: {v!r}" for f, v in stored]
         return "\n".join(rows)
 
 

@@ -154,14 +154,19 @@ def check_same_structure(before: TrainState, after: TrainState) -> None:
 
 def snapshot(state: TrainState) -> list[torch.Tensor]:
     """Copies of every leaf, to compare against after a step (check_unchanged)."""
-    return [t.detach().clone() for t in optree.tree_leaves(state, namespace=NAMESPACE)]
+    return [_value(t) for t in optree.tree_leaves(state, namespace=NAMESPACE)]
+
+
+def _value(leaf) -> torch.Tensor:
+    """A leaf's data: a copy of a tensor, or a stored leaf (fs.offload_state) read back from its store."""
+    return leaf.load() if hasattr(leaf, "load") else leaf.detach().clone()
 
 
 def check_unchanged(state: TrainState, snap: list[torch.Tensor]) -> None:
     """Every leaf still equals its snapshot, bit for bit: nothing mutated the state."""
     for path, t, s in zip(optree.tree_paths(state, namespace=NAMESPACE),
                           optree.tree_leaves(state, namespace=NAMESPACE), snap):
-        assert torch.equal(_bits(t), _bits(s)), f"leaf {path} was mutated"
+        assert torch.equal(_bits(_value(t)), _bits(s)), f"leaf {path} was mutated"
 
 
 def check_memory_bound(state: TrainState, moments: int = 2) -> None:

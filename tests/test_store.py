@@ -255,30 +255,6 @@ def test_bad_directories(tmp_path):
     assert created.is_dir() and os.listdir(created) == []
 
 
-def _mount_tmpfs(path, options):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs (mount -t tmpfs); run the suite as root to exercise this fault")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"mount -t tmpfs -o {options} failed: {r.stderr.strip()}")
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounted = []
-
-    def mount(options):
-        path = tmp_path / f"mnt{len(mounted)}"
-        path.mkdir()
-        _mount_tmpfs(path, options)
-        mounted.append(path)
-        return path
-
-    yield mount
-    for p in mounted:
-        subprocess.run(["umount", "-l", str(p)], check=False)
-
-
 def test_unwritable_directory(tmpfs):
     ro = tmpfs("ro,size=1m")
     with pytest.raises(StoreDirectoryError, match=f"{ro}.*not writable"):

@@ -96,13 +96,15 @@ class Stream:
         return self.store.pool.acquire(nbytes)
 
     # ---- write-back --------------------------------------------------------------------------------------
-    def writeback(self, item: StreamItem, tensor: Optional[torch.Tensor] = None) -> Handle:
-        """Write the item (or `tensor`, copied into the item's buffer) back under its key, asynchronously."""
+    def writeback(self, item: StreamItem, tensor: Optional[torch.Tensor] = None,
+                  key: Optional[Hashable] = None) -> Handle:
+        """Write the item (or `tensor`, copied into the item's buffer) back under its key (or under `key`, a new
+        version that leaves the item's own key as it was), asynchronously."""
         if not item._open:
             raise StoreError(f"stream item {item.key!r} was already written back or released")
         if tensor is not None and tensor is not item.tensor:
             item.tensor.copy_(tensor)
-        h = self.store.put(item.key, item.tensor)
+        h = self.store.put(item.key if key is None else key, item.tensor)
         item._open = False
         self._writes.append((h, item._buf))
         while len(self._writes) > self.max_writes:

@@ -1,0 +1,167 @@
+"""Offloaded optimizer state: step time and RSS with the moments in memory, in a CPUStore, or on NVMe (uring, aio).
+
+World size 1, a GPT of about 100M parameters (dim 768, 12 layers, vocab 16384, seq 128), fp32, batch 2, one
+thread; every config in a fresh process, round-robin over rounds, the same weights and batches::
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/offload.py --dir /var/tmp/fshard-offload
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/offload.py --tiny --steps 3     # a quick check
+
+Per config it prints the median step time, the median update time, the time the update waited on the store
+(``time/io_wait``: I/O not hidden behind the update's compute), I/O bytes per step and their rate, and the
+process RSS after the steps (VmRSS, with freed memory handed back by malloc_trim) and its peak (VmHWM).
+The hidden fraction of I/O is 1 - io_wait / io_time, where io_time is the same stream of reads and write-backs
+timed on its own (``--io-only`` pass: no compute), measured in the same process right after the steps.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "examples")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")
+
+
+def _rss() -> tuple[int, int]:
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                vals[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def _trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def run_config(name: str, args, out_q) -> None:
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    torch.set_num_threads(args.threads)
+    cfg = GPTConfig.tiny() if args.tiny else GPTConfig(vocab=16384, dim=768, n_layers=12, n_heads=12, seq=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    store, ts = None, ()
+    if name == "cpu":
+        store = fs.CPUStore()
+    elif name.startswith("nvme"):
+        store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=name.split("-")[1])
+    if store is not None:
+        ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth),)
+    state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4))
+    del model
+    step = fs.compose(loss_fn, *ts, donate=args.donate)
+    batches = list(synthetic_batches(cfg, args.batch_size, args.warmup + args.steps, seed=1))
+    times, updates, waits, io, losses = [], [], [], [], []
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        state, m = step(state, b)
+        dt = time.perf_counter() - t0
+        losses.append(m["loss"])
+        if i >= args.warmup:
+            times.append(dt)
+            updates.append(m["time/update"])
+            waits.append(m.get("time/io_wait", 0.0))
+            io.append(m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0))
+    _trim()
+    rss, hwm = _rss()
+    io_only = None
+    if store is not None:  # the same reads and write-backs, with no compute: the I/O time to hide
+        keys = [k for s in state.opt_state.values() if s is not None and isinstance(s.exp_avg, fs.Stored)
+                for k in s.exp_avg.items.item_keys()]
+        io_times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            with store.stream(keys, depth=args.depth, writeback=True) as s:
+                for item in s:
+                    s.writeback(item, key=("io-only",) + tuple(item.key))
+            io_times.append(time.perf_counter() - t0)
+            for k in keys:
+                store.delete(("io-only",) + tuple(k))
+        io_only = min(io_times)
+    out_q.put(dict(name=name, params=n_params, step_s=times, update_s=updates, io_wait_s=waits, io_bytes=io,
+                   rss=rss, hwm=hwm, io_only_s=io_only, losses=losses,
+                   resident=int(getattr(store, "resident_bytes", 0)) if store is not None else 0))
+    if store is not None:
+        del state
+        store.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where NVMeStore puts its files")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunk-mb", type=float, default=8)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--donate", action="store_true", help="compose with donate=True (in-place update)")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    names = args.configs.split(",")
+    res: dict[str, list] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for n in names:
+            q = ctx.Queue()
+            proc = ctx.Process(target=run_config, args=(n, args, q))
+            proc.start()
+            r = q.get()
+            proc.join()
+            res[n].append(r)
+            print(f"[offload.py] round {rnd} {n}: median {statistics.median(r['step_s']):.3f} s/step, "
+                  f"rss {r['rss'] / 2**30:.2f} GiB", flush=True)
+    print(f"\n=== offloaded AdamW state, world size 1, {res[names[0]][0]['params'] / 1e6:.1f}M params, "
+          f"batch {args.batch_size}, {args.threads} threads, chunk {args.chunk_mb} MiB, depth {args.depth}, "
+          f"donate={args.donate}, torch {torch.__version__} ===")
+    print(f"{'config':12s} {'step s':>8s} {'update s':>9s} {'io wait s':>10s} {'io-only s':>10s} {'hidden':>7s} "
+          f"{'GB/step':>8s} {'GB/s':>6s} {'RSS GiB':>8s} {'peak GiB':>9s}")
+    med = {}
+    for n in names:
+        rs = res[n]
+        step = statistics.median([t for r in rs for t in r["step_s"]])
+        upd = statistics.median([t for r in rs for t in r["update_s"]])
+        wait = statistics.median([t for r in rs for t in r["io_wait_s"]])
+        gb = statistics.median([b for r in rs for b in r["io_bytes"]]) / 1e9
+        io_only = statistics.median([r["io_only_s"] for r in rs]) if rs[0]["io_only_s"] else None
+        hidden = "" if not io_only else f"{max(0.0, 1 - wait / io_only) * 100:5.1f}%"
+        rate = f"{gb / upd:6.2f}" if gb else ""
+        rss, hwm = max(r["rss"] for r in rs) / 2**30, max(r["hwm"] for r in rs) / 2**30
+        med[n] = step
+        print(f"{n:12s} {step:8.3f} {upd:9.3f} {wait:10.3f} {(io_only or 0):10.3f} {hidden:>7s} {gb:8.3f} "
+              f"{rate:>6s} {rss:8.2f} {hwm:9.2f}")
+    losses = {n: res[n][0]["losses"] for n in names}
+    same = all(losses[n] == losses[names[0]] for n in names)
+    print(f"\nlosses identical across configs (round 0): {same}")
+    for a, b in (("nvme-uring", "cpu"), ("nvme-aio", "cpu"), ("cpu", "none"), ("nvme-uring", "none")):
+        if a in med and b in med:
+            print(f"  {a} / {b} = {med[a] / med[b]:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()

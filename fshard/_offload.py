@@ -1,0 +1,279 @@
+"""fs.offload_state: keep optimizer moments in a store (CPU memory or NVMe) and stream them through the update.
+
+The moments of the chosen units live in ``store`` as chunk items: item ``(key, i)`` holds rows
+``[exp_avg; exp_avg_sq]`` of elements ``chunks[i]`` of the unit's optimizer range. In the state they are leaves
+of type ``Stored``, shown by ``print(state)`` with their key, bytes and location. The update walks every active
+offloaded chunk through the store's stream, so read(i+1) || update(i) || write(i-1) with a bounded number of
+buffers, and runs the same AdamW kernel on the same elements as without offload (bitwise; chunk boundaries are
+multiples of 16 elements, so a kernel's vector lanes see every element in the same position).
+
+Purity: without ``donate``, updated chunks are written under a new version key and the input state's items stay
+readable; an item is deleted once no state refers to it (its ``Stored`` leaves were garbage-collected), at the
+next update. With ``donate=True`` chunks are written back under their own key (the store keeps the previous
+version readable until the new one is complete). The first step moves the chosen units' moments into the store;
+if a write fails there (directory full, read-only), the step raises ``OffloadError`` and the input state is
+unchanged and usable.
+
+``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
+(0: none, 1: all). On CUDA the shard's gradient and parameter go to the CPU for the update and the parameter
+comes back (this path has not run on a GPU yet).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._errors import FshardError
+from ._optim import AdamWState, _segments
+from ._transforms import Transform
+
+_ROWS = ("exp_avg", "exp_avg_sq")
+_ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
+
+
+class OffloadError(FshardError):
+    """The store could not hold the optimizer state; the input state is unchanged."""
+
+
+class _Items:
+    """The chunk items of one version of one unit's moments. When the last Stored leaf referring to them is
+    collected, their keys go to the policy's trash, deleted at its next update (never during another store
+    operation)."""
+
+    def __init__(self, store, key: str, chunks, trash: list):
+        self.store, self.key, self.chunks = store, key, tuple(chunks)
+        weakref.finalize(self, trash.append, (store, [(key, i) for i in range(len(self.chunks))]))
+
+    def item_keys(self):
+        return [(self.key, i) for i in range(len(self.chunks))]
+
+
+@dataclass(frozen=True, eq=False)
+class Stored:
+    """A state leaf whose data is in a store: one row of a unit's moment chunks."""
+
+    items: _Items = field(repr=False)
+    row: int
+    numel: int
+    dtype: torch.dtype
+    location: str
+
+    @property
+    def key(self) -> str:
+        return self.items.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel,)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # where load() puts it
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def load(self) -> torch.Tensor:
+        """The tensor, read back from the store (for inspection and tests)."""
+        out = torch.empty(self.numel, dtype=self.dtype)
+        for (lo, hi), k in zip(self.items.chunks, self.items.item_keys()):
+            out[lo:hi] = self.items.store.get(k).wait()[self.row]
+        return out
+
+    def __repr__(self) -> str:
+        return f"Stored({self.key!r} {_ROWS[self.row]}, {self.nbytes:,} B, {self.location})"
+
+
+def _location(store) -> str:
+    d = getattr(store, "directory", None)
+    return f"nvme:{d} ({getattr(store, 'backend', '?')})" if d else type(store).__name__.removesuffix("Store").lower()
+
+
+def _chunks(n: int, chunk: int):
+    return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
+
+
+class OffloadUpdate:
+    def __init__(self, store, fraction: float, chunk_numel: int, depth: int):
+        self.store, self.fraction, self.chunk, self.depth = store, fraction, chunk_numel, depth
+        self.trash: list = []
+        self._versions = itertools.count()
+        self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
+
+    def __call__(self, spec, state, grads, active, donate):
+        self._empty_trash()
+        chosen = self._choose(spec, state)
+        rank, opt = spec.mesh.rank, spec.optimizer
+        params, opt_state = dict(state.params), dict(state.opt_state)
+        m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        streamed = []  # (unit layout, param, grad, count, segments, Stored pair, new key)
+        written = []  # keys written by this update, deleted again if it fails
+        try:
+            for u in spec.units:
+                s = state.opt_state.get(u.name)
+                if s is None:
+                    continue
+                on = active[u.name]
+                if u.name not in chosen:  # stays in memory: the plain update
+                    if any(on):
+                        params[u.name], opt_state[u.name] = opt.update(
+                            u, rank, state.params[u.name], grads.shards[u.name], s, on, donate,
+                            grad_scale=grads.scale)
+                    continue
+                if not isinstance(s.exp_avg, Stored):  # first time: update in memory, then move to the store
+                    p, s = (opt.update(u, rank, state.params[u.name], grads.shards[u.name], s, on, donate,
+                                       grad_scale=grads.scale) if any(on) else (state.params[u.name], s))
+                    params[u.name], opt_state[u.name] = p, self._put(u.name, s, written, m)
+                    continue
+                count = s.count + torch.tensor(on, dtype=torch.int64)
+                segs = _segments(u.trainable_ranges(rank), on, count.tolist())
+                if not segs:  # nothing to update: the same items serve the new state
+                    opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
+                    continue
+                p = state.params[u.name] if donate else state.params[u.name].clone()
+                key = s.exp_avg.key if donate else self._key(u.name)
+                streamed.append((u, p, grads.shards[u.name], count, segs, s, key))
+            if streamed:
+                self._stream(opt, streamed, grads.scale, written, m, donate)
+            for u, p, _, count, _, s, key in streamed:
+                items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks, self.trash)
+                params[u.name] = p
+                opt_state[u.name] = AdamWState(count, *(Stored(items, r, s.exp_avg.numel, s.exp_avg.dtype,
+                                                               s.exp_avg.location) for r in (0, 1)))
+        except Exception as e:
+            if not donate:
+                for k in written:
+                    _quiet_delete(self.store, k)
+            if isinstance(e, FshardError):
+                raise
+            raise OffloadError(
+                f"offload_state could not move optimizer state through {_location(self.store)}: {e}. Nothing was "
+                "updated: the input state is unchanged and usable. Free space in the store's directory, choose "
+                "another one, or offload less (fs.offload_state(store, fraction=...)).") from e
+        m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
+        grads.metrics.update(m)
+        return params, opt_state
+
+    # --- the pipeline --------------------------------------------------------------------------------------------
+
+    def _stream(self, opt, work, scale, written, m, donate) -> None:
+        keys = [k for *_, s, _ in work for k in s.exp_avg.items.item_keys()]
+        where = [(i, c) for i, (*_, s, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
+        t_wait = 0.0
+        stream = self.store.stream(keys, depth=self.depth, writeback=True)
+        try:
+            it = iter(stream)
+            for i, c in where:
+                t0 = time.perf_counter()
+                item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
+                t_wait += time.perf_counter() - t0
+                u, p, g, _, segs, s, key = work[i]
+                lo, hi = s.exp_avg.items.chunks[c]
+                mv = item.tensor
+                m["io/read_bytes"] += mv.numel() * mv.element_size()
+                for a, b, step in segs:
+                    a, b = max(a, lo), min(b, hi)
+                    if a < b:
+                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, step, scale)
+                t0 = time.perf_counter()
+                stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
+                t_wait += time.perf_counter() - t0
+                if not donate:
+                    written.append((key, c))
+                m["io/write_bytes"] += mv.numel() * mv.element_size()
+        finally:
+            t0 = time.perf_counter()
+            stream.close()  # completes every write-back (raises the first error)
+            t_wait += time.perf_counter() - t0
+        m["time/io_wait"] += t_wait
+
+    def _put(self, name: str, s: AdamWState, written, m) -> AdamWState:
+        """Move a unit's in-memory moments into the store as chunk items."""
+        n = s.exp_avg.numel()
+        chunks, key = _chunks(n, self.chunk), self._key(name)
+        handles = []
+        for i, (lo, hi) in enumerate(chunks):
+            handles.append(self.store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
+            written.append((key, i))
+            m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
+        for h in handles:
+            h.wait()
+        items, loc = _Items(self.store, key, chunks, self.trash), _location(self.store)
+        return AdamWState(s.count, *(Stored(items, r, n, s.exp_avg.dtype, loc) for r in (0, 1)))
+
+    # --- bookkeeping ---------------------------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return f"{name}@v{next(self._versions)}"
+
+    def _empty_trash(self) -> None:
+        while self.trash:
+            store, keys = self.trash.pop()
+            for k in keys:
+                _quiet_delete(store, k)
+
+    def _choose(self, spec, state) -> frozenset:
+        if self._chosen is None or self._chosen[0] != spec.fingerprint:
+            sizes = [(u.name, 2 * u.opt_numel(spec.mesh.rank)) for u in spec.units if u.name in state.opt_state
+                     and state.opt_state[u.name] is not None]
+            total, target, acc, names = sum(b for _, b in sizes), 0.0, 0, set()
+            target = self.fraction * total
+            for name, b in sizes:
+                if acc >= target - 1e-9 * total or self.fraction == 0:
+                    break
+                names.add(name)
+                acc += b
+            self._chosen = (spec.fingerprint, frozenset(names))
+        return self._chosen[1]
+
+
+def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) -> None:
+    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows."""
+    if p.device.type == "cpu":
+        opt._apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+        return
+    # CUDA: update on the host copy, then send the parameter back (not run on a GPU yet)
+    ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
+    opt._apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+    p[a:b].copy_(ph, non_blocking=True)
+
+
+def _quiet_delete(store, key) -> None:
+    try:
+        store.delete(key)
+    except Exception:  # noqa: BLE001 - already gone, or the store is closed: nothing left to free
+        pass
+
+
+class offload_state(Transform):
+    """Keep ``fraction`` of the optimizer moments in ``store`` (``fs.CPUStore()`` or ``fs.NVMeStore(dir)``) and
+    update them by streaming chunks of ``chunk_mb`` MiB per moment, ``depth`` reads ahead.
+
+    Metrics: ``io/read_bytes``, ``io/write_bytes``, ``time/io_wait`` (time the update waited on the store) and
+    ``store/resident_bytes``."""
+
+    name = "offload_state"
+
+    def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2):
+        if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
+            raise TypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
+                            f"{type(store).__name__}.")
+        if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fs.offload_state: fraction must be in [0, 1], got {fraction!r}.")
+        if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
+                             f"{depth!r}.")
+        self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
+
+    def wrap_update(self, update):
+        chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)
+        return OffloadUpdate(self.store, self.fraction, chunk, self.depth)
+
+    def __repr__(self) -> str:
+        return f"fs.offload_state({_location(self.store)}, fraction={self.fraction})"

@@ -1,0 +1,152 @@
+"""fs.offload_state: bitwise the same training with the moments in a CPUStore or an NVMeStore, at any fraction and
+with the other transforms; a pure step; stored leaves visible in the state; clear errors that lose nothing."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+STEPS = 5
+
+
+def _model():
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layers=3)
+    return GPT(cfg), loss_fn, lambda r, n: synthetic_batches(cfg, 2, STEPS, seed=4, rank=r, world_size=n)
+
+
+def _moments(state):
+    import fshard as fs
+    out = {}
+    for name, s in state.opt_state.items():
+        if s is not None:
+            for f in ("exp_avg", "exp_avg_sq"):
+                v = getattr(s, f)
+                out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.Stored) else v).numpy().tobytes()
+    return out
+
+
+def _train(directory, with_transforms, donate=False):
+    """Per config: losses, full params and moments (as bytes), and the last metrics."""
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    model, loss_fn, batches = _model()
+    extra = (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.02)) if with_transforms else ()
+    configs = {"none": None}
+    for frac in (0.0, 0.5, 1.0):
+        configs[f"cpu/{frac}"] = (lambda: fs.CPUStore(), frac)
+        configs[f"nvme/{frac}"] = (lambda: fs.NVMeStore(f"{directory}/r{mesh.rank}"), frac)
+    out = {}
+    for key, cfg in configs.items():
+        store = None if cfg is None else cfg[0]()
+        ts = extra + (() if store is None else (fs.offload_state(store, fraction=cfg[1], chunk_mb=0.01),))
+        state = fs.init(model, mesh, fs.adamw(lr=3e-3, weight_decay=0.1))
+        step = fs.compose(loss_fn, *ts, donate=donate)
+        losses = []
+        for b in batches(mesh.rank, mesh.world_size):
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        stored = sum(isinstance(getattr(s, "exp_avg", None), fs.Stored) for s in state.opt_state.values())
+        params = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
+        out[key] = (losses, params, _moments(state), stored, {k: v for k, v in m.items() if k.startswith("io/")})
+        del state, step
+        if store is not None:
+            store.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size,with_transforms", [(1, False), (2, False), (2, True)])
+def test_training_is_bitwise_identical_with_offload(tmp_path, world_size, with_transforms):
+    args = (str(tmp_path), with_transforms)
+    ranks = run_ranks(_train, world_size, *args) if world_size > 1 else [_train(*args)]
+    for r, res in enumerate(ranks):
+        ref = res["none"]
+        for key, (losses, params, moments, stored, io) in res.items():
+            assert losses == ref[0], f"rank {r} {key}: losses differ"
+            assert params == ref[1], f"rank {r} {key}: parameters differ"
+            assert moments == ref[2], f"rank {r} {key}: moments differ"
+            frac = None if key == "none" else float(key.split("/")[1])
+            n_units = 4  # root + 3 blocks
+            if frac is not None:  # the fraction really moved state, and the update really streamed it
+                assert stored == {0.0: 0, 0.5: stored, 1.0: n_units}[frac]
+                assert (0 < stored < n_units) if frac == 0.5 else True
+                assert (io["io/read_bytes"] > 0) == (frac > 0)
+
+
+def test_donated_offloaded_training_is_bitwise_identical(tmp_path):
+    out = _train(str(tmp_path), False, donate=True)
+    for key, res in out.items():
+        assert res[:3] == out["none"][:3], key
+
+
+def test_a_step_is_pure_and_old_versions_are_freed(tmp_path):
+    import fshard as fs
+    import fshard.testing as ft
+    model, loss_fn, batches = _model()
+    bs = list(batches(0, 1))
+    with fs.NVMeStore(str(tmp_path)) as store:
+        step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+        s0 = fs.init(model, fs.Mesh.local(), fs.adamw())
+        s1, _ = step(s0, bs[0])  # moves the moments into the store
+        s2, _ = step(s1, bs[1])
+        ft.check_same_structure(s1, s2)
+        snap = ft.snapshot(s1)
+        a, _ = step(s1, bs[2])
+        ft.check_unchanged(s1, snap)  # the stored moments of s1 are still its own
+        b, _ = step(s1, bs[2])  # the same step from the same state: the same result
+        assert _moments(a) == _moments(b)
+        text = repr(b)
+        assert "Stored(" in text and "exp_avg_sq" in text and "nvme:" in text and "in a store" in text
+        keys_per_version = len(store.keys())
+        del s0, s1, s2, a, snap
+        gc.collect()
+        for x in bs[3:]:
+            b, m = step(b, x)
+        # only the live state's items remain (plus at most the version the last step replaced)
+        assert len(store.keys()) <= keys_per_version
+        assert m["io/read_bytes"] == m["io/write_bytes"] > 0 and m["store/resident_bytes"] >= 0
+
+
+def test_a_missing_or_unwritable_directory_fails_at_init(tmp_path):
+    import fshard as fs
+    with pytest.raises(fs.store.StoreDirectoryError, match="does not exist"):
+        fs.NVMeStore(str(tmp_path / "missing"), create=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(fs.store.StoreDirectoryError, match="not a directory"):
+        fs.NVMeStore(str(afile))
+    with pytest.raises(TypeError, match="CPUStore"):
+        fs.offload_state(object())
+    with pytest.raises(ValueError, match="fraction"):
+        fs.offload_state(fs.CPUStore(), fraction=1.5)
+
+
+def test_an_unwritable_directory_fails_at_init(tmpfs):
+    import fshard as fs
+    ro = tmpfs("ro,size=1m")
+    with pytest.raises(fs.store.StoreDirectoryError, match="not writable"):
+        fs.NVMeStore(str(ro))
+
+
+def test_a_full_directory_fails_on_the_first_step_and_loses_nothing(tmpfs):
+    import fshard as fs
+    small = tmpfs("size=64k")  # far less than the moments need
+    model, loss_fn, batches = _model()
+    bs = list(batches(0, 1))
+    state = fs.init(model, fs.Mesh.local(), fs.adamw())
+    with fs.NVMeStore(str(small)) as store:
+        step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+        with pytest.raises(fs.OffloadError, match="input state is unchanged"):
+            step(state, bs[0])
+        assert store.keys() == [] or all(k in store for k in store.keys())
+    # the input state is intact: training on without offload gives what training without offload gives
+    plain = fs.compose(loss_fn)
+    s, ref = state, fs.init(model, fs.Mesh.local(), fs.adamw())
+    for b in bs:
+        s, m1 = plain(s, b)
+        ref, m2 = plain(ref, b)
+    assert m1["loss"] == m2["loss"]
