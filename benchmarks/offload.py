@@ -30,7 +30,7 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")
+CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")  # also: nvme-uring-buffered, nvme-aio-buffered
 
 
 def _rss() -> tuple[int, int]:
@@ -60,8 +60,9 @@ def run_config(name: str, args, out_q) -> None:
     store, ts = None, ()
     if name == "cpu":
         store = fs.CPUStore()
-    elif name.startswith("nvme"):
-        store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=name.split("-")[1])
+    elif name.startswith("nvme"):  # nvme-uring, nvme-aio; "-buffered": through the page cache (no O_DIRECT)
+        store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=name.split("-")[1],
+                             direct=not name.endswith("-buffered"))
     if store is not None:
         ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth),)
     state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4))
