@@ -35,7 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() (vocab 97, dim 32, 2 layers)")
     p.add_argument("--tie-weights", action="store_true", help="tie lm_head.weight to the token embedding")
-    p.add_argument("--nvme-dir", default=None, help="directory for the NVMe state store (needs fs.offload_state)")
+    p.add_argument("--nvme-dir", default=None, help="keep the AdamW moments in an NVMe store in this directory")
+    p.add_argument("--offload-fraction", type=float, default=1.0, help="share of the moments offloaded")
+    p.add_argument("--depth", type=int, default=2, help="gather_ahead depth (0: blocking gathers)")
+    p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
     p.add_argument("--threads", type=int, default=None,
@@ -62,14 +66,17 @@ def main(argv=None) -> dict:
     state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed)
     del model  # the state owns the (sharded) parameters now
 
+    transforms = [fs.gather_ahead(args.depth)] if args.depth else []
+    if args.bucket_mb:
+        transforms.append(fs.bucket_reduce(args.bucket_mb))
+    if args.clip:
+        transforms += [fs.clip_by_global_norm(args.clip), fs.skip_nonfinite()]
+    store = None
     if args.nvme_dir:
-        if hasattr(fs, "offload_state"):
-            # The NVMe offload transform is a later issue: its signature is not settled, so only report it.
-            log(f"NVMe store directory: {args.nvme_dir} (fs.offload_state available)")
-        else:
-            log(f"--nvme-dir {args.nvme_dir} ignored: this fshard has no fs.offload_state yet")
-
-    step = fs.compose(loss_fn)
+        store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
+        transforms.append(fs.offload_state(store, fraction=args.offload_fraction))
+    step = fs.compose(loss_fn, *transforms)
+    log(f"transforms: {', '.join(map(repr, transforms)) or 'none (blocking)'}")
     log(f"GPT {n_params:,} params | world {world} | batch {args.batch_size}/rank "
         f"({args.batch_size * world} global) x seq {cfg.seq} | {args.steps} steps | "
         f"threads/rank {torch.get_num_threads()}")
@@ -95,7 +102,12 @@ def main(argv=None) -> dict:
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {i}")
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}", refresh=False)
+            post = dict(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
+            if "grad_norm" in metrics:
+                post["gnorm"] = f"{metrics['grad_norm']:.3f}"
+            if "io/read_bytes" in metrics:
+                post["io_MB"] = f"{(metrics['io/read_bytes'] + metrics['io/write_bytes']) / 1e6:.1f}"
+            bar.set_postfix(**post, refresh=False)
             bar.update(1)
             if args.log_every and (i + 1) % args.log_every == 0:
                 bar.write(f"step {i + 1:5d}  loss {loss:.4f}  {dt:.3f} s/step")
@@ -121,6 +133,10 @@ def main(argv=None) -> dict:
     log("summary:")
     for k, v in summary.items():
         log(f"  {k:24s} {v:.6g}" if isinstance(v, float) else f"  {k:24s} {v}")
+    log(f"final state:\n{state!r}")
+    del state
+    if store is not None:
+        store.close()  # removes this run's files
     return summary
 
 
