@@ -41,6 +41,7 @@ class _Bucket:
     pieces: tuple      # _Piece, rank-major
     sections: tuple    # (offset, numel) per rank
     numel: int
+    dtype: torch.dtype  # its units' dtype: a bucket never mixes dtypes
 
 
 def backward_order(units, forward_order) -> list:
@@ -71,7 +72,7 @@ def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
     groups, cur, size = [], [], 0
     for seg in segments:
         nbytes = (seg[2] - seg[1]) * seg[0].dtype.itemsize
-        if cur and size + nbytes > bucket_bytes:
+        if cur and (size + nbytes > bucket_bytes or seg[0].dtype != cur[0][0].dtype):
             groups.append(cur)
             cur, size = [], 0
         cur.append(seg)
@@ -90,18 +91,33 @@ def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
                     pieces.append(_Piece(u.name, a, b, at, r))
                     at += b - a
             sections.append((start, at - start))
-        buckets.append(_Bucket(i, frozenset(u.name for u, _, _ in group), tuple(pieces), tuple(sections), at))
+        buckets.append(_Bucket(i, frozenset(u.name for u, _, _ in group), tuple(pieces), tuple(sections), at,
+                               group[0][0].dtype))
     return buckets
+
+
+class _Plan:
+    """The buckets, plus what each gradient arrival and the final scatter need, precomputed once."""
+
+    def __init__(self, buckets: list[_Bucket], rank: int):
+        self.buckets = buckets
+        self.by_unit: dict[str, list] = {}  # unit -> [(bucket, its pieces of that unit)]
+        self.mine: dict[str, list] = {}  # unit -> [(bucket index, offset, numel)] of this rank's pieces, in order
+        for b in buckets:
+            for name in sorted(b.units):
+                self.by_unit.setdefault(name, []).append((b, [p for p in b.pieces if p.unit == name]))
+            for p in b.pieces:
+                if p.rank == rank:
+                    self.mine.setdefault(p.unit, []).append((b.index, p.at, p.hi - p.lo))
 
 
 class _Pending:
     """One step's buckets: buffers, which units each still waits for, and the flights launched."""
 
-    def __init__(self, plan, layouts):
-        self.plan, self.layouts = plan, layouts
+    def __init__(self, plan: _Plan):
+        self.plan = plan
         self.buffers: dict[int, torch.Tensor] = {}
-        self.waiting = {b.index: set(b.units) for b in plan}
-        self.arrived: set[str] = set()
+        self.waiting = {b.index: set(b.units) for b in plan.buckets}
         self.next = 0  # the first bucket not launched yet
         self.flights = []
 
@@ -114,15 +130,16 @@ class BucketReduce:
     def _plan_for(self, run):
         # Made once per layout, in the first step's backward, when that step's forward order is known. Ranks run
         # the same forward (or the collective-sequence check fails the step), so they make the same plan.
-        key = (run.spec.fingerprint, run.comm.mesh.world_size)
+        mesh = run.comm.mesh
+        key = (run.spec.fingerprint, mesh.world_size)
         if self._plan is None or self._plan[0] != key:
             order = backward_order(run.spec.units, run.order)
-            self._plan = (key, plan_buckets(order, run.comm.mesh.world_size, self.bucket_bytes))
+            self._plan = (key, _Plan(plan_buckets(order, mesh.world_size, self.bucket_bytes), mesh.rank))
         return self._plan[1]
 
     def _state(self, run) -> _Pending:
         if getattr(run, "buckets", None) is None:
-            run.buckets = _Pending(self._plan_for(run), {u.name: u for u in run.spec.units})
+            run.buckets = _Pending(self._plan_for(run))
         return run.buckets
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
@@ -130,22 +147,17 @@ class BucketReduce:
         name = unit.layout.name
         n = run.comm.mesh.world_size
         scale = 1.0 / n if (self.op == "avg" and n > 1) else None
-        for b in st.plan:
-            if name not in b.units:
-                continue
-            buf = self._buffer(st, b, grad)
-            for p in b.pieces:
-                if p.unit == name:
-                    dst = buf[p.at:p.at + p.hi - p.lo]
-                    src = grad[p.lo:p.hi]
-                    if scale is None:
-                        dst.copy_(src)
-                    elif dst.dtype == src.dtype:
-                        torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
-                    else:
-                        dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
+        for b, pieces in st.plan.by_unit.get(name, ()):
+            buf = self._buffer(st, b, grad.device)
+            for p in pieces:
+                dst, src = buf[p.at:p.at + p.hi - p.lo], grad[p.lo:p.hi]
+                if scale is None:
+                    dst.copy_(src)
+                elif dst.dtype == src.dtype:
+                    torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
+                else:
+                    dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
             st.waiting[b.index].discard(name)
-        st.arrived.add(name)
         self._launch_ready(run, st, force=False)
 
     def finish(self, run) -> None:
@@ -156,46 +168,34 @@ class BucketReduce:
         self._scatter(run, st)
         run.buckets = None
 
-    def _buffer(self, st: _Pending, b: _Bucket, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> torch.Tensor:
         if b.index not in st.buffers:
-            dtype = self.reduce_dtype or like.dtype
-            st.buffers[b.index] = torch.empty(b.numel, dtype=dtype, device=like.device)
+            dtype = self.reduce_dtype or b.dtype
+            st.buffers[b.index] = (torch.empty if fill is None else torch.zeros)(b.numel, dtype=dtype, device=device)
         return st.buffers[b.index]
 
     def _launch_ready(self, run, st: _Pending, force: bool) -> None:
-        while st.next < len(st.plan):
-            b = st.plan[st.next]
+        while st.next < len(st.plan.buckets):
+            b = st.plan.buckets[st.next]
             if st.waiting[b.index] and not force:
                 return
-            if b.index not in st.buffers:  # none of its units got a gradient on this rank
-                layout = st.layouts[next(iter(b.units))]
-                st.buffers[b.index] = torch.zeros(b.numel, dtype=self.reduce_dtype or layout.dtype,
-                                                  device=run.units[layout.name].shard.device)
-            else:
-                buf = st.buffers[b.index]
+            if b.index in st.buffers:
                 for p in b.pieces:  # pieces of units that never arrived hold zeros
                     if p.unit in st.waiting[b.index]:
-                        buf[p.at:p.at + p.hi - p.lo].zero_()
-            buf = st.buffers[b.index]
+                        st.buffers[b.index][p.at:p.at + p.hi - p.lo].zero_()
+            buf = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
             sections = [buf[o:o + k] for o, k in b.sections]
             st.flights.append(run.comm.reduce_each(sections, f"bucket{b.index}"))
             st.next += 1
 
     def _scatter(self, run, st: _Pending) -> None:
-        """Give each unit its reduced gradient shard: a view where its pieces sit together in one bucket."""
-        rank = run.comm.mesh.rank
-        mine: dict[str, list] = {}
-        for b in st.plan:
-            buf = st.buffers[b.index]
-            for p in b.pieces:
-                if p.rank == rank:
-                    mine.setdefault(p.unit, []).append(buf[p.at:p.at + p.hi - p.lo])
-        for name, parts in mine.items():
-            layout = st.layouts[name]
+        """Give each unit its reduced gradient shard: a view where its pieces sit together in one bucket. (The
+        segments cover each unit's whole flat buffer, so the pieces cover its whole shard.)"""
+        for name, spots in st.plan.mine.items():
+            parts = [st.buffers[i][at:at + k] for i, at, k in spots]
             g = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if g.numel() < layout.shard_numel:  # this rank's shard lies past the unit's segments: padding
-                g = torch.cat([g, g.new_zeros(layout.shard_numel - g.numel())])
-            run.units[name].grad = g if g.dtype == layout.dtype else g.to(layout.dtype)
+            dtype = run.units[name].layout.dtype
+            run.units[name].grad = g if g.dtype == dtype else g.to(dtype)
 
 
 class bucket_reduce(Transform):

@@ -3,7 +3,8 @@
 Each rank sums the squares of its gradient shards (in float64: no overflow, and inf or NaN survive), one small
 all-reduce adds the ranks' sums, and every rank gets the same global norm. The clip factor
 ``min(1, max_norm / (norm + 1e-6))`` is torch.nn.utils.clip_grad_norm_'s; it is not applied to the shards here
-but handed to the update, which multiplies each gradient by it inside the fused AdamW kernel (one pass fewer).
+but handed to the update: the native AdamW kernel multiplies each gradient by it as it reads it (no extra pass);
+the torch and fused arithmetics multiply first, as clip_grad_norm_ does.
 """
 from __future__ import annotations
 
@@ -32,11 +33,9 @@ class _Clip:
     def __call__(self, comm, grads: Grads) -> Grads:
         grads = self.inner(comm, grads)
         norm = math.sqrt(global_sq_norm(comm, grads))
-        coef = self.max_norm / (norm + 1e-6)
-        if coef < 1.0:  # (a non-finite norm gives NaN or 0 here, as in torch; fs.skip_nonfinite skips such steps)
+        coef = self.max_norm / (norm + 1e-6)  # an inf norm gives 0, a NaN norm NaN, as in torch
+        if coef < 1.0 or math.isnan(coef):  # (fs.skip_nonfinite skips such steps)
             grads.scale *= coef
-        elif not math.isfinite(norm):
-            grads.scale *= 0.0 if math.isinf(norm) else math.nan
         grads.metrics["grad_norm"] = norm
         grads.metrics["grad_clip_scale"] = min(1.0, coef) if math.isfinite(coef) else coef
         return grads

@@ -9,7 +9,7 @@ Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy
 least one gather was in flight. Blocking use (issue, then wait at once) makes the two equal.
 
 How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
-on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.68x the time of
+on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
 ``all_gather_single``; on NCCL, ``all_gather_single`` is the native ring. ``FSHARD_GATHER`` overrides it
 (``all_gather``, ``broadcast``, ``all_reduce``). Every implementation is an exact copy of each rank's shard.
 """
@@ -44,25 +44,18 @@ class Flight:
     """One collective in flight (a gather or a reduction, ``phase``). ``wait()`` returns once its output is
     complete (on CUDA: once the current stream is ordered after it)."""
 
-    __slots__ = ("comm", "works", "t_issue", "t_done", "_left", "phase")
+    __slots__ = ("comm", "works", "t_issue", "t_done", "_stamps", "phase")
 
     def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather"):
         self.comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
-        self._left = len(works)
-        if comm.mesh.device.type == "cpu":  # stamp completion from gloo's thread, for the busy-time figure
+        self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
+        if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
             try:
                 futures = [w.get_future() for w in works]
             except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
                 futures = []
-            for fut in futures:
-                fut.add_done_callback(self._one_done)
-        if not works:
-            self.t_done = time.perf_counter()
-
-    def _one_done(self, _fut) -> None:
-        self._left -= 1
-        if self._left == 0:
-            self.t_done = time.perf_counter()
+            for i, fut in enumerate(futures):
+                fut.add_done_callback(lambda _f, i=i: self._stamps.__setitem__(i, time.perf_counter()))
 
     def wait(self) -> None:
         if self.works is None:
@@ -70,10 +63,12 @@ class Flight:
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
+        if self.comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
+            torch.cuda.current_stream().wait_stream(self.comm.stream)
         t1 = time.perf_counter()
         self.works = None
-        if self.t_done is None or self.comm.mesh.device.type != "cpu":
-            self.t_done = t1
+        stamps = self._stamps
+        self.t_done = max(stamps) if stamps and all(t is not None for t in stamps) else t1
         self.comm.seconds[self.phase + "_exposed"] += t1 - t0
 
 
@@ -141,6 +136,16 @@ class Comm:
         self.flights[phase].append(f)
         self.seconds[phase + "_exposed"] += time.perf_counter() - t0  # issuing runs on the compute thread
         return f
+
+    def drain(self) -> None:
+        """Complete every collective still in flight (after an error: nothing may write into freed memory, and
+        the next step must not pair with this one's leftovers)."""
+        for flights in self.flights.values():
+            for f in flights:
+                try:
+                    f.wait()
+                except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
+                    pass
 
     def busy_seconds(self, phase: str) -> float:
         """Wall time during which at least one collective of ``phase`` was in flight (the union of their

@@ -12,9 +12,9 @@ to be gathered, so a schedule recorded in one step replays exactly in the next o
 The schedule never changes a result, only when gathers are issued: every gather is of the unit whose name the
 position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If
 the model's order changes, the first event that does not match stops all prefetching for the rest of the step
-(in-flight gathers are completed and freed), the step finishes blocking, and then either the observed order
-becomes the schedule (``on_change="replan"``, with a warning) or the step raises ``ScheduleError``
-(``on_change="error"``), before any update, with the state untouched.
+(in-flight gathers are completed and freed). Then either the step finishes blocking and the observed order
+becomes the schedule (``on_change="replan"``, with a warning), or the step raises ``ScheduleError`` right there,
+inside forward or backward (``on_change="error"``), before any update, with the state untouched.
 """
 from __future__ import annotations
 
@@ -54,7 +54,6 @@ class _Walk:
     """One step's progress through the schedule."""
 
     def __init__(self, schedule: Schedule | None):
-        self.schedule = schedule
         self.plan = schedule.events if schedule is not None else ()
         self.on_plan = schedule is not None  # False once an event did not match: blocking from then on
         self.forward: list[str] = []
@@ -77,6 +76,7 @@ class GatherAhead:
         self.depth, self.schedule = depth, schedule
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
         self.replans = 0
+        self._checked = None  # (schedule, unit names) last validated
 
     # --- the gather protocol -------------------------------------------------------------------------------------
 
@@ -117,10 +117,8 @@ class GatherAhead:
             unit.release()
 
     def finish(self, run) -> dict:
-        """After backward: release what is left, settle the schedule, and report."""
+        """After backward: settle the schedule and report (the step then releases what is left)."""
         w = run.walk
-        for u in run.units.values():
-            u.release()
         observed = Schedule(tuple(w.forward), tuple(w.backward))
         replanned = 0
         if self.schedule is None:
@@ -200,6 +198,9 @@ class GatherAhead:
         return bool(r(name))
 
     def _check_names(self, run) -> None:
+        key = (self.schedule, tuple(run.units))
+        if self._checked == key:
+            return
         known = set(run.units)
         names = set(self.schedule.events) if self.schedule is not None else set()
         if isinstance(self.reshard_after_forward, Mapping):
@@ -208,6 +209,7 @@ class GatherAhead:
         if unknown:
             raise ValueError(f"fs.gather_ahead: unknown unit names {unknown}; this state's units are "
                              f"{sorted(known)}.")
+        self._checked = key
 
 
 class gather_ahead(Transform):

@@ -15,13 +15,15 @@ if a write fails there (directory full, read-only), the step raises ``OffloadErr
 unchanged and usable.
 
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
-(0: none, 1: all). On CUDA the shard's gradient and parameter go to the CPU for the update and the parameter
+(0: none, 1: all). Units whose moments are already stored are always streamed; the others go to the update this
+transform wraps (the in-memory one by default). On CUDA the shard's gradient and parameter go to the CPU for the update and the parameter
 comes back (this path has not run on a GPU yet).
 """
 from __future__ import annotations
 
 import itertools
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,69 +102,66 @@ def _chunks(n: int, chunk: int):
 
 
 class OffloadUpdate:
-    def __init__(self, store, fraction: float, chunk_numel: int, depth: int):
-        self.store, self.fraction, self.chunk, self.depth = store, fraction, chunk_numel, depth
+    def __init__(self, inner, store, fraction: float, chunk_numel: int, depth: int):
+        self.inner, self.store, self.fraction, self.chunk, self.depth = inner, store, fraction, chunk_numel, depth
         self.trash: list = []
+        self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
 
     def __call__(self, spec, state, grads, active, donate):
         self._empty_trash()
         chosen = self._choose(spec, state)
-        rank, opt = spec.mesh.rank, spec.optimizer
-        params, opt_state = dict(state.params), dict(state.opt_state)
+        stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
+        # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
+        in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
         m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
-        streamed = []  # (unit layout, param, grad, count, segments, Stored pair, new key)
-        written = []  # keys written by this update, deleted again if it fails
+        created = []  # keys this update wrote under new names: deleted again if it fails
         try:
+            params, opt_state = self.inner(spec, state, grads, in_memory, donate)
+            for name in sorted(chosen - stored):
+                opt_state[name] = self._put(name, opt_state[name], created, m)
+            streamed = []
             for u in spec.units:
-                s = state.opt_state.get(u.name)
-                if s is None:
+                if u.name not in stored:
                     continue
-                on = active[u.name]
-                if u.name not in chosen:  # stays in memory: the plain update
-                    if any(on):
-                        params[u.name], opt_state[u.name] = opt.update(
-                            u, rank, state.params[u.name], grads.shards[u.name], s, on, donate,
-                            grad_scale=grads.scale)
-                    continue
-                if not isinstance(s.exp_avg, Stored):  # first time: update in memory, then move to the store
-                    p, s = (opt.update(u, rank, state.params[u.name], grads.shards[u.name], s, on, donate,
-                                       grad_scale=grads.scale) if any(on) else (state.params[u.name], s))
-                    params[u.name], opt_state[u.name] = p, self._put(u.name, s, written, m)
-                    continue
+                s, on = state.opt_state[u.name], active[u.name]
                 count = s.count + torch.tensor(on, dtype=torch.int64)
-                segs = _segments(u.trainable_ranges(rank), on, count.tolist())
+                segs = _segments(u.trainable_ranges(spec.mesh.rank), on, count.tolist())
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
                 p = state.params[u.name] if donate else state.params[u.name].clone()
                 key = s.exp_avg.key if donate else self._key(u.name)
-                streamed.append((u, p, grads.shards[u.name], count, segs, s, key))
-            if streamed:
-                self._stream(opt, streamed, grads.scale, written, m, donate)
-            for u, p, _, count, _, s, key in streamed:
-                items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks, self.trash)
+                streamed.append((p, grads.shards[u.name], segs, s, key))
                 params[u.name] = p
+                items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks, self.trash)
                 opt_state[u.name] = AdamWState(count, *(Stored(items, r, s.exp_avg.numel, s.exp_avg.dtype,
                                                                s.exp_avg.location) for r in (0, 1)))
+            if streamed:
+                self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
         except Exception as e:
-            if not donate:
-                for k in written:
-                    _quiet_delete(self.store, k)
+            for k in created:
+                _quiet_delete(self.store, k)
+            if donate:  # parameters and chunks were being updated in place
+                object.__setattr__(state, "_donated", True)
+                lost = ("The donated input state was partly updated in place and can no longer be used; restart "
+                        "from a checkpoint, or compose without donate=True to keep inputs intact.")
+            else:
+                lost = "Nothing was updated: the input state is unchanged and usable."
             if isinstance(e, FshardError):
                 raise
             raise OffloadError(
-                f"offload_state could not move optimizer state through {_location(self.store)}: {e}. Nothing was "
-                "updated: the input state is unchanged and usable. Free space in the store's directory, choose "
-                "another one, or offload less (fs.offload_state(store, fraction=...)).") from e
+                f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} Free "
+                "space in the store's directory, choose another one, or offload less "
+                "(fs.offload_state(store, fraction=...)).") from e
         m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
         grads.metrics.update(m)
         return params, opt_state
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
-    def _stream(self, opt, work, scale, written, m, donate) -> None:
+    def _stream(self, opt, work, scale, created, m, donate) -> None:
         keys = [k for *_, s, _ in work for k in s.exp_avg.items.item_keys()]
         where = [(i, c) for i, (*_, s, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
         t_wait = 0.0
@@ -173,7 +172,7 @@ class OffloadUpdate:
                 t0 = time.perf_counter()
                 item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
                 t_wait += time.perf_counter() - t0
-                u, p, g, _, segs, s, key = work[i]
+                p, g, segs, s, key = work[i]
                 lo, hi = s.exp_avg.items.chunks[c]
                 mv = item.tensor
                 m["io/read_bytes"] += mv.numel() * mv.element_size()
@@ -185,7 +184,7 @@ class OffloadUpdate:
                 stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
                 t_wait += time.perf_counter() - t0
                 if not donate:
-                    written.append((key, c))
+                    created.append((key, c))
                 m["io/write_bytes"] += mv.numel() * mv.element_size()
         finally:
             t0 = time.perf_counter()
@@ -193,14 +192,14 @@ class OffloadUpdate:
             t_wait += time.perf_counter() - t0
         m["time/io_wait"] += t_wait
 
-    def _put(self, name: str, s: AdamWState, written, m) -> AdamWState:
+    def _put(self, name: str, s: AdamWState, created, m) -> AdamWState:
         """Move a unit's in-memory moments into the store as chunk items."""
         n = s.exp_avg.numel()
         chunks, key = _chunks(n, self.chunk), self._key(name)
         handles = []
         for i, (lo, hi) in enumerate(chunks):
             handles.append(self.store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
-            written.append((key, i))
+            created.append((key, i))
             m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
         for h in handles:
             h.wait()
@@ -210,7 +209,7 @@ class OffloadUpdate:
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
-        return f"{name}@v{next(self._versions)}"
+        return f"{name}@{self._prefix}.v{next(self._versions)}"
 
     def _empty_trash(self) -> None:
         while self.trash:
@@ -222,10 +221,10 @@ class OffloadUpdate:
         if self._chosen is None or self._chosen[0] != spec.fingerprint:
             sizes = [(u.name, 2 * u.opt_numel(spec.mesh.rank)) for u in spec.units if u.name in state.opt_state
                      and state.opt_state[u.name] is not None]
-            total, target, acc, names = sum(b for _, b in sizes), 0.0, 0, set()
+            total, acc, names = sum(b for _, b in sizes), 0, set()
             target = self.fraction * total
             for name, b in sizes:
-                if acc >= target - 1e-9 * total or self.fraction == 0:
+                if acc >= target - 1e-9 * total:
                     break
                 names.add(name)
                 acc += b
@@ -272,8 +271,8 @@ class offload_state(Transform):
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
 
     def wrap_update(self, update):
-        chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)
-        return OffloadUpdate(self.store, self.fraction, chunk, self.depth)
+        chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
+        return OffloadUpdate(update, self.store, self.fraction, chunk, self.depth)
 
     def __repr__(self) -> str:
         return f"fs.offload_state({_location(self.store)}, fraction={self.fraction})"

@@ -35,7 +35,7 @@ class AdamW:
     ``impl``: "torch" replays torch's per-tensor (for-loop) kernel sequence, so it is bitwise equal to
     ``torch.optim.AdamW()`` on CPU; "fused" calls ``torch._fused_adamw_``, bitwise equal to
     ``torch.optim.AdamW(fused=True)``; "native" calls fshard.ops (one fused pass, SIMD/CUDA); "auto" picks
-    native where it is built, else fused.
+    native for fp32 state where it is built, else fused.
     """
 
     lr: float = 1e-3

@@ -73,24 +73,27 @@ class Step:
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
         spec = self._check_state(state)
-        micro = self.policy.batches(batch)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device))
-        _check_ranks(comm, state, batch)
-        acc, runs = Accumulator(len(micro)), []
+        _check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
+        micro = self.policy.batches(batch)
+        acc, runs, ok = Accumulator(len(micro)), [], False
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
             t1 = time.perf_counter()
-            loss, gather_metrics = 0.0, {}
+            losses, gather_metrics = [], {}
             for i, mb in enumerate(micro):
                 runs.append(StepRun(spec, state.params, comm, self.policy, acc, last=i == len(micro) - 1))
-                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
-                loss += float(mb_loss) / len(micro)
+                mb_loss, mb_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
+                losses.append(mb_loss)
+                for k, v in mb_metrics.items():  # counts add up over micro-batches
+                    gather_metrics[k] = v if k not in gather_metrics or k == "gather/depth" else gather_metrics[k] + v
+            loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
             t2 = time.perf_counter()
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
             grads = self.policy.grads(comm, Grads({n: u.grad for n, u in run.units.items() if u.grad is not None}))
             t3 = time.perf_counter()
-            if grads.skip:  # nothing changes: the input state is the result (also when donated: nothing was written)
+            if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
                 new = state
             else:
                 params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
@@ -98,8 +101,11 @@ class Step:
                     object.__setattr__(state, "_donated", True)
                 new = TrainState(params, opt_state, state.step + 1, buffers, spec)
             t4 = time.perf_counter()
+            ok = True
             return new, self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics}, t0, t1, t2, t3, t4)
         finally:
+            if not ok:
+                comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
             for run in runs:
                 run.close()  # free this step's buffers now, also when it raised
 

@@ -1,6 +1,6 @@
 """The transform protocol, and the blocking policies a step uses when no transform changes them.
 
-A step has four stages that transforms can change (design/ARCHITECTURE.md):
+A step has five stages that transforms can change (design/ARCHITECTURE.md):
 
 - ``gather``: when each unit's flat buffer is gathered and freed, in forward and in backward (gather_ahead);
 - ``reduce``: how the gradient of a unit's flat buffer becomes this rank's gradient shard (bucket_reduce);
@@ -10,7 +10,7 @@ A step has four stages that transforms can change (design/ARCHITECTURE.md):
 
 A transform is a small named object. For each stage it either returns the policy it was given, or a new policy
 that wraps it; ``fs.compose`` folds the transforms over the blocking policies below, left to right. The step itself
-calls the four policies and nothing else, so it never grows a branch per transform.
+calls the five policies and nothing else, so it never grows a branch per transform.
 """
 from __future__ import annotations
 
@@ -115,6 +115,9 @@ class DeviceUpdate:
         rank, params, opt_state = spec.mesh.rank, dict(state.params), dict(state.opt_state)
         for u in spec.units:
             if u.name in opt_state and any(active[u.name]):
+                if not isinstance(getattr(opt_state[u.name], "exp_avg", None), torch.Tensor):
+                    raise TypeError(f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose "
+                                    "this step with the same fs.offload_state(store) to update it.")
                 params[u.name], opt_state[u.name] = spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
                     donate, grad_scale=grads.scale)

@@ -122,7 +122,7 @@ class UnitRun:
         self.buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
         self.flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
         self.alive = False
-        self.pending = None  # the Flight of a gather into ``flat`` that nobody has waited on yet
+        self.pending = None  # the Flight of a gather into ``buf`` that nobody has waited on yet
         self.grad: torch.Tensor | None = None
         self.got = [False] * len(layout.trainable)
 

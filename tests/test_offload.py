@@ -72,8 +72,7 @@ def test_training_is_bitwise_identical_with_offload(tmp_path, world_size, with_t
             frac = None if key == "none" else float(key.split("/")[1])
             n_units = 4  # root + 3 blocks
             if frac is not None:  # the fraction really moved state, and the update really streamed it
-                assert stored == {0.0: 0, 0.5: stored, 1.0: n_units}[frac]
-                assert (0 < stored < n_units) if frac == 0.5 else True
+                assert stored == 0 if frac == 0 else (stored == n_units if frac == 1 else 0 < stored < n_units)
                 assert (io["io/read_bytes"] > 0) == (frac > 0)
 
 
@@ -142,7 +141,7 @@ def test_a_full_directory_fails_on_the_first_step_and_loses_nothing(tmpfs):
         step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
         with pytest.raises(fs.OffloadError, match="input state is unchanged"):
             step(state, bs[0])
-        assert store.keys() == [] or all(k in store for k in store.keys())
+        assert store.keys() == []  # what the failed step had written is gone again
     # the input state is intact: training on without offload gives what training without offload gives
     plain = fs.compose(loss_fn)
     s, ref = state, fs.init(model, fs.Mesh.local(), fs.adamw())
