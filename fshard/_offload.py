@@ -116,6 +116,7 @@ class OffloadUpdate:
         # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
         in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
         m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        t0 = time.perf_counter()
         created = []  # keys this update wrote under new names: deleted again if it fails
         try:
             params, opt_state = self.inner(spec, state, grads, in_memory, donate)
@@ -156,6 +157,7 @@ class OffloadUpdate:
                 "space in the store's directory, choose another one, or offload less "
                 "(fs.offload_state(store, fraction=...)).") from e
         m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
+        m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
         grads.metrics.update(m)
         return params, opt_state
 
@@ -254,8 +256,8 @@ class offload_state(Transform):
     """Keep ``fraction`` of the optimizer moments in ``store`` (``fs.CPUStore()`` or ``fs.NVMeStore(dir)``) and
     update them by streaming chunks of ``chunk_mb`` MiB per moment, ``depth`` reads ahead.
 
-    Metrics: ``io/read_bytes``, ``io/write_bytes``, ``time/io_wait`` (time the update waited on the store) and
-    ``store/resident_bytes``."""
+    Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps`` (both over the update's wall time),
+    ``time/io_wait`` (time the update waited on the store) and ``store/resident_bytes``."""
 
     name = "offload_state"
 

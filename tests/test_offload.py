@@ -107,7 +107,8 @@ def test_a_step_is_pure_and_old_versions_are_freed(tmp_path):
             b, m = step(b, x)
         # only the live state's items remain (plus at most the version the last step replaced)
         assert len(store.keys()) <= keys_per_version
-        assert m["io/read_bytes"] == m["io/write_bytes"] > 0 and m["store/resident_bytes"] >= 0
+        assert m["io/read_bytes"] == m["io/write_bytes"] > 0 and m["store/resident_bytes"] > 0
+        assert m["io/gbps"] > 0 and m["time/io_wait"] >= 0
 
 
 def test_a_missing_or_unwritable_directory_fails_at_init(tmp_path):
