@@ -3,11 +3,33 @@
 // pragma, and nothing inline from torch may be compiled with AVX2 there.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 namespace fshard {
 
 enum GradType : int { kGradF32 = 0, kGradBF16 = 1, kGradF16 = 2 };
 enum CopyType : int { kCopyNone = 0, kCopyBF16 = 1, kCopyF16 = 2 };
+
+// A runtime dtype tag -> f(std::integral_constant<int, tag>). The switch is written once here; each ISA file
+// passes lambdas over its own templates, so every kernel is still instantiated in that file's translation unit,
+// under its own target flags.
+template <class F>
+inline decltype(auto) with_grad_type(int t, F&& f) {
+  switch (t) {
+    case kGradBF16: return f(std::integral_constant<int, kGradBF16>{});
+    case kGradF16: return f(std::integral_constant<int, kGradF16>{});
+    default: return f(std::integral_constant<int, kGradF32>{});
+  }
+}
+
+template <class F>
+inline decltype(auto) with_copy_type(int t, F&& f) {
+  switch (t) {
+    case kCopyBF16: return f(std::integral_constant<int, kCopyBF16>{});
+    case kCopyF16: return f(std::integral_constant<int, kCopyF16>{});
+    default: return f(std::integral_constant<int, kCopyNone>{});
+  }
+}
 
 // Hyper-parameters, folded the way ATen's fused Adam folds them: computed in
 // double, then cast to float once (results match torch._fused_adamw_ bit for bit in its vector path).

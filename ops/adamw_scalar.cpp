@@ -62,11 +62,7 @@ void range_mode(const AdamConsts& c, const Segment& s, int64_t b, int64_t e) {
 
 template <int G>
 void range_copy(const AdamConsts& c, const Segment& s, int64_t b, int64_t e) {
-  switch (s.ctype) {
-    case kCopyBF16: return range_mode<G, kCopyBF16>(c, s, b, e);
-    case kCopyF16: return range_mode<G, kCopyF16>(c, s, b, e);
-    default: return range_mode<G, kCopyNone>(c, s, b, e);
-  }
+  with_copy_type(s.ctype, [&](auto C) { range_mode<G, decltype(C)::value>(c, s, b, e); });
 }
 
 template <int G>
@@ -79,19 +75,11 @@ bool nonfinite(const Segment& s, float scale, int64_t b, int64_t e) {
 }  // namespace
 
 void adamw_range_scalar(const AdamConsts& c, const Segment& s, int64_t b, int64_t e) {
-  switch (s.gtype) {
-    case kGradBF16: return range_copy<kGradBF16>(c, s, b, e);
-    case kGradF16: return range_copy<kGradF16>(c, s, b, e);
-    default: return range_copy<kGradF32>(c, s, b, e);
-  }
+  with_grad_type(s.gtype, [&](auto G) { range_copy<decltype(G)::value>(c, s, b, e); });
 }
 
 bool nonfinite_range_scalar(const Segment& s, float scale, int64_t b, int64_t e) {
-  switch (s.gtype) {
-    case kGradBF16: return nonfinite<kGradBF16>(s, scale, b, e);
-    case kGradF16: return nonfinite<kGradF16>(s, scale, b, e);
-    default: return nonfinite<kGradF32>(s, scale, b, e);
-  }
+  return with_grad_type(s.gtype, [&](auto G) { return nonfinite<decltype(G)::value>(s, scale, b, e); });
 }
 
 }  // namespace fshard

@@ -146,7 +146,6 @@ def test_accumulating_k_micro_batches_matches_ddp_no_sync(k, with_buckets):
 
 
 def _clip(max_norm, impl):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fshard as fs

@@ -6,7 +6,6 @@ import copy
 import optree
 import pytest
 import torch
-import torch.nn as nn
 
 import fshard as fs
 import fshard.testing as ft
