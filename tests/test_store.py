@@ -422,6 +422,51 @@ def test_direct_path_round_trips_and_checks(backend, tmp_path):
         assert s.pool.in_use == 0  # staged buffers came back, failures included
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_direct_in_place_at_any_address(backend, tmp_path):
+    """O_DIRECT needs block-aligned memory, file offsets and lengths. An item's bytes start in its file at the
+    source's address modulo 4 KiB, so a contiguous tensor at any address (torch's are 64-byte aligned) is written
+    in place, and a destination with the same offset in its page is read in place: no pool buffer is used, only
+    the partial first and last blocks are copied. A destination at another offset is read through the pool."""
+    from fshard.store._pool import aligned_empty
+
+    def at(phase: int, n: int) -> torch.Tensor:  # n contiguous bytes whose address is `phase` into a page
+        return aligned_empty(phase + n + 4096)[phase:phase + n]
+
+    with fs.NVMeStore(str(tmp_path), backend=backend, direct_min_bytes=1) as s:
+        for n in (1, 100, 4096 - 64, 4096, 4096 * 5, 4096 * 5 + 12, 100_003):
+            for phase in (0, 64, 4032, 4095):
+                x = at(phase, n).copy_(random_tensor(torch.uint8, (n,), n + phase))
+                key = (n, phase)
+                s.put(key, x).wait()
+                item = s._items[key]
+                assert item.direct and item.phase == phase and s.phase(key) == phase
+                assert os.path.getsize(s.file_of(key)) >= phase + n
+                assert s.pool.resident_bytes == 0, "written in place: no staging buffer"
+                for read_phase in (phase, (phase + 64) % 4096):
+                    s.put(key, x).wait()  # re-arm: the first get after a put reads through tensornvme
+                    out = at(read_phase, n)
+                    got = s.get(key, out=out).wait()
+                    assert got is out and same_bits(got, x), (n, phase, read_phase)
+                    assert (s.pool.resident_bytes == 0) == (read_phase == phase)
+                    s.pool.clear()
+                assert same_bits(s.get(key).wait(), x)  # repeat read: buffered pread at the item's offset
+                with open(s.file_of(key), "r+b") as f:  # the bytes sit at the phase: corrupt the last one
+                    f.seek(phase + n - 1)
+                    b = f.read(1)
+                    f.seek(phase + n - 1)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                with pytest.raises(CorruptedItemError, match="checksum mismatch"):
+                    s.get(key, out=at(phase, n)).wait()
+
+
+def test_stream_depth_beyond_the_pool_is_refused(tmp_path):
+    with fs.NVMeStore(str(tmp_path), max_buffers=4) as s:
+        s.put("a", torch.ones(10)).wait()
+        with pytest.raises(ValueError, match="needs 6 pool buffers.*max_buffers >= 6"):
+            s.stream(["a"], depth=4)
+
+
 def test_direct_off_and_unsupported_fall_back_to_buffered(tmp_path):
     with fs.NVMeStore(str(tmp_path), direct=False) as s:
         x = torch.randn(1 << 18)

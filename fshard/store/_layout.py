@@ -114,22 +114,22 @@ class Slot:
         if direct != self._direct and not self._set_direct(direct):
             raise OSError(f"cannot switch O_DIRECT {'on' if direct else 'off'} for {self.path!r}")
 
-    def write(self, u8: torch.Tensor, direct: bool = False) -> None:
+    def write(self, vecs: List[torch.Tensor], direct: bool = False) -> None:
         self._mode(direct)  # no request is in flight on this slot: it is ours between acquire and release
-        self.engine.async_writev([u8], _ENGINE_KEY)
+        self.engine.async_writev(vecs, _ENGINE_KEY)  # one request, at offset 0 (the engine's only entry)
         self.armed = True
 
-    def read(self, u8: torch.Tensor, direct: bool = False) -> None:
+    def read(self, vecs: List[torch.Tensor], direct: bool = False) -> None:
         self._mode(direct)
-        self.engine.async_readv([u8], _ENGINE_KEY)  # completion frees the engine's extent; the bytes stay
+        self.engine.async_readv(vecs, _ENGINE_KEY)  # completion frees the engine's extent; the bytes stay
         self.armed = False
 
     def wait(self) -> None:
         self.engine.synchronize()  # runs tensornvme's completion loop; holds the GIL while it blocks
 
-    def pread(self, u8: torch.Tensor) -> int:
+    def pread(self, u8: torch.Tensor, offset: int = 0) -> int:
         """Plain positional read, for a slot the engine can no longer read (see NVMeStore.get)."""
-        return os.preadv(self.fd, [u8.numpy()], 0)
+        return os.preadv(self.fd, [u8.numpy()], offset)
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size

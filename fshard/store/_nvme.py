@@ -1,17 +1,19 @@
 """NVMeStore: tensors on disk through tensornvme, made safe.
 
 put: items >= direct_min_bytes (1 MiB) are written with O_DIRECT (set on tensornvme's descriptor, see _layout),
-others buffered. A page-aligned tensor (or, buffered, any whole contiguous CPU storage) goes to tensornvme as is;
-otherwise it is staged through a pool buffer. The new version goes to a free slot with space reserved up front (a
-full disk fails there), its checksum is taken while the kernel writes, and on wait() the file must hold the whole
-item (tensornvme ignores write results, so a short write shows only in the size). Only then is the key switched
-to the new version and the old slot released. At most `max_inflight_writes` puts are outstanding.
+others buffered. A contiguous tensor is written in place: its bytes start in the file at its address modulo 4 KiB
+(the item's phase), so memory pages and file blocks line up and only the partial first and last blocks are copied
+(Iovecs in _pool); a non-contiguous one is staged through a pool buffer. The new version goes to a free slot with
+space reserved up front (a full disk fails there), its checksum is taken while the kernel writes, and on wait() the
+file must hold the whole item (tensornvme ignores write results, so a short write shows only in the size). Only
+then is the key switched to the new version and the old slot released. At most `max_inflight_writes` puts are
+outstanding.
 
-get: file presence, identity and size are checked, the bytes are read into an aligned buffer (or `out`), and the
-checksum is verified before the tensor is returned. tensornvme can read an entry once (its read frees the entry), so
-the first get after a put goes through tensornvme and a repeated get of an unchanged item uses a plain pread on the
-same slot file, which no one else writes. The offloaded optimizer reads each item once and writes it back, so its
-reads all go through tensornvme.
+get: file presence, identity and size are checked, the bytes are read into `out` in place when its address has the
+item's phase (else into an aligned buffer, then copied), and the checksum is verified before the tensor is
+returned. tensornvme can read an entry once (its read frees the entry), so the first get after a put goes through
+tensornvme and a repeated get of an unchanged item uses a plain pread on the same slot file, which no one else
+writes. The offloaded optimizer reads each item once and writes it back, so its reads all go through tensornvme.
 
 The store is meant to be used from one thread; its operations are not locked.
 """
@@ -29,15 +31,16 @@ from ._checksum import checksum, validate_kind
 from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
-from ._pool import round_up, AlignedBuffer, BufferPool, aligned_empty, aligned_for_direct as _aligned, copy_bytes as _copy
-from ._protocol import ItemMeta, as_bytes, from_bytes, is_engine_ready, meta_of
+from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, aligned_empty, copy_bytes as _copy
+from ._protocol import ItemMeta, as_bytes, from_bytes, meta_of
 
 
 @dataclass
 class _Item:
     meta: ItemMeta
     slot: Optional[Slot]  # None for 0-byte items, which never touch the disk
-    direct: bool = False  # written with O_DIRECT (the file holds nbytes rounded up to DIO_ALIGN)
+    direct: bool = False  # written with O_DIRECT (the file holds phase + nbytes rounded up to DIO_ALIGN)
+    phase: int = 0  # the item's bytes start at this file offset: the source's address modulo DIO_ALIGN (direct)
 
 
 class NVMeStore:
@@ -88,22 +91,27 @@ class NVMeStore:
             self._commit(key, _Item(meta_of(t, checksum(u8, self.checksum_kind)), None))
             return Handle.completed("write", key, None, self.events)
         staged: Optional[AlignedBuffer] = None
+        contiguous = t.device.type == "cpu" and t.is_contiguous()
+        # where the bytes start in the file, for an O_DIRECT write (buffered items start at 0)
+        phase = t.data_ptr() % DIO_ALIGN if contiguous and nbytes >= self.direct_min_bytes else 0
         try:
-            slot = self._space.acquire(round_up(nbytes, DIO_ALIGN))
+            slot = self._space.acquire(round_up(phase + nbytes, DIO_ALIGN))
         except StoreWriteError as e:
             raise self._write_failed(key, str(e)) from e
         direct = slot.direct_ok and nbytes >= self.direct_min_bytes
+        block = DIO_ALIGN if direct else 1
         try:
-            if is_engine_ready(t) and (not direct or _aligned(t, nbytes)):
-                u8 = as_bytes(t)  # zero copy; the handle keeps `t` alive until the write is reaped
-                span = u8
-            else:  # staged: an unaligned tensor goes through a pool buffer, padded to whole blocks for O_DIRECT
-                n = round_up(nbytes, DIO_ALIGN) if direct else nbytes
-                staged = self._acquire_buffer(n)
-                span = staged.bytes(n)
+            if contiguous:  # in place: the middle of the tensor as is, at most two edge blocks copied
+                u8 = as_bytes(t)
+                io = Iovecs(u8, t.data_ptr() % DIO_ALIGN if direct else 0, block).fill()
+            else:  # staged: a non-contiguous tensor goes through a pool buffer, padded to whole blocks
+                staged = self._acquire_buffer(round_up(nbytes, block))
+                span = staged.bytes(round_up(nbytes, block))
                 u8 = span[:nbytes]
                 _copy(u8.view(t.dtype).view(t.shape), t)
-            slot.write(span, direct)
+                io = Iovecs(span, 0, block)
+            phase = io.phase
+            slot.write(io.vecs, direct)
         except BaseException as e:
             self._give_back(staged)
             self._space.discard(slot)
@@ -114,16 +122,16 @@ class NVMeStore:
         # the same (unchanging) source bytes runs on the other core while the kernel copies them.
         meta = meta_of(t, checksum(u8, self.checksum_kind))
 
-        def finish(_keep_alive: torch.Tensor = span) -> None:  # the kernel reads from span until reaped
+        def finish(_keep_alive=(io, t)) -> None:  # the kernel reads from the tensor and the edges until reaped
             try:
                 slot.wait()
             finally:
                 self._give_back(staged)
-            problem = slot.problem(nbytes)  # a short write into new space shows as a short file
+            problem = slot.problem(phase + nbytes)  # a short write into new space shows as a short file
             if problem is not None:
                 self._space.discard(slot)
                 raise self._write_failed(key, problem)
-            self._commit(key, _Item(meta, slot, direct))
+            self._commit(key, _Item(meta, slot, direct, phase))
 
         h = self._track(Handle("write", key, finish, self.events))
         self._writes.append(h)
@@ -161,42 +169,50 @@ class NVMeStore:
         problem = slot.problem(meta.nbytes)
         if problem is not None:
             return Handle.failed("read", key, CorruptedItemError(f"cannot read key {key!r}: {problem}"), self.events)
-        direct = item.direct and slot.armed and self.direct_reads  # the pread fallback (below) stays buffered
-        span_n = round_up(meta.nbytes, DIO_ALIGN) if item.direct else meta.nbytes  # = written size
+        phase, n = item.phase, meta.nbytes
+        dest = as_bytes(out) if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
         staged: Optional[AlignedBuffer] = None
-        if (out is not None and is_engine_ready(out) and span_n == meta.nbytes
-                and (not direct or _aligned(out, meta.nbytes))):
-            span = as_bytes(out)  # in place
-        elif out is not None:  # unaligned `out`: read into a pool buffer, then one copy
-            staged = self._acquire_buffer(span_n)
-            span = staged.bytes(span_n)
-        else:
-            span = aligned_empty(span_n, self.pool.block)
-        u8 = span[:meta.nbytes]
-        if slot.armed:
+        io: Optional[Iovecs] = None
+        if not slot.armed:  # the engine already consumed its entry; the file still holds the item, no one writes it
+            u8 = dest if dest is not None else torch.empty(n, dtype=torch.uint8)
+            waiter = self._pool_executor().submit(slot.pread, u8, phase).result
+        else:  # read the item's file range as it was written: same phase and block, so the same requests
+            direct = item.direct and self.direct_reads
+            block = DIO_ALIGN if item.direct else 1
+            if dest is not None and (block == 1 or dest.data_ptr() % block == phase):
+                io = Iovecs(dest, phase, block)  # in place, edges copied after the read
+                u8 = dest
+            else:  # out's memory does not line up with the file (or no out): a whole aligned span, then a view
+                span_n = round_up(phase + n, block)
+                if out is not None:
+                    staged = self._acquire_buffer(span_n)
+                    span = staged.bytes(span_n)
+                else:
+                    span = aligned_empty(span_n, self.pool.block)
+                io, u8 = Iovecs(span, 0, block), span[phase:phase + n]
             try:
-                slot.read(span, direct)
+                slot.read(io.vecs, direct)
             except BaseException:
                 self._give_back(staged)
                 raise
             waiter = slot.wait
-        else:  # the engine already consumed its entry; the file still holds the item and no one writes it
-            waiter = self._pool_executor().submit(slot.pread, u8).result
 
         def finish() -> torch.Tensor:
             try:
-                n = waiter()
-                problem = slot.problem(meta.nbytes)
-                if problem is None and n is not None and n != meta.nbytes:
-                    problem = f"short read of {n} bytes from {slot.path!r}, {meta.nbytes} expected"
+                got = waiter()
+                problem = slot.problem(phase + n)
+                if problem is None and got is not None and got != n:
+                    problem = f"short read of {got} bytes from {slot.path!r}, {n} expected"
                 if problem is not None:
                     raise CorruptedItemError(f"cannot read key {key!r}: {problem}")
+                if io is not None:
+                    io.scatter()
                 if checksum(u8, self.checksum_kind) != meta.checksum:
                     raise CorruptedItemError(f"key {key!r}: checksum mismatch reading {slot.path!r}; the file "
                                              f"was corrupted or modified after the put")
                 if out is None:
                     return from_bytes(u8, meta)
-                if staged is not None:
+                if u8 is not dest:
                     _copy(out, from_bytes(u8, meta))
                 return out
             finally:
@@ -219,6 +235,13 @@ class NVMeStore:
         if key not in self._items:
             raise MissingKeyError(f"key {key!r} is not in the NVMeStore at {self.directory!r}")
         return self._items[key].meta
+
+    def phase(self, key: Hashable) -> int:
+        """Where `key`'s bytes start within a 4 KiB block of its file. A destination for get() whose address has
+        the same offset within its page is read in place (Stream allocates its buffers that way)."""
+        self._settle(key, writes_only=True)
+        item = self._items.get(key)
+        return 0 if item is None else item.phase
 
     def keys(self) -> List[Hashable]:
         self.flush()

@@ -11,6 +11,7 @@ not fit, free buffers are dropped first, and only when every buffer is in use do
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 from typing import List
 
@@ -58,8 +59,53 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def aligned_for_direct(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % 4096 == 0 and nbytes % 4096 == 0
+def raw_bytes(addr: int, n: int) -> torch.Tensor:
+    """A uint8 tensor over the n bytes at `addr` whose storage is exactly those bytes (tensornvme sizes each iovec
+    by its storage). It does not own the memory: whoever uses it keeps the owner alive."""
+    return torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
+
+
+class Iovecs:
+    """The requests that move `u8` (contiguous bytes in memory) to or from a file range in which the bytes start
+    at offset `phase`, every request aligned to `block` in memory address, file offset and length (O_DIRECT).
+
+    With `phase` equal to u8's own address modulo `block`, memory pages and file blocks line up: the aligned
+    middle of u8 is read or written in place, and only the partial first and last blocks go through a small edge
+    buffer (at most 2 blocks copied, whatever the size). This is why an ordinary torch tensor (64-byte aligned)
+    needs no staging copy for O_DIRECT. With block 1 (buffered I/O) it is u8 itself."""
+
+    def __init__(self, u8: torch.Tensor, phase: int, block: int):
+        n, addr = u8.numel(), u8.data_ptr()
+        assert u8.is_contiguous() and (block == 1 or addr % block == phase), "memory phase must match the file's"
+        self.u8, self.phase = u8, phase
+        self.head = min(n, block - phase) if phase else 0  # item bytes in the first, partial block
+        mid = (n - self.head) // block * block
+        self.tail = n - self.head - mid
+        edges = (phase > 0) + (self.tail > 0)
+        self.edges = aligned_empty(edges * block) if edges else None  # owns the edge blocks (zero padding)
+        e = self.edges.data_ptr() if edges else 0
+        self.first = raw_bytes(e, block) if phase else None
+        self.last = raw_bytes(e + block * (phase > 0), block) if self.tail else None
+        self.vecs = ([self.first] if phase else []) + ([raw_bytes(addr + self.head, mid)] if mid else []) + \
+            ([self.last] if self.tail else [])
+        self.file_bytes = phase + n if block == 1 else round_up(phase + n, block)
+
+    def fill(self) -> "Iovecs":
+        """Before a write: copy u8's partial blocks into the edge buffer."""
+        n = self.u8.numel()
+        if self.first is not None:
+            self.first[self.phase:self.phase + self.head] = self.u8[:self.head]
+        if self.last is not None:
+            self.last[:self.tail] = self.u8[n - self.tail:]
+        return self
+
+    def scatter(self) -> None:
+        """After a read: copy the partial blocks from the edge buffer into u8."""
+        n = self.u8.numel()
+        if self.first is not None:
+            self.u8[:self.head] = self.first[self.phase:self.phase + self.head]
+        if self.last is not None:
+            self.u8[n - self.tail:] = self.last[:self.tail]
 
 
 def _maybe_pin(buf: AlignedBuffer) -> bool:

@@ -40,6 +40,10 @@ class Stream:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.store, self.keys, self.depth, self.writeback_mode = store, list(keys), depth, writeback
         self.max_writes = depth if max_writes is None else max_writes
+        pool = getattr(store, "pool", None)
+        if pool is not None and depth + 2 > pool.max_buffers:  # depth reads + the caller's item + one write
+            raise ValueError(f"a stream of depth {depth} needs {depth + 2} pool buffers but the store's pool allows "
+                             f"{pool.max_buffers}; lower depth or make the store with max_buffers >= {depth + 2}")
         self._reads: Deque[Tuple[int, Hashable, AlignedBuffer, Handle]] = deque()
         self._writes: Deque[Tuple[Handle, AlignedBuffer]] = deque()
         self._next_read = 0
@@ -80,8 +84,9 @@ class Stream:
         while self._next_read < len(self.keys) and len(self._reads) < self.depth:
             key = self.keys[self._next_read]
             meta = self.store.meta(key)
-            buf = self._acquire(meta.nbytes)
-            out = buf.bytes(meta.nbytes).view(meta.dtype).view(meta.shape)
+            phase = self.store.phase(key) if hasattr(self.store, "phase") else 0  # read in place (NVMeStore)
+            buf = self._acquire(phase + meta.nbytes)
+            out = buf.bytes(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
             try:
                 h = self.store.get(key, out=out)
             except BaseException:
