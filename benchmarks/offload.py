@@ -96,12 +96,53 @@ def run_config(name: str, args, out_q) -> None:
             for k in keys:
                 store.delete(("io-only",) + tuple(k))
         io_only = min(io_times)
+    probe = _overlap_probe(store, keys, cfg, batches[-1], args) if store is not None and args.overlap_probe else None
     out_q.put(dict(name=name, params=n_params, step_s=times, update_s=updates, io_wait_s=waits, io_bytes=io,
-                   rss=rss, hwm=hwm, io_only_s=io_only, losses=losses,
+                   rss=rss, hwm=hwm, io_only_s=io_only, losses=losses, probe=probe,
                    resident=int(getattr(store, "resident_bytes", 0)) if store is not None else 0))
     if store is not None:
         del state
         store.close()
+
+
+def _overlap_probe(store, keys, cfg, batch, args) -> dict:
+    """What overlapping the optimizer I/O with the backward pass could buy on this machine: the step's stream of
+    reads and write-backs run in a thread while a plain torch forward+backward of the same model runs, against
+    each of them alone (median of 3)."""
+    import threading
+    from gpt import GPT, loss_fn
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+
+    def io() -> float:
+        t0 = time.perf_counter()
+        with store.stream(keys, depth=args.depth, writeback=True) as s:
+            for item in s:
+                s.writeback(item, key=("probe",) + tuple(item.key))
+        dt = time.perf_counter() - t0
+        for k in keys:
+            store.delete(("probe",) + tuple(k))
+        return dt
+
+    def fwd_bwd() -> float:
+        t0 = time.perf_counter()
+        loss_fn(model, batch).backward()
+        return time.perf_counter() - t0
+
+    fwd_bwd()  # warm-up
+    rows = []
+    for _ in range(3):
+        io_alone, fb_alone = io(), fwd_bwd()
+        got: list = []
+        th = threading.Thread(target=lambda: got.append(io()))
+        t0 = time.perf_counter()
+        th.start()
+        fb_both = fwd_bwd()
+        th.join()
+        rows.append((io_alone, fb_alone, fb_both, got[0], time.perf_counter() - t0))
+    keys_ = ("io_alone", "fwd_bwd_alone", "fwd_bwd_with_io", "io_with_fwd_bwd", "together")
+    return {k: statistics.median(r[i] for r in rows) for i, k in enumerate(keys_)}
 
 
 def main() -> None:
@@ -117,6 +158,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--donate", action="store_true", help="compose with donate=True (in-place update)")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--overlap-probe", action="store_true",
+                   help="also time the stored configs' I/O running concurrently with a forward+backward")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -159,6 +202,15 @@ def main() -> None:
     for a, b in (("nvme-uring", "cpu"), ("nvme-aio", "cpu"), ("cpu", "none"), ("nvme-uring", "none")):
         if a in med and b in med:
             print(f"  {a} / {b} = {med[a] / med[b]:.3f}")
+    for n in names:
+        probes = [r["probe"] for r in res[n] if r.get("probe")]
+        if probes:
+            pm = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+            serial = pm["io_alone"] + pm["fwd_bwd_alone"]
+            print(f"  overlap probe {n}: I/O alone {pm['io_alone']:.3f} s, forward+backward alone "
+                  f"{pm['fwd_bwd_alone']:.3f} s (serial {serial:.3f}); together {pm['together']:.3f} s "
+                  f"(forward+backward {pm['fwd_bwd_with_io']:.3f}, I/O {pm['io_with_fwd_bwd']:.3f}): saves "
+                  f"{serial - pm['together']:.3f} s of the {pm['io_alone']:.3f} s of I/O")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f)
