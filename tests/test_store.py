@@ -451,6 +451,9 @@ def test_direct_in_place_at_any_address(backend, tmp_path):
                     assert (s.pool.resident_bytes == 0) == (read_phase == phase)
                     s.pool.clear()
                 assert same_bits(s.get(key).wait(), x)  # repeat read: buffered pread at the item's offset
+                s.put(key, x).wait()
+                dst = s.empty_for(key)  # a destination at the item's phase: read in place
+                assert s.get(key, out=dst).wait() is dst and same_bits(dst, x) and s.pool.resident_bytes == 0
                 with open(s.file_of(key), "r+b") as f:  # the bytes sit at the phase: corrupt the last one
                     f.seek(phase + n - 1)
                     b = f.read(1)

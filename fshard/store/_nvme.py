@@ -243,6 +243,15 @@ class NVMeStore:
         item = self._items.get(key)
         return 0 if item is None else item.phase
 
+    def empty_for(self, key: Hashable) -> torch.Tensor:
+        """An uninitialised tensor with `key`'s dtype and shape whose address has the item's phase: get(key,
+        out=it) reads into it in place (no pool buffer, no copy). Reuse it: fresh memory costs page faults."""
+        meta = self.meta(key)
+        phase = self.phase(key)
+        if meta.nbytes == 0:
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        return aligned_empty(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
+
     def keys(self) -> List[Hashable]:
         self.flush()
         return list(self._items)
