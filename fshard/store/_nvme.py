@@ -166,10 +166,10 @@ class NVMeStore:
             value = torch.empty(meta.shape, dtype=meta.dtype) if out is None else out
             return Handle.completed("read", key, value, self.events)
         slot = item.slot
-        problem = slot.problem(meta.nbytes)
+        phase, n = item.phase, meta.nbytes
+        problem = slot.problem(phase + n)
         if problem is not None:
             return Handle.failed("read", key, CorruptedItemError(f"cannot read key {key!r}: {problem}"), self.events)
-        phase, n = item.phase, meta.nbytes
         dest = as_bytes(out) if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
         staged: Optional[AlignedBuffer] = None
         io: Optional[Iovecs] = None
