@@ -33,6 +33,7 @@ import torch
 from ._errors import FshardError
 from ._optim import AdamWState, _segments
 from ._transforms import Transform
+from .store._stream import check_depth
 
 _ROWS = ("exp_avg", "exp_avg_sq")
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
@@ -270,11 +271,7 @@ class offload_state(Transform):
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
                              f"{depth!r}.")
-        pool = getattr(store, "pool", None)
-        if pool is not None and depth + 2 > pool.max_buffers:  # depth reads + the chunk being updated + one write
-            raise ValueError(f"fs.offload_state: depth={depth} streams through {depth + 2} buffers but the store's "
-                             f"pool allows {pool.max_buffers}; lower depth or make the store with "
-                             f"max_buffers >= {depth + 2}.")
+        check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
 
     def wrap_update(self, update):

@@ -124,7 +124,7 @@ def test_a_missing_or_unwritable_directory_fails_at_init(tmp_path):
     with pytest.raises(ValueError, match="fraction"):
         fs.offload_state(fs.CPUStore(), fraction=1.5)
     with fs.NVMeStore(str(tmp_path), max_buffers=4) as small:  # a stream deeper than the pool: refused up front
-        with pytest.raises(ValueError, match="depth=4 streams through 6 buffers.*max_buffers >= 6"):
+        with pytest.raises(ValueError, match=r"offload_state\(depth=4\) needs 6 pool buffers.*max_buffers >= 6"):
             fs.offload_state(small, depth=4)
 
 

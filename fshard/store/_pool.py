@@ -88,7 +88,6 @@ class Iovecs:
         self.last = raw_bytes(e + block * (phase > 0), block) if self.tail else None
         self.vecs = ([self.first] if phase else []) + ([raw_bytes(addr + self.head, mid)] if mid else []) + \
             ([self.last] if self.tail else [])
-        self.file_bytes = phase + n if block == 1 else round_up(phase + n, block)
 
     def fill(self) -> "Iovecs":
         """Before a write: copy u8's partial blocks into the edge buffer."""

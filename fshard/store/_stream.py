@@ -23,6 +23,14 @@ from ._handle import Handle
 from ._pool import AlignedBuffer
 
 
+def check_depth(store: Any, depth: int, who: str) -> None:
+    """Refuse, up front, a stream the store's pool cannot hold: `depth` reads, the caller's item and one write."""
+    pool = getattr(store, "pool", None)
+    if pool is not None and depth + 2 > pool.max_buffers:
+        raise ValueError(f"{who} needs {depth + 2} pool buffers but the store's pool allows {pool.max_buffers}; "
+                         f"lower depth or make the store with max_buffers >= {depth + 2}")
+
+
 class StreamItem:
     __slots__ = ("key", "index", "tensor", "_buf", "_open")
 
@@ -40,10 +48,7 @@ class Stream:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.store, self.keys, self.depth, self.writeback_mode = store, list(keys), depth, writeback
         self.max_writes = depth if max_writes is None else max_writes
-        pool = getattr(store, "pool", None)
-        if pool is not None and depth + 2 > pool.max_buffers:  # depth reads + the caller's item + one write
-            raise ValueError(f"a stream of depth {depth} needs {depth + 2} pool buffers but the store's pool allows "
-                             f"{pool.max_buffers}; lower depth or make the store with max_buffers >= {depth + 2}")
+        check_depth(store, depth, f"a stream of depth {depth}")
         self._reads: Deque[Tuple[int, Hashable, AlignedBuffer, Handle]] = deque()
         self._writes: Deque[Tuple[Handle, AlignedBuffer]] = deque()
         self._next_read = 0
