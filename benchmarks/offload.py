@@ -6,9 +6,11 @@ thread; every config in a fresh process, round-robin over rounds, the same weigh
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/offload.py --dir /var/tmp/fshard-offload
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/offload.py --tiny --steps 3     # a quick check
 
-Per config it prints the median step time, the median update time, the time the update waited on the store
-(``time/io_wait``: I/O not hidden behind the update's compute), I/O bytes per step and their rate, and the
-process RSS after the steps (VmRSS, with freed memory handed back by malloc_trim) and its peak (VmHWM).
+Per config it prints the median step time, the median update time (after backward), how many units were updated
+during backward and the worker's time on them (``offload_state(overlap_backward=True)``, the default; "-after"
+configs turn it off), the time the step waited on the store after backward (``time/io_wait``: I/O that neither
+backward nor the update's compute hid), I/O bytes per step, and the process RSS after the steps (VmRSS, with freed
+memory handed back by malloc_trim) and its peak (VmHWM).
 The hidden fraction of I/O is 1 - io_wait / io_time, where io_time is the same stream of reads and write-backs
 timed on its own (``--io-only`` pass: no compute), measured in the same process right after the steps.
 """
@@ -30,7 +32,9 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")  # also: nvme-uring-buffered, nvme-aio-buffered
+CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")
+# also: nvme-uring-buffered, nvme-aio-buffered (through the page cache); a "-after" suffix (cpu-after,
+# nvme-uring-after, ...) turns overlap_backward off: every unit is updated after backward, the pre-overlap pipeline
 
 
 def _rss() -> tuple[int, int]:
@@ -58,18 +62,19 @@ def run_config(name: str, args, out_q) -> None:
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     store, ts = None, ()
-    if name == "cpu":
+    if name.startswith("cpu"):
         store = fs.CPUStore()
     elif name.startswith("nvme"):  # nvme-uring, nvme-aio; "-buffered": through the page cache (no O_DIRECT)
         store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=name.split("-")[1],
-                             direct=not name.endswith("-buffered"))
+                             direct="-buffered" not in name)
     if store is not None:
-        ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth),)
+        ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth,
+                               overlap_backward=not name.endswith("-after")),)
     state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4))
     del model
     step = fs.compose(loss_fn, *ts, donate=args.donate)
     batches = list(synthetic_batches(cfg, args.batch_size, args.warmup + args.steps, seed=1))
-    times, updates, waits, io, losses = [], [], [], [], []
+    times, updates, waits, io, losses, early = [], [], [], [], [], []
     for i, b in enumerate(batches):
         t0 = time.perf_counter()
         state, m = step(state, b)
@@ -79,6 +84,7 @@ def run_config(name: str, args, out_q) -> None:
             times.append(dt)
             updates.append(m["time/update"])
             waits.append(m.get("time/io_wait", 0.0))
+            early.append((m.get("update/overlapped_units", 0), m.get("time/overlapped_update", 0.0)))
             io.append(m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0))
     _trim()
     rss, hwm = _rss()
@@ -94,6 +100,7 @@ def run_config(name: str, args, out_q) -> None:
         io_only = min(io_times)
     probe = _overlap_probe(store, keys, cfg, batches[-1], args) if store is not None and args.overlap_probe else None
     out_q.put(dict(name=name, params=n_params, step_s=times, update_s=updates, io_wait_s=waits, io_bytes=io,
+                   early=early,
                    rss=rss, hwm=hwm, io_only_s=io_only, losses=losses, probe=probe,
                    resident=int(getattr(store, "resident_bytes", 0)) if store is not None else 0))
     if store is not None:
@@ -180,8 +187,8 @@ def main() -> None:
     print(f"\n=== offloaded AdamW state, world size 1, {res[names[0]][0]['params'] / 1e6:.1f}M params, "
           f"batch {args.batch_size}, {args.threads} threads, chunk {args.chunk_mb} MiB, depth {args.depth}, "
           f"donate={args.donate}, torch {torch.__version__} ===")
-    print(f"{'config':12s} {'step s':>8s} {'update s':>9s} {'io wait s':>10s} {'io-only s':>10s} {'hidden':>7s} "
-          f"{'GB/step':>8s} {'GB/s':>6s} {'RSS GiB':>8s} {'peak GiB':>9s}")
+    print(f"{'config':18s} {'step s':>8s} {'update s':>9s} {'early':>6s} {'early s':>8s} {'io wait s':>10s} "
+          f"{'io-only s':>10s} {'hidden':>7s} {'GB/step':>8s} {'RSS GiB':>8s} {'peak GiB':>9s}")
     med = {}
     for n in names:
         rs = res[n]
@@ -191,15 +198,19 @@ def main() -> None:
         gb = statistics.median([b for r in rs for b in r["io_bytes"]]) / 1e9
         io_only = statistics.median([r["io_only_s"] for r in rs]) if rs[0]["io_only_s"] else None
         hidden = "" if not io_only else f"{max(0.0, 1 - wait / io_only) * 100:5.1f}%"
-        rate = f"{gb / upd:6.2f}" if gb else ""
         rss, hwm = max(r["rss"] for r in rs) / 2**30, max(r["hwm"] for r in rs) / 2**30
         med[n] = step
-        print(f"{n:12s} {step:8.3f} {upd:9.3f} {wait:10.3f} {(io_only or 0):10.3f} {hidden:>7s} {gb:8.3f} "
-              f"{rate:>6s} {rss:8.2f} {hwm:9.2f}")
+        units = statistics.median([e[0] for r in rs for e in r["early"]])
+        early_s = statistics.median([e[1] for r in rs for e in r["early"]])
+        print(f"{n:18s} {step:8.3f} {upd:9.3f} {units:6.0f} {early_s:8.3f} {wait:10.3f} {(io_only or 0):10.3f} "
+              f"{hidden:>7s} {gb:8.3f} {rss:8.2f} {hwm:9.2f}")
     losses = {n: res[n][0]["losses"] for n in names}
     same = all(losses[n] == losses[names[0]] for n in names)
     print(f"\nlosses identical across configs (round 0): {same}")
-    for a, b in (("nvme-uring", "cpu"), ("nvme-aio", "cpu"), ("cpu", "none"), ("nvme-uring", "none")):
+    pairs = [("nvme-uring", "cpu"), ("nvme-aio", "cpu"), ("cpu", "none"), ("nvme-uring", "none"),
+             ("nvme-uring-after", "cpu-after"), ("nvme-aio-after", "cpu-after"), ("nvme-uring-after", "cpu"),
+             ("nvme-uring", "nvme-uring-after"), ("cpu", "cpu-after")]
+    for a, b in pairs:
         if a in med and b in med:
             print(f"  {a} / {b} = {med[a] / med[b]:.3f}")
     for n in names:

@@ -196,6 +196,7 @@ class BucketReduce:
             g = parts[0] if len(parts) == 1 else torch.cat(parts)
             dtype = run.units[name].layout.dtype
             run.units[name].grad = g if g.dtype == dtype else g.to(dtype)
+            run.grad_final(run.units[name])
 
 
 class bucket_reduce(Transform):

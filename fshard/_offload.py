@@ -25,6 +25,7 @@ import itertools
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from ._errors import FshardError
 from ._optim import AdamWState, _segments
-from ._transforms import Transform
+from ._transforms import IdentityGrads, Transform
 from .store._stream import check_depth
 
 _ROWS = ("exp_avg", "exp_avg_sq")
@@ -102,23 +103,118 @@ def _chunks(n: int, chunk: int):
     return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
 
 
+class _Early:
+    """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
+    parameter), so the input state stays intact until the update takes the result, and nothing is lost if the
+    step fails first (``abandon``)."""
+
+    def __init__(self, owner, opt, name, param, grad, s, segs, count, key):
+        self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
+        self.count, self.key = count, key
+        self.created: list = []  # keys written so far (appended by the worker)
+        self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        self.started, self.seconds = float("inf"), 0.0
+        self.future = owner._worker().submit(self._run, owner, segs)
+
+    def _run(self, owner, segs):
+        t0 = self.started = time.perf_counter()
+        p = self.param.clone()
+        try:
+            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key)], 1.0, self.created, self.metrics,
+                          donate=False)
+        finally:
+            self.seconds = time.perf_counter() - t0
+        return p
+
+    def result(self):
+        """Wait for the worker; the updated parameter shard (re-raises the worker's error)."""
+        return self.future.result()
+
+    def abandon(self) -> None:
+        """Wait for the worker, then delete what it wrote: the step did not take this update."""
+        try:
+            self.future.result()
+        except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
+            pass
+        for k in self.created:
+            _quiet_delete(self.store, k)
+        self.created = []
+
+
 class OffloadUpdate:
-    def __init__(self, inner, store, fraction: float, chunk_numel: int, depth: int):
+    def __init__(self, inner, store, fraction: float, chunk_numel: int, depth: int, overlap_backward: bool):
         self.inner, self.store, self.fraction, self.chunk, self.depth = inner, store, fraction, chunk_numel, depth
+        self.overlap_backward = overlap_backward
         self.trash: list = []
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _worker(self) -> ThreadPoolExecutor:
+        # One thread: the store is used by one thread at a time, and units are updated in the order they arrive.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload")
+        return self._pool
+
+    def overlap(self, run, unit) -> None:
+        """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
+        cannot depend on anything decided after backward. That holds when the grads stage is the identity (no
+        global clip or skip), the moments are already in the store, the shard is on the CPU, and every trainable
+        parameter of the unit got a gradient here (so on every rank, whatever the agreement says)."""
+        name = unit.layout.name
+        s = run.opt_state.get(name)
+        if (not self.overlap_backward or not isinstance(run.policy.grads, IdentityGrads) or unit.grad is None
+                or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type != "cpu"
+                or not run.got_all(unit) or name in run.early):
+            return
+        spec = run.spec
+        layout = next(u for u in spec.units if u.name == name)
+        on = [True] * len(layout.trainable)
+        count = s.count + torch.tensor(on, dtype=torch.int64)
+        segs = _segments(layout.trainable_ranges(spec.mesh.rank), on, count.tolist())
+        if not segs:
+            return
+        run.early[name] = _Early(self, spec.optimizer, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name))
+
+    def _take_early(self, grads, state, active, m, created) -> dict:
+        """Wait for the updates begun during backward; keep those that are what the update would compute now."""
+        taken, early = {}, grads.early
+        t0 = time.perf_counter()
+        try:
+            for name in list(early):
+                work = early.pop(name)
+                ok = (grads.scale == 1.0 and not grads.skip and all(active.get(name, ()))
+                      and grads.shards.get(name) is work.grad and state.opt_state.get(name) is work.s)
+                if not ok:  # (never expected: overlap only starts work whose inputs are final)
+                    work.abandon()
+                    continue
+                created.extend(work.created)  # from here on, a failure deletes them with the rest
+                p = work.result()
+                taken[name] = (p, work)
+                for k in ("io/read_bytes", "io/write_bytes"):
+                    m[k] += work.metrics[k]
+                m["time/overlapped_update"] += work.seconds
+        finally:
+            for work in list(early.values()):  # an error above: wait for and drop the rest before going on
+                early.pop(work.name).abandon()
+            m["time/io_wait"] += time.perf_counter() - t0  # what backward did not hide
+        return taken
 
     def __call__(self, spec, state, grads, active, donate):
-        self._empty_trash()
+        m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0, "time/overlapped_update": 0.0}
+        created = []  # keys this update wrote under new names: deleted again if it fails
+        try:
+            taken = self._take_early(grads, state, active, m, created)
+        except Exception as e:
+            return self._fail(e, created, state, donate=False)
+        self._empty_trash()  # only now: the worker has stopped using the store
         chosen = self._choose(spec, state)
         stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
         # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
         in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
-        m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        m["update/overlapped_units"] = len(taken)
         t0 = time.perf_counter()
-        created = []  # keys this update wrote under new names: deleted again if it fails
         try:
             params, opt_state = self.inner(spec, state, grads, in_memory, donate)
             for name in sorted(chosen - stored):
@@ -128,6 +224,13 @@ class OffloadUpdate:
                 if u.name not in stored:
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
+                if u.name in taken:  # updated during backward, into a new version
+                    p, work = taken[u.name]
+                    params[u.name] = p
+                    items = _Items(self.store, work.key, s.exp_avg.items.chunks, self.trash)
+                    opt_state[u.name] = AdamWState(work.count, *(Stored(items, r, s.exp_avg.numel, s.exp_avg.dtype,
+                                                                        s.exp_avg.location) for r in (0, 1)))
+                    continue
                 count = s.count + torch.tensor(on, dtype=torch.int64)
                 segs = _segments(u.trainable_ranges(spec.mesh.rank), on, count.tolist())
                 if not segs:  # nothing to update: the same items serve the new state
@@ -143,24 +246,28 @@ class OffloadUpdate:
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
         except Exception as e:
-            for k in created:
-                _quiet_delete(self.store, k)
-            if donate:  # parameters and chunks were being updated in place
-                object.__setattr__(state, "_donated", True)
-                lost = ("The donated input state was partly updated in place and can no longer be used; restart "
-                        "from a checkpoint, or compose without donate=True to keep inputs intact.")
-            else:
-                lost = "Nothing was updated: the input state is unchanged and usable."
-            if isinstance(e, FshardError):
-                raise
-            raise OffloadError(
-                f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} Free "
-                "space in the store's directory, choose another one, or offload less "
-                "(fs.offload_state(store, fraction=...)).") from e
+            self._fail(e, created, state, donate)
         m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
+        t0 = min([t0] + [work.started for _, work in taken.values()])  # I/O began with the first early update
         m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
         grads.metrics.update(m)
         return params, opt_state
+
+    def _fail(self, e, created, state, donate):
+        for k in created:
+            _quiet_delete(self.store, k)
+        if donate:  # parameters and chunks were being updated in place
+            object.__setattr__(state, "_donated", True)
+            lost = ("The donated input state was partly updated in place and can no longer be used; restart "
+                    "from a checkpoint, or compose without donate=True to keep inputs intact.")
+        else:
+            lost = "Nothing was updated: the input state is unchanged and usable."
+        if isinstance(e, FshardError):
+            raise e
+        raise OffloadError(
+            f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} Free "
+            "space in the store's directory, choose another one, or offload less "
+            "(fs.offload_state(store, fraction=...)).") from e
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
@@ -257,12 +364,19 @@ class offload_state(Transform):
     """Keep ``fraction`` of the optimizer moments in ``store`` (``fs.CPUStore()`` or ``fs.NVMeStore(dir)``) and
     update them by streaming chunks of ``chunk_mb`` MiB per moment, ``depth`` reads ahead.
 
+    overlap_backward: update a unit in a background thread as soon as its gradient shard is final, while backward
+    goes on (CPU shards, identity grads stage, units whose parameters all got a gradient); the others are updated
+    after backward. The result is bitwise the same either way.
+
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps`` (both over the update's wall time),
-    ``time/io_wait`` (time the update waited on the store) and ``store/resident_bytes``."""
+    ``time/io_wait`` (time the step waited on the store after backward: I/O that nothing hid),
+    ``update/overlapped_units`` and ``time/overlapped_update`` (units updated during backward, and the worker's
+    time on them), and ``store/resident_bytes``."""
 
     name = "offload_state"
 
-    def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2):
+    def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
+                 overlap_backward: bool = True):
         if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
             raise TypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
                             f"{type(store).__name__}.")
@@ -273,10 +387,11 @@ class offload_state(Transform):
                              f"{depth!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
+        self.overlap_backward = bool(overlap_backward)
 
     def wrap_update(self, update):
         chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
-        return OffloadUpdate(update, self.store, self.fraction, chunk, self.depth)
+        return OffloadUpdate(update, self.store, self.fraction, chunk, self.depth, self.overlap_backward)
 
     def __repr__(self) -> str:
         return f"fs.offload_state({_location(self.store)}, fraction={self.fraction})"

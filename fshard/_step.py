@@ -82,7 +82,8 @@ class Step:
             t1 = time.perf_counter()
             losses, gather_metrics = [], {}
             for i, mb in enumerate(micro):
-                runs.append(StepRun(spec, state.params, comm, self.policy, acc, last=i == len(micro) - 1))
+                runs.append(StepRun(spec, state.params, comm, self.policy, acc, last=i == len(micro) - 1,
+                                    opt_state=state.opt_state))
                 mb_loss, mb_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
                 losses.append(mb_loss)
                 for k, v in mb_metrics.items():  # counts add up over micro-batches
@@ -91,7 +92,8 @@ class Step:
             t2 = time.perf_counter()
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
-            grads = self.policy.grads(comm, Grads({n: u.grad for n, u in run.units.items() if u.grad is not None}))
+            grads = self.policy.grads(comm, Grads({n: u.grad for n, u in run.units.items() if u.grad is not None},
+                                                  early=run.early))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
                 new = state

@@ -83,6 +83,7 @@ class BlockingReduce:
         out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
         run.comm.reduce_scatter(out, full, unit.layout.name).wait()
         unit.grad = out
+        run.grad_final(unit)
 
     def finish(self, run) -> None:
         """Called after backward: every outstanding reduction is complete when it returns."""
@@ -99,6 +100,7 @@ class Grads:
     skip: bool = False
     sq_norm: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    early: dict[str, Any] = field(default_factory=dict)  # updates begun during backward (update.overlap)
 
 
 class IdentityGrads:
@@ -109,7 +111,13 @@ class IdentityGrads:
 
 
 class DeviceUpdate:
-    """Run the optimizer on the shards where they live, one unit at a time."""
+    """Run the optimizer on the shards where they live, one unit at a time.
+
+    The update protocol: ``update(spec, state, grads, active, donate) -> (params, opt_state)``, called once after
+    backward and the agreement. An update policy may also define ``overlap(run, unit)``: the step calls it in the
+    last micro-batch as soon as the unit's gradient shard is final, while backward still runs. It may begin that
+    unit's update in the background and leave the work in ``run.early[name]`` (an object with ``abandon()``); the
+    step hands those to the update in ``grads.early``, and abandons the ones a failed step never took."""
 
     def __call__(self, spec, state, grads: Grads, active, donate):
         rank, params, opt_state = spec.mesh.rank, dict(state.params), dict(state.opt_state)

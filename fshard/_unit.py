@@ -205,9 +205,11 @@ class StepRun:
     """All units of one step: routing target, saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, spec, params: dict[str, torch.Tensor], comm, policy, acc: Accumulator | None = None,
-                 last: bool = True):
+                 last: bool = True, opt_state: dict | None = None):
         self.spec, self.comm, self.policy = spec, comm, policy
         self.acc, self.last = acc if acc is not None else Accumulator(1), last
+        self.opt_state = opt_state if opt_state is not None else {}  # the input state's, for updates that start early
+        self.early: dict = {}  # unit name -> update work begun during backward (the update policy's ``overlap``)
         self.units = {u.name: UnitRun(self, u, params[u.name]) for u in spec.units}
         self._live: dict[int, UnitRun] = {}
         self.live_bytes = self.peak_bytes = 0
@@ -255,6 +257,21 @@ class StepRun:
             return x.tensor
         return x
 
+    def grad_final(self, unit: UnitRun) -> None:
+        """The reduce policy calls this once ``unit.grad`` holds the unit's final gradient shard. In the last
+        micro-batch, an update policy with an ``overlap`` hook may start that unit's update now, while backward
+        goes on."""
+        hook = getattr(self.policy.update, "overlap", None)
+        if self.last and hook is not None:
+            hook(self, unit)
+
+    def got_all(self, unit: UnitRun) -> bool:
+        """Did every trainable parameter of the unit get a gradient on this rank, in any micro-batch so far? Then
+        it is active on every rank too (the agreement after backward is an OR over ranks)."""
+        prev = self.acc.got.get(unit.layout.name)
+        got = unit.got if prev is None else [a or b for a, b in zip(prev, unit.got)]
+        return bool(got) and all(got)
+
     def end_backward(self) -> None:
         """After this micro-batch's backward. In the last one, units that got a gradient only in earlier
         micro-batches are reduced now (in unit order), then the reduce policy completes every reduction."""
@@ -276,6 +293,9 @@ class StepRun:
         """Drop every tensor this step's runtime holds and break its reference cycles (StepRun <-> UnitRun, and
         flat buffer -> autograd node -> UnitRun), so a finished step frees its memory at once, not at the next
         cycle collection."""
+        early, self.early = self.early, {}
+        for work in early.values():  # begun during backward but not taken by the update (the step failed)
+            work.abandon()
         for unit in self.units.values():
             unit.release()
             unit.flat = unit.buf = unit.grad = unit.shard = unit.run = None

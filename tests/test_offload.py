@@ -52,7 +52,8 @@ def _train(directory, with_transforms, donate=False):
             losses.append(m["loss"])
         stored = sum(isinstance(getattr(s, "exp_avg", None), fs.Stored) for s in state.opt_state.values())
         params = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
-        out[key] = (losses, params, _moments(state), stored, {k: v for k, v in m.items() if k.startswith("io/")})
+        out[key] = (losses, params, _moments(state), stored,
+                    {k: v for k, v in m.items() if k.startswith(("io/", "update/"))})
         del state, step
         if store is not None:
             store.close()
@@ -74,6 +75,8 @@ def test_training_is_bitwise_identical_with_offload(tmp_path, world_size, with_t
             if frac is not None:  # the fraction really moved state, and the update really streamed it
                 assert stored == 0 if frac == 0 else (stored == n_units if frac == 1 else 0 < stored < n_units)
                 assert (io["io/read_bytes"] > 0) == (frac > 0)
+                # every unit got a gradient, so every stored unit was updated while backward ran
+                assert io["update/overlapped_units"] == stored
 
 
 def test_donated_offloaded_training_is_bitwise_identical(tmp_path):
@@ -153,3 +156,133 @@ def test_a_full_directory_fails_on_the_first_step_and_loses_nothing(tmpfs):
         s, m1 = plain(s, b)
         ref, m2 = plain(ref, b)
     assert m1["loss"] == m2["loss"]
+
+
+def _awkward_run(store, transforms=(), overlap=True, world_size=1, rank=0):
+    """5 steps of the awkward model (tied, frozen and unused parameters, a unit used twice, one never called)."""
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    torch.manual_seed(0)
+    ts = tuple(transforms)
+    if store is not None:
+        ts += (fs.offload_state(store, chunk_mb=0.0001, overlap_backward=overlap),)
+    state = fs.init(Awkward(), fs.Mesh.local() if world_size == 1 else fs.Mesh.from_env(), fs.adamw(lr=3e-3))
+    step = fs.compose(awkward_loss, *ts)
+    losses, overlapped = [], []
+    for b in awkward_batches(2, STEPS, rank=rank, world_size=world_size):
+        state, m = step(state, b)
+        losses.append(m["loss"])
+        overlapped.append(m.get("update/overlapped_units", 0))
+    return losses, {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}, _moments(state), overlapped
+
+
+def _awkward_configs(directory):
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    ref = _awkward_run(None, world_size=mesh.world_size, rank=mesh.rank)
+    out = {}
+    for name, overlap, ts in (("overlap", True, ()), ("after", False, ()),
+                              ("clip", True, (fs.clip_by_global_norm(1e9),))):
+        with fs.NVMeStore(f"{directory}/{name}{mesh.rank}") as store:
+            out[name] = _awkward_run(store, ts, overlap, mesh.world_size, mesh.rank)
+    return ref, out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_update_during_backward_is_bitwise_and_takes_only_units_it_may(tmp_path, world_size):
+    """Units whose parameters all got a gradient are updated while backward runs; the root (an unused parameter:
+    another rank could still give it a gradient) and the never-called unit wait for the agreement; a clipped step
+    updates nothing early (the norm is global). Every way gives the same bits as no offload."""
+    args = (str(tmp_path),)
+    ranks = run_ranks(_awkward_configs, world_size, *args) if world_size > 1 else [_awkward_configs(*args)]
+    for ref, out in ranks:
+        for name, res in out.items():
+            assert res[:3] == ref[:3], name
+        assert out["overlap"][3] == [0] + [2] * (STEPS - 1)  # blocks.0 (used twice) and blocks.1
+        assert out["after"][3] == [0] * STEPS and out["clip"][3] == [0] * STEPS
+
+
+def _failing_model():
+    model, loss_fn, batches = _model()
+    fail = {"on": False}
+
+    def boom(grad):
+        raise RuntimeError("injected failure in backward")
+
+    # blocks.0's output: its hook runs in backward after the later blocks' gradients are final (and their updates
+    # have begun in the worker), before blocks.0 and the root are done
+    def arm(mod, inputs, out):
+        if fail["on"]:
+            out.register_hook(boom)
+
+    model.blocks[0].register_forward_hook(arm)
+    return model, loss_fn, batches, fail
+
+
+def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monkeypatch):
+    import fshard as fs
+    from fshard import _offload
+    abandoned = []
+    keep = _offload._Early.abandon
+    monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
+    model, loss_fn, batches, fail = _failing_model()
+    bs = list(batches(0, 1))
+    with fs.NVMeStore(str(tmp_path)) as store:
+        step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+        s = fs.init(model, fs.Mesh.local(), fs.adamw())
+        for b in bs[:2]:
+            s, _ = step(s, b)
+        ref, m = step(s, bs[2])
+        assert m["update/overlapped_units"] == 4
+        keys = set(store.keys())
+        fail["on"] = True
+        with pytest.raises(RuntimeError, match="injected failure"):
+            step(s, bs[2])
+        fail["on"] = False
+        # blocks.2 and blocks.1 were updated (and written) in the worker before the failure
+        assert sorted(n for n, _ in abandoned) == ["blocks.1", "blocks.2"] and all(k > 0 for _, k in abandoned)
+        assert set(store.keys()) == keys  # what the worker wrote for the failed step is gone again
+        again, _ = step(s, bs[2])  # the input state is intact
+        assert _moments(again) == _moments(ref)
+
+
+class _FlakyStore:
+    """A CPUStore whose puts fail once ``fail`` is set (a disk error in the middle of the update)."""
+
+    def __init__(self):
+        import fshard as fs
+        self.inner, self.fail = fs.CPUStore(), False
+
+    def put(self, key, t):
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+        return self.inner.put(key, t)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def stream(self, keys, depth=2, writeback=False, max_writes=None):
+        from fshard.store._stream import Stream
+        return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)
+
+
+def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
+    import fshard as fs
+    model, loss_fn, batches = _model()
+    bs = list(batches(0, 1))
+    store = _FlakyStore()
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+    s = fs.init(model, fs.Mesh.local(), fs.adamw())
+    s, _ = step(s, bs[0])
+    ref, m = step(s, bs[1])
+    del ref
+    gc.collect()
+    step(s, bs[1])  # empties the trash of the freed version
+    keys = set(store.keys())
+    store.fail = True
+    with pytest.raises(fs.OffloadError, match="input state is unchanged"):
+        step(s, bs[1])
+    store.fail = False
+    assert set(store.keys()) == keys
+    again, m = step(s, bs[1])
+    assert m["update/overlapped_units"] == 4
