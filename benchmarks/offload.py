@@ -33,8 +33,9 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
         sys.path.insert(0, _p)
 
 CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")
-# also: nvme-uring-buffered, nvme-aio-buffered (through the page cache); a "-after" suffix (cpu-after,
-# nvme-uring-after, ...) turns overlap_backward off: every unit is updated after backward, the pre-overlap pipeline
+# also: nvme-uring-buffered, nvme-aio-buffered (through the page cache); a "-after" suffix (nvme-uring-after, ...)
+# turns overlap_backward off (every unit updated after backward, the pipeline before it existed), "-overlap"
+# (cpu-overlap) turns it on; without either, offload_state's default (on for NVMe, off for CPUStore)
 
 
 def _rss() -> tuple[int, int]:
@@ -69,8 +70,9 @@ def run_config(name: str, args, out_q) -> None:
                              direct="-buffered" not in name)
     if store is not None:
         ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth,
-                               overlap_backward=not name.endswith("-after")),)
-    state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4))
+                               overlap_backward={"after": False, "overlap": True}.get(name.split("-")[-1])),)
+    units = [f"blocks.{i}" for i in range(cfg.n_layers)] + ["lm_head"] if args.head_unit else None
+    state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4), units=units)
     del model
     step = fs.compose(loss_fn, *ts, donate=args.donate)
     batches = list(synthetic_batches(cfg, args.batch_size, args.warmup + args.steps, seed=1))
@@ -165,6 +167,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--donate", action="store_true", help="compose with donate=True (in-place update)")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--head-unit", action="store_true",
+                   help="lm_head as a unit of its own (else in the root, whose gradient is final only at the end)")
     p.add_argument("--overlap-probe", action="store_true",
                    help="also time the stored configs' I/O running concurrently with a forward+backward")
     p.add_argument("--json", default=None)
@@ -186,7 +190,7 @@ def main() -> None:
                   f"rss {r['rss'] / 2**30:.2f} GiB", flush=True)
     print(f"\n=== offloaded AdamW state, world size 1, {res[names[0]][0]['params'] / 1e6:.1f}M params, "
           f"batch {args.batch_size}, {args.threads} threads, chunk {args.chunk_mb} MiB, depth {args.depth}, "
-          f"donate={args.donate}, torch {torch.__version__} ===")
+          f"donate={args.donate}, lm_head unit={args.head_unit}, torch {torch.__version__} ===")
     print(f"{'config':18s} {'step s':>8s} {'update s':>9s} {'early':>6s} {'early s':>8s} {'io wait s':>10s} "
           f"{'io-only s':>10s} {'hidden':>7s} {'GB/step':>8s} {'RSS GiB':>8s} {'peak GiB':>9s}")
     med = {}
@@ -208,8 +212,8 @@ def main() -> None:
     same = all(losses[n] == losses[names[0]] for n in names)
     print(f"\nlosses identical across configs (round 0): {same}")
     pairs = [("nvme-uring", "cpu"), ("nvme-aio", "cpu"), ("cpu", "none"), ("nvme-uring", "none"),
-             ("nvme-uring-after", "cpu-after"), ("nvme-aio-after", "cpu-after"), ("nvme-uring-after", "cpu"),
-             ("nvme-uring", "nvme-uring-after"), ("cpu", "cpu-after")]
+             ("nvme-uring-after", "cpu"), ("nvme-aio-after", "cpu"), ("nvme-uring", "nvme-uring-after"),
+             ("nvme-aio", "nvme-aio-after"), ("cpu-overlap", "cpu")]
     for a, b in pairs:
         if a in med and b in med:
             print(f"  {a} / {b} = {med[a] / med[b]:.3f}")

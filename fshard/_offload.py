@@ -366,7 +366,9 @@ class offload_state(Transform):
 
     overlap_backward: update a unit in a background thread as soon as its gradient shard is final, while backward
     goes on (CPU shards, identity grads stage, units whose parameters all got a gradient); the others are updated
-    after backward. The result is bitwise the same either way.
+    after backward. The result is bitwise the same either way. None (the default) turns it on for stores that wait
+    on a device (NVMeStore), whose I/O backward can hide, and off for in-memory stores, whose update is CPU work
+    that would only compete with backward for the same cores (measured 1.9x slower on 2 cores).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps`` (both over the update's wall time),
     ``time/io_wait`` (time the step waited on the store after backward: I/O that nothing hid),
@@ -376,7 +378,7 @@ class offload_state(Transform):
     name = "offload_state"
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
-                 overlap_backward: bool = True):
+                 overlap_backward: bool | None = None):
         if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
             raise TypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
                             f"{type(store).__name__}.")
@@ -387,6 +389,8 @@ class offload_state(Transform):
                              f"{depth!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
+        if overlap_backward is None:
+            overlap_backward = getattr(store, "directory", None) is not None  # a store that waits on a disk
         self.overlap_backward = bool(overlap_backward)
 
     def wrap_update(self, update):

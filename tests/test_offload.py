@@ -75,8 +75,9 @@ def test_training_is_bitwise_identical_with_offload(tmp_path, world_size, with_t
             if frac is not None:  # the fraction really moved state, and the update really streamed it
                 assert stored == 0 if frac == 0 else (stored == n_units if frac == 1 else 0 < stored < n_units)
                 assert (io["io/read_bytes"] > 0) == (frac > 0)
-                # every unit got a gradient, so every stored unit was updated while backward ran
-                assert io["update/overlapped_units"] == stored
+                # every unit got a gradient, so every stored unit was updated while backward ran (by default on
+                # NVMe only: a CPUStore's update is CPU work that would compete with backward)
+                assert io["update/overlapped_units"] == (stored if key.startswith("nvme") else 0)
 
 
 def test_donated_offloaded_training_is_bitwise_identical(tmp_path):
@@ -271,7 +272,7 @@ def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
     model, loss_fn, batches = _model()
     bs = list(batches(0, 1))
     store = _FlakyStore()
-    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, overlap_backward=True))
     s = fs.init(model, fs.Mesh.local(), fs.adamw())
     s, _ = step(s, bs[0])
     ref, m = step(s, bs[1])
