@@ -15,9 +15,9 @@ if a write fails there (directory full, read-only), the step raises ``OffloadErr
 unchanged and usable.
 
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
-(0: none, 1: all). Units whose moments are already stored are always streamed; the others go to the update this
-transform wraps (the in-memory one by default). On CUDA the shard's gradient and parameter go to the CPU for the update and the parameter
-comes back (this path has not run on a GPU yet).
+(0: none, 1: all). Other units go to the update this transform wraps. With ``overlap_backward`` a unit's update
+starts in a worker thread once its gradient shard is final, while backward runs (design/OFFLOAD.md). On CUDA the
+shard's gradient and parameter go to the CPU for the update and the parameter comes back (not run on a GPU yet).
 """
 from __future__ import annotations
 
@@ -126,10 +126,6 @@ class _Early:
             self.seconds = time.perf_counter() - t0
         return p
 
-    def result(self):
-        """Wait for the worker; the updated parameter shard (re-raises the worker's error)."""
-        return self.future.result()
-
     def abandon(self) -> None:
         """Wait for the worker, then delete what it wrote: the step did not take this update."""
         try:
@@ -175,7 +171,8 @@ class OffloadUpdate:
         segs = _segments(layout.trainable_ranges(spec.mesh.rank), on, count.tolist())
         if not segs:
             return
-        run.early[name] = _Early(self, spec.optimizer, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name))
+        run.early[name] = _Early(self, spec.optimizer, name, unit.shard.detach(), unit.grad, s, segs, count,
+                                 self._key(name))
 
     def _take_early(self, grads, state, active, m, created) -> dict:
         """Wait for the updates begun during backward; keep those that are what the update would compute now."""
@@ -189,9 +186,12 @@ class OffloadUpdate:
                 if not ok:  # (never expected: overlap only starts work whose inputs are final)
                     work.abandon()
                     continue
+                try:
+                    taken[name] = (work.future.result(), work)  # the updated parameter shard
+                except BaseException:
+                    work.abandon()  # deletes what the worker wrote before it failed
+                    raise
                 created.extend(work.created)  # from here on, a failure deletes them with the rest
-                p = work.result()
-                taken[name] = (p, work)
                 for k in ("io/read_bytes", "io/write_bytes"):
                     m[k] += work.metrics[k]
                 m["time/overlapped_update"] += work.seconds
@@ -370,10 +370,9 @@ class offload_state(Transform):
     on a device (NVMeStore), whose I/O backward can hide, and off for in-memory stores, whose update is CPU work
     that would only compete with backward for the same cores (measured 1.9x slower on 2 cores).
 
-    Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps`` (both over the update's wall time),
-    ``time/io_wait`` (time the step waited on the store after backward: I/O that nothing hid),
-    ``update/overlapped_units`` and ``time/overlapped_update`` (units updated during backward, and the worker's
-    time on them), and ``store/resident_bytes``."""
+    Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
+    after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated
+    during backward, and the worker's time on them), and ``store/resident_bytes``."""
 
     name = "offload_state"
 
@@ -389,9 +388,8 @@ class offload_state(Transform):
                              f"{depth!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
-        if overlap_backward is None:
-            overlap_backward = getattr(store, "directory", None) is not None  # a store that waits on a disk
-        self.overlap_backward = bool(overlap_backward)
+        on_disk = getattr(store, "directory", None) is not None  # a store that waits on a device
+        self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
 
     def wrap_update(self, update):
         chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
