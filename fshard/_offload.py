@@ -103,6 +103,16 @@ def _chunks(n: int, chunk: int):
     return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
 
 
+def _plan(layout, rank: int, s: AdamWState, on: list[bool]):
+    """The new step counts and the (lo, hi, step) runs of the shard to update, as the in-memory update makes them."""
+    count = s.count + torch.tensor(on, dtype=torch.int64)
+    return count, _segments(layout.trainable_ranges(rank), on, count.tolist())
+
+
+def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
+    return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
+
+
 class _Early:
     """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
     parameter), so the input state stays intact until the update takes the result, and nothing is lost if the
@@ -114,7 +124,7 @@ class _Early:
         self.created: list = []  # keys written so far (appended by the worker)
         self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
         self.started, self.seconds = float("inf"), 0.0
-        self.future = owner._worker().submit(self._run, owner, segs)
+        self.future = owner.worker.submit(self._run, owner, segs)
 
     def _run(self, owner, segs):
         t0 = self.started = time.perf_counter()
@@ -145,13 +155,9 @@ class OffloadUpdate:
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
-        self._pool: ThreadPoolExecutor | None = None
-
-    def _worker(self) -> ThreadPoolExecutor:
-        # One thread: the store is used by one thread at a time, and units are updated in the order they arrive.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload")
-        return self._pool
+        # One thread (started at the first submit): the store is used by one thread at a time, and units are
+        # updated in the order their gradients arrive.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload")
 
     def overlap(self, run, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
@@ -165,10 +171,7 @@ class OffloadUpdate:
                 or not run.got_all(unit) or name in run.early):
             return
         spec = run.spec
-        layout = next(u for u in spec.units if u.name == name)
-        on = [True] * len(layout.trainable)
-        count = s.count + torch.tensor(on, dtype=torch.int64)
-        segs = _segments(layout.trainable_ranges(spec.mesh.rank), on, count.tolist())
+        count, segs = _plan(unit.layout, spec.mesh.rank, s, [True] * len(unit.layout.trainable))
         if not segs:
             return
         run.early[name] = _Early(self, spec.optimizer, name, unit.shard.detach(), unit.grad, s, segs, count,
@@ -225,14 +228,12 @@ class OffloadUpdate:
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
                 if u.name in taken:  # updated during backward, into a new version
-                    p, work = taken[u.name]
-                    params[u.name] = p
+                    params[u.name], work = taken[u.name]
                     items = _Items(self.store, work.key, s.exp_avg.items.chunks, self.trash)
-                    opt_state[u.name] = AdamWState(work.count, *(Stored(items, r, s.exp_avg.numel, s.exp_avg.dtype,
-                                                                        s.exp_avg.location) for r in (0, 1)))
+                    opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
+                                                      s.exp_avg.location)
                     continue
-                count = s.count + torch.tensor(on, dtype=torch.int64)
-                segs = _segments(u.trainable_ranges(spec.mesh.rank), on, count.tolist())
+                count, segs = _plan(u, spec.mesh.rank, s, on)
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
@@ -241,8 +242,8 @@ class OffloadUpdate:
                 streamed.append((p, grads.shards[u.name], segs, s, key))
                 params[u.name] = p
                 items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks, self.trash)
-                opt_state[u.name] = AdamWState(count, *(Stored(items, r, s.exp_avg.numel, s.exp_avg.dtype,
-                                                               s.exp_avg.location) for r in (0, 1)))
+                opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
+                                                  s.exp_avg.location)
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
         except Exception as e:
@@ -313,8 +314,8 @@ class OffloadUpdate:
             m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
         for h in handles:
             h.wait()
-        items, loc = _Items(self.store, key, chunks, self.trash), _location(self.store)
-        return AdamWState(s.count, *(Stored(items, r, n, s.exp_avg.dtype, loc) for r in (0, 1)))
+        items = _Items(self.store, key, chunks, self.trash)
+        return _stored_state(items, s.count, n, s.exp_avg.dtype, _location(self.store))
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 

@@ -98,6 +98,11 @@ class Accumulator:
         acc = self.grads.get(name)
         self.grads[name] = grad if acc is None else acc.add_(grad)  # autograd hands over the first one
 
+    def got_so_far(self, name: str, got: list[bool]) -> list[bool]:
+        """Which parameters got a gradient in the earlier micro-batches or in this one (``got``)."""
+        prev = self.got.get(name)
+        return list(got) if prev is None else [a or b for a, b in zip(prev, got)]
+
     def take(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         acc = self.grads.pop(name, None)
         return grad if acc is None else acc.add_(grad)
@@ -268,8 +273,7 @@ class StepRun:
     def got_all(self, unit: UnitRun) -> bool:
         """Did every trainable parameter of the unit get a gradient on this rank, in any micro-batch so far? Then
         it is active on every rank too (the agreement after backward is an OR over ranks)."""
-        prev = self.acc.got.get(unit.layout.name)
-        got = unit.got if prev is None else [a or b for a, b in zip(prev, unit.got)]
+        got = self.acc.got_so_far(unit.layout.name, unit.got)
         return bool(got) and all(got)
 
     def end_backward(self) -> None:
@@ -282,8 +286,7 @@ class StepRun:
             self.policy.reduce.finish(self)
         if self.acc.k > 1:
             for name, u in self.units.items():
-                prev = self.acc.got.get(name)
-                self.acc.got[name] = list(u.got) if prev is None else [a or b for a, b in zip(prev, u.got)]
+                self.acc.got[name] = self.acc.got_so_far(name, u.got)
 
     def release_all(self) -> None:
         for unit in self.units.values():
