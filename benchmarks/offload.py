@@ -35,7 +35,8 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
 CONFIGS = ("none", "cpu", "nvme-uring", "nvme-aio")
 # also: nvme-uring-buffered, nvme-aio-buffered (through the page cache); a "-after" suffix (nvme-uring-after, ...)
 # turns overlap_backward off (every unit updated after backward, the pipeline before it existed), "-overlap"
-# (cpu-overlap) turns it on; without either, offload_state's default (on for NVMe, off for CPUStore)
+# (cpu-overlap) turns it on; without either, offload_state's default (on for NVMe, off for CPUStore); an "@N" suffix
+# (nvme-uring@0) sets offload_state(worker_nice=N), else its default
 
 
 def _rss() -> tuple[int, int]:
@@ -63,14 +64,16 @@ def run_config(name: str, args, out_q) -> None:
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     store, ts = None, ()
-    if name.startswith("cpu"):
+    kind, _, nice = name.partition("@")
+    if kind.startswith("cpu"):
         store = fs.CPUStore()
-    elif name.startswith("nvme"):  # nvme-uring, nvme-aio; "-buffered": through the page cache (no O_DIRECT)
-        store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=name.split("-")[1],
-                             direct="-buffered" not in name)
+    elif kind.startswith("nvme"):  # nvme-uring, nvme-aio; "-buffered": through the page cache (no O_DIRECT)
+        store = fs.NVMeStore(tempfile.mkdtemp(dir=args.dir), backend=kind.split("-")[1],
+                             direct="-buffered" not in kind)
     if store is not None:
         ts = (fs.offload_state(store, chunk_mb=args.chunk_mb, depth=args.depth,
-                               overlap_backward={"after": False, "overlap": True}.get(name.split("-")[-1])),)
+                               overlap_backward={"after": False, "overlap": True}.get(kind.split("-")[-1]),
+                               **({"worker_nice": int(nice)} if nice else {})),)
     units = [f"blocks.{i}" for i in range(cfg.n_layers)] + ["lm_head"] if args.head_unit else None
     state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-4), units=units)
     del model

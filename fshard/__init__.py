@@ -43,9 +43,10 @@ from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
-from ._offload import OffloadError, Stored, offload_state
+from ._offload import OffloadError, offload_state
 from ._optim import AdamW, AdamWState, adamw
 from ._state import ShardSpec, TrainState
 from ._skip import skip_nonfinite
 from ._step import Step, compose
+from ._stored import Stored
 from ._transforms import Grads, Transform

@@ -203,11 +203,13 @@ def test_the_update_during_backward_is_bitwise_and_takes_only_units_it_may(tmp_p
         assert out["after"][3] == [0] * STEPS and out["clip"][3] == [0] * STEPS
 
 
-def _failing_model():
+def _failing_model(begun=()):
     model, loss_fn, batches = _model()
     fail = {"on": False}
 
     def boom(grad):
+        for work in begun:  # let the worker finish (and write) what it began, however the threads are scheduled
+            work.future.exception()
         raise RuntimeError("injected failure in backward")
 
     # blocks.0's output: its hook runs in backward after the later blocks' gradients are final (and their updates
@@ -226,7 +228,9 @@ def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monk
     abandoned = []
     keep = _offload._Early.abandon
     monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
-    model, loss_fn, batches, fail = _failing_model()
+    begun, init = [], _offload._Early.__init__
+    monkeypatch.setattr(_offload._Early, "__init__", lambda w, *a: (init(w, *a), begun.append(w))[0])
+    model, loss_fn, batches, fail = _failing_model(begun)
     bs = list(batches(0, 1))
     with fs.NVMeStore(str(tmp_path)) as store:
         step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
@@ -287,3 +291,26 @@ def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
     assert set(store.keys()) == keys
     again, m = step(s, bs[1])
     assert m["update/overlapped_units"] == 4
+
+
+def test_the_worker_runs_at_a_lower_priority_than_the_caller():
+    """worker_nice lowers only the worker thread's priority (Linux nice is per thread), so backward keeps the cores;
+    a value outside 0-19 is refused by name."""
+    import os
+
+    import fshard as fs
+    model, loss_fn, batches = _model()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    store = fs.CPUStore()
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, overlap_backward=True, worker_nice=3))
+    s = fs.init(model, fs.Mesh.local(), fs.adamw())
+    for b in list(batches(0, 1))[:2]:
+        s, m = step(s, b)
+    assert m["update/overlapped_units"] > 0  # the worker did run
+    worker = step.policy.update.worker
+    assert worker.submit(os.getpriority, os.PRIO_PROCESS, 0).result() == min(19, base + 3)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's threads keep theirs
+    store.close()
+    for bad in (-1, 20, 2.5):
+        with pytest.raises(ValueError, match="worker_nice must be an int in"):
+            fs.offload_state(fs.CPUStore(), worker_nice=bad)

@@ -1,0 +1,75 @@
+"""The state leaf of offload_state: ``Stored``, one row of a unit's moment chunks held in a store.
+
+It is data like any other leaf: ``print(state)`` shows its key, bytes and location, and ``load()`` reads it back.
+``_Items`` ties the chunk keys of one version to the leaves that refer to them, so that keys no state refers to any
+more are deleted (by the owning update, at its next step).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ._optim import AdamWState
+
+_ROWS = ("exp_avg", "exp_avg_sq")
+
+
+class _Items:
+    """The chunk items of one version of one unit's moments. When the last Stored leaf referring to them is
+    collected, their keys go to the policy's trash, deleted at its next update (never during another store
+    operation)."""
+
+    def __init__(self, store, key: str, chunks, trash: list):
+        self.store, self.key, self.chunks = store, key, tuple(chunks)
+        weakref.finalize(self, trash.append, (store, [(key, i) for i in range(len(self.chunks))]))
+
+    def item_keys(self):
+        return [(self.key, i) for i in range(len(self.chunks))]
+
+
+@dataclass(frozen=True, eq=False)
+class Stored:
+    """A state leaf whose data is in a store: one row of a unit's moment chunks."""
+
+    items: _Items = field(repr=False)
+    row: int
+    numel: int
+    dtype: torch.dtype
+    location: str
+
+    @property
+    def key(self) -> str:
+        return self.items.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel,)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # where load() puts it
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def load(self) -> torch.Tensor:
+        """The tensor, read back from the store (for inspection and tests)."""
+        out = torch.empty(self.numel, dtype=self.dtype)
+        for (lo, hi), k in zip(self.items.chunks, self.items.item_keys()):
+            out[lo:hi] = self.items.store.get(k).wait()[self.row]
+        return out
+
+    def __repr__(self) -> str:
+        return f"Stored({self.key!r} {_ROWS[self.row]}, {self.nbytes:,} B, {self.location})"
+
+
+def _location(store) -> str:
+    d = getattr(store, "directory", None)
+    return f"nvme:{d} ({getattr(store, 'backend', '?')})" if d else type(store).__name__.removesuffix("Store").lower()
+
+
+def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
+    return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
