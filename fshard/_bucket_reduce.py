@@ -14,6 +14,10 @@ arrives, its segments are scaled into their buckets; a bucket whose units have a
 order, so ranks issue the same collectives in the same order even when their units finish at different times.
 Buckets still waiting at the end of backward (a unit unused on this rank) are zero-filled and launched then.
 The step waits for all of them before the update.
+
+Landing: at each arrival, the flights that have already completed (checked without blocking, in launch order) are
+landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
+on (``run.grad_final``: offload_state may begin that unit's update). The rest land at the end of backward.
 """
 from __future__ import annotations
 
@@ -109,6 +113,8 @@ class _Plan:
             for p in b.pieces:
                 if p.rank == rank:
                     self.mine.setdefault(p.unit, []).append((b.index, p.at, p.hi - p.lo))
+        # units in the order their shards become complete: by the last bucket holding a piece of theirs
+        self.complete_order = sorted(self.mine, key=lambda n: self.mine[n][-1][0])
 
 
 class _Pending:
@@ -119,7 +125,9 @@ class _Pending:
         self.buffers: dict[int, torch.Tensor] = {}
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
         self.next = 0  # the first bucket not launched yet
-        self.flights = []
+        self.flights = []  # flights[i] reduces bucket i
+        self.landed = 0  # flights waited for, in launch order
+        self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
 
 class BucketReduce:
@@ -159,12 +167,20 @@ class BucketReduce:
                     dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
             st.waiting[b.index].discard(name)
         self._launch_ready(run, st, force=False)
+        # (On CUDA a wait orders the compute stream after the whole comm stream, prefetched gathers included, so
+        # flights land only at the end there.)
+        while (run.comm.mesh.device.type == "cpu" and st.landed < len(st.flights)
+               and st.flights[st.landed].done()):
+            st.flights[st.landed].wait()
+            st.landed += 1
+        self._scatter(run, st)
 
     def finish(self, run) -> None:
         st = self._state(run)
         self._launch_ready(run, st, force=True)
-        for f in st.flights:
+        for f in st.flights[st.landed:]:
             f.wait()
+        st.landed = len(st.flights)
         self._scatter(run, st)
         run.buckets = None
 
@@ -189,9 +205,14 @@ class BucketReduce:
             st.next += 1
 
     def _scatter(self, run, st: _Pending) -> None:
-        """Give each unit its reduced gradient shard: a view where its pieces sit together in one bucket. (The
-        segments cover each unit's whole flat buffer, so the pieces cover its whole shard.)"""
-        for name, spots in st.plan.mine.items():
+        """Give each unit whose buckets have all landed its reduced gradient shard: a view where its pieces sit
+        together in one bucket. (The segments cover each unit's whole flat buffer, so the pieces cover its whole
+        shard.)"""
+        order = st.plan.complete_order
+        while st.given < len(order) and st.plan.mine[order[st.given]][-1][0] < st.landed:
+            name = order[st.given]
+            st.given += 1
+            spots = st.plan.mine[name]
             parts = [st.buffers[i][at:at + k] for i, at, k in spots]
             g = parts[0] if len(parts) == 1 else torch.cat(parts)
             dtype = run.units[name].layout.dtype

@@ -57,6 +57,10 @@ class Flight:
             for i, fut in enumerate(futures):
                 fut.add_done_callback(lambda _f, i=i: self._stamps.__setitem__(i, time.perf_counter()))
 
+    def done(self) -> bool:
+        """Has every work completed? Never blocks; ``wait()`` is still what makes the output usable."""
+        return self.works is None or all(w.is_completed() for w in self.works)
+
     def wait(self) -> None:
         if self.works is None:
             return

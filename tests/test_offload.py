@@ -314,3 +314,31 @@ def test_the_worker_runs_at_a_lower_priority_than_the_caller():
     for bad in (-1, 20, 2.5):
         with pytest.raises(ValueError, match="worker_nice must be an int in"):
             fs.offload_state(fs.CPUStore(), worker_nice=bad)
+
+
+def test_with_bucket_reduce_units_begin_their_update_during_backward(tmp_path, monkeypatch):
+    """bucket_reduce hands a unit its gradient shard once its buckets have landed, while backward goes on, so
+    offload_state begins its update before the last gradient has arrived; the result is bitwise the same."""
+    import fshard as fs
+    from fshard import _bucket_reduce, _offload
+    events = []
+    reduce, overlap = _bucket_reduce.BucketReduce.reduce, _offload.OffloadUpdate.overlap
+    monkeypatch.setattr(_bucket_reduce.BucketReduce, "reduce",
+                        lambda self, run, unit, g: (events.append(("arrive", unit.layout.name)),
+                                                    reduce(self, run, unit, g))[1])
+    monkeypatch.setattr(_offload.OffloadUpdate, "overlap",
+                        lambda self, run, unit: (events.append(("final", unit.layout.name)), overlap(self, run, unit))[1])
+    model, loss_fn, batches = _model()
+    out = {}
+    for name, ts in (("plain", ()), ("offload", (fs.offload_state(fs.NVMeStore(str(tmp_path)), chunk_mb=0.01),))):
+        state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=3e-3))
+        step = fs.compose(loss_fn, fs.bucket_reduce(bucket_mb=0.05), *ts)
+        for b in batches(0, 1):
+            events.clear()
+            state, m = step(state, b)
+        out[name] = ({n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}, _moments(state))
+    assert out["offload"] == out["plain"]
+    assert m["update/overlapped_units"] == 4
+    last_arrival = max(i for i, (kind, _) in enumerate(events) if kind == "arrive")
+    began = [n for i, (kind, n) in enumerate(events) if kind == "final" and i < last_arrival]
+    assert "blocks.2" in began, events  # the last block's buckets landed before the root's gradient arrived
