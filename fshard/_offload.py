@@ -320,8 +320,8 @@ class offload_state(Transform):
     on a device (NVMeStore), whose I/O backward can hide, and off for in-memory stores, whose update is CPU work
     that would only compete with backward for the same cores (measured 1.9x slower on 2 cores).
     worker_nice: how much lower the worker thread's CPU priority is than the caller's (Linux nice, 0-19), so that
-    backward keeps the cores and the worker's I/O waits fill the gaps. None: 5 on the uring backend (steps 10-20%
-    faster on 2 cores), 0 otherwise (aio measured 6% slower with it); benchmarks/RESULTS.md, offload run 6.
+    backward keeps the cores and the worker's I/O waits fill the gaps (5: uring steps 3-20% faster on 2 cores in
+    all 7 A/B rounds, aio within noise; benchmarks/RESULTS.md, offload runs 6-7).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated
@@ -330,7 +330,7 @@ class offload_state(Transform):
     name = "offload_state"
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
-                 overlap_backward: bool | None = None, worker_nice: int | None = None):
+                 overlap_backward: bool | None = None, worker_nice: int = 5):
         if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
             raise TypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
                             f"{type(store).__name__}.")
@@ -339,8 +339,6 @@ class offload_state(Transform):
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
                              f"{depth!r}.")
-        if worker_nice is None:
-            worker_nice = 5 if getattr(store, "backend", None) == "uring" else 0
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ValueError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
