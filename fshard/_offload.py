@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -298,9 +299,13 @@ def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) ->
 
 def _lower_priority(nice: int) -> None:
     """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
-    their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps."""
-    if nice:
-        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
+    lower the whole process, so it is left alone there; a refusal only costs speed."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+        except OSError:
+            pass
 
 
 def _quiet_delete(store, key) -> None:
