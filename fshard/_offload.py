@@ -90,7 +90,7 @@ class _Early:
 
 class OffloadUpdate:
     def __init__(self, inner, store, fraction: float, chunk_numel: int, depth: int, overlap_backward: bool,
-                 worker_nice: int = 0):
+                 worker_nice: int):
         self.inner, self.store, self.fraction, self.chunk, self.depth = inner, store, fraction, chunk_numel, depth
         self.overlap_backward = overlap_backward
         self.trash: list = []
