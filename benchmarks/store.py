@@ -11,6 +11,11 @@ NVMeStore writes items >= 1 MiB with O_DIRECT; `[...,buffered]` is the same stor
 tensornvme is the bare engine as shipped (buffered), and `[...,direct]` the same engine on page-aligned copies of
 the tensors with O_DIRECT set on its descriptor. Medians over the repetitions are printed with ratios; all figures
 come from the same run. --no-settle restores the old protocol (evict the files only).
+
+Read destinations: `NVMeStore[be]` reads into ordinary preallocated `torch.empty` tensors (shared with the raw
+engine); `[be,out-at-phase]` into `store.empty_for(key)` tensors (the store's own huge-page memory, as the offloaded
+optimizer's stream buffers are); `[uring,fresh]` is `get(key)` without `out` (a new result every round). The
+"read request KiB" column is the average size of the disk's read requests during the cold read (/sys/dev/block).
 """
 from __future__ import annotations
 
@@ -78,12 +83,28 @@ def settle(paths=()) -> None:
         time.sleep(0.25)
 
 
+def _stat_file(directory: str) -> str:
+    dev = os.stat(directory).st_dev
+    return f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+
+
+STAT = None  # the block device's stat file for --dir (set in bench)
+
+
+def disk_reads():
+    """(read requests completed, bytes read) on the --dir device so far: the average request size of a cold read
+    shows how the kernel split it (a destination of scattered 4 KiB pages caps a request at max_segments pages)."""
+    f = open(STAT).read().split()
+    return int(f[0]), int(f[2]) * 512
+
+
 def gbps(seconds: float) -> float:
     return TOTAL / seconds / 1e9
 
 
 class StoreRun:
-    def __init__(self, directory, backend, srcs, outs, checksum, writes=4, label="", direct=True, at_phase=False):
+    def __init__(self, directory, backend, srcs, outs, checksum, writes=4, label="", direct=True, at_phase=False,
+                 fresh=False):
         self.name = f"NVMeStore[{backend}{label}]"
         self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum, max_inflight_writes=writes,
                                   direct=direct)
@@ -93,6 +114,8 @@ class StoreRun:
         self.round()
         if at_phase:  # destinations from store.empty_for: read in place (made once, faulted in by the warm-up)
             self.outs = [self.store.empty_for(i).fill_(0) for i in range(len(srcs))]
+        if fresh:  # get(key) without out: the store allocates each result (fresh memory every round)
+            self.outs = [None] * len(srcs)
         self.round()
 
     def round(self):
@@ -106,11 +129,12 @@ class StoreRun:
         fsync_all(live)
         t2 = time.perf_counter()
         settle(live)
+        d0 = disk_reads()
         t3 = time.perf_counter()
-        for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]:
-            h.wait()  # includes checksum verification
+        got = [h.wait() for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]]  # wait() verifies checksums
         t4 = time.perf_counter()
-        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3}
+        del got
+        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3, "req KiB": req_kib(d0)}
 
     def close(self):
         self.store.close()
@@ -147,16 +171,23 @@ class RawRun:
         fsync_all([self.path])
         t2 = time.perf_counter()
         settle([self.path])
+        d0 = disk_reads()
         t3 = time.perf_counter()
         e.async_readv(self.outs, "all")
         e.synchronize()
         t4 = time.perf_counter()
+        kib = req_kib(d0)
         assert torch.equal(self.outs[0], self.srcs[0]) and torch.equal(self.outs[-1], self.srcs[-1])
         self.outs[0].zero_()
-        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3}
+        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3, "req KiB": kib}
 
     def close(self):
         self.engine = None
+
+
+def req_kib(before) -> float:
+    n, b = disk_reads()
+    return (b - before[1]) / max(n - before[0], 1) / 1024
 
 
 def fio(directory, engine):
@@ -166,7 +197,10 @@ def fio(directory, engine):
         settle([path] if os.path.exists(path) else [])
         cmd = ["fio", "--name=b", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--size=1G",
                f"--ioengine={engine}", "--iodepth=32", "--direct=1", "--end_fsync=1", "--output-format=json"]
+        d0 = disk_reads()
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        if rw == "read":
+            res["req KiB"] = req_kib(d0)
         job = out["jobs"][0][rw]
         res[label] = TOTAL / job["bw_bytes"]  # seconds for 1 GiB at fio's bandwidth
     # The file is kept and overwritten by the next rep (as the stores overwrite their slots): deleting 1 GiB on
@@ -176,6 +210,8 @@ def fio(directory, engine):
 
 def bench(args):
     os.makedirs(args.dir, exist_ok=True)
+    global STAT
+    STAT = _stat_file(args.dir)
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(ITEM // 4, generator=g) for _ in range(N)]
     outs = [torch.empty(ITEM // 4) for _ in range(N)]
@@ -185,7 +221,9 @@ def bench(args):
             StoreRun(args.dir, "aio", srcs, outs, args.checksum),
             RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs),
             RawRun(args.dir, "uring", srcs, outs, direct=True)]
-    runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",out-at-phase", at_phase=True))
+    for be in ("uring", "aio"):
+        runs.append(StoreRun(args.dir, be, srcs, outs, args.checksum, label=",out-at-phase", at_phase=True))
+    runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",fresh", fresh=True))
     if args.buffered:
         runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",buffered", direct=False))
     runs.sort(key=lambda r: r.name)  # stable report order
@@ -206,10 +244,10 @@ def bench(args):
             os.unlink(os.path.join(args.dir, f"fio-{eng}.dat"))
     med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in times.items()}
     print(f"\n1 GiB as {N} x 16 MiB, dir {args.dir}, {args.reps} reps, checksum={args.checksum}; medians, GB/s")
-    print(f"{'contender':26s} {'write':>8s} {'write+fsync':>12s} {'cold read':>10s}")
+    print(f"{'contender':30s} {'write':>8s} {'write+fsync':>12s} {'cold read':>10s} {'read request KiB':>17s}")
     for n, m in med.items():
         w = f"{gbps(m['write']):8.2f}" if "write" in m else f"{'-':>8s}"
-        print(f"{n:26s} {w} {gbps(m['write+fsync']):12.2f} {gbps(m['cold read']):10.2f}")
+        print(f"{n:30s} {w} {gbps(m['write+fsync']):12.2f} {gbps(m['cold read']):10.2f} {m['req KiB']:17.0f}")
     print("\nratios of throughput (>1: ours faster): of the medians, and the median of the per-rep ratios")
     for be, fe in (("uring", "io_uring"), ("aio", "libaio")):
         pairs = [(f"raw[{be}]", f"raw tensornvme[{be}]", ("write", "write+fsync", "cold read"))]
@@ -218,8 +256,8 @@ def bench(args):
         if have_fio:
             pairs.append((f"fio[{fe}]", f"fio[{fe}]", ("write+fsync", "cold read")))
         ours = f"NVMeStore[{be}]"
-        if have_fio and be == "uring":
-            at = "NVMeStore[uring,out-at-phase]"
+        if have_fio:
+            at = f"NVMeStore[{be},out-at-phase]"
             per_rep = statistics.median(o["cold read"] / m["cold read"] for o, m in zip(times[f"fio[{fe}]"], times[at]))
             print(f"  {at} / fio[{fe}] cold read {med[f'fio[{fe}]']['cold read'] / med[at]['cold read']:6.3f}   "
                   f"per-rep {per_rep:6.3f}")
