@@ -9,9 +9,9 @@ file must hold the whole item (tensornvme ignores write results, so a short writ
 then is the key switched to the new version and the old slot released. At most `max_inflight_writes` puts are
 outstanding.
 
-get: file presence, identity and size are checked, the bytes are read into `out` in place when its address has the
-item's phase (else into an aligned buffer, then copied), and the checksum is verified before the tensor is
-returned. tensornvme can read an entry once (its read frees the entry), so the first get after a put goes through
+get: file presence, identity and size are checked, the bytes are read into `out` in place when `out` is the
+store's own memory (empty_for, the pool's buffers: huge pages) at the item's phase, else into a pool buffer and
+copied once, and the checksum is verified before the tensor is returned. tensornvme can read an entry once (its read frees the entry), so the first get after a put goes through
 tensornvme and a repeated get of an unchanged item uses a plain pread on the same slot file, which no one else
 writes. The offloaded optimizer reads each item once and writes it back, so its reads all go through tensornvme.
 
@@ -179,7 +179,11 @@ class NVMeStore:
         else:  # read the item's file range as it was written: same phase and block, so the same requests
             direct = item.direct and self.direct_reads
             block = DIO_ALIGN if item.direct else 1
-            if dest is not None and (block == 1 or dest.data_ptr() % block == phase):
+            # In place into the store's own memory only. A caller's tensor (4 KiB pages) splits a direct read into
+            # requests of ~1.8 MiB instead of ~3.2 and costs kernel work per page: 1.6-2.0 GB/s here, where a read
+            # into a pool buffer plus one copy ran at 2.4 (benchmarks/RESULTS.md, NVMe store runs J and K).
+            if dest is not None and (block == 1 or (dest.data_ptr() % block == phase
+                                                    and self.pool.owns(dest.data_ptr(), n))):
                 io = Iovecs(dest, phase, block)  # in place, edges copied after the read
                 u8 = dest
             else:  # out's memory does not line up with the file (or no out): a whole aligned span, then a view
@@ -244,13 +248,15 @@ class NVMeStore:
         return 0 if item is None else item.phase
 
     def empty_for(self, key: Hashable) -> torch.Tensor:
-        """An uninitialised tensor with `key`'s dtype and shape whose address has the item's phase: get(key,
-        out=it) reads into it in place (no pool buffer, no copy). Reuse it: fresh memory costs page faults."""
+        """An uninitialised tensor with `key`'s dtype and shape, in the store's own (huge-page) memory, whose address
+        has the item's phase: get(key, out=it) reads into it in place (no pool buffer, no copy). Reuse it: fresh
+        memory costs page faults."""
         meta = self.meta(key)
         phase = self.phase(key)
         if meta.nbytes == 0:
             return torch.empty(meta.shape, dtype=meta.dtype)
-        return aligned_empty(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
+        buf = self.pool.adopt(AlignedBuffer(round_up(phase + meta.nbytes, self.pool.block)))
+        return buf.bytes(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
 
     def keys(self) -> List[Hashable]:
         self.flush()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
 from typing import List
 
 import numpy as np
@@ -33,7 +34,7 @@ HUGE = 2 << 20
 class AlignedBuffer:
     """One page-aligned buffer of `capacity` bytes."""
 
-    __slots__ = ("mm", "capacity", "pinned")
+    __slots__ = ("mm", "capacity", "pinned", "address")
 
     def __init__(self, capacity: int):
         # Private, not shared (Python's default): only private anonymous memory can get transparent huge pages,
@@ -42,6 +43,7 @@ class AlignedBuffer:
         if capacity >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
             self.mm.madvise(mmap.MADV_HUGEPAGE)
         self.capacity = capacity
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))  # the temporary export ends here
         self.pinned = _maybe_pin(self)
 
     def bytes(self, n: int) -> torch.Tensor:
@@ -145,6 +147,9 @@ class BufferPool:
         self._free: List[AlignedBuffer] = []
         self._in_use = 0
         self._resident = 0
+        # Every mapping this pool made or adopted, by address, held weakly (an entry goes when its last tensor
+        # does): the store reads in place only into these (see NVMeStore.get).
+        self._made: "weakref.WeakValueDictionary[int, mmap.mmap]" = weakref.WeakValueDictionary()
 
     @property
     def resident_bytes(self) -> int:
@@ -182,10 +187,19 @@ class BufferPool:
             raise PoolExhaustedError(
                 f"buffer pool exhausted: {self._in_use} buffers / {self._resident} bytes in use, bounds "
                 f"{self.max_buffers} buffers / {self.max_bytes} bytes, {cap} bytes requested")
-        buf = AlignedBuffer(cap)
+        buf = self.adopt(AlignedBuffer(cap))
         self._resident += cap
         self._in_use += 1
         return buf
+
+    def adopt(self, buf: AlignedBuffer) -> AlignedBuffer:
+        """Record a buffer made for the store outside the pool (empty_for), so owns() knows its memory."""
+        self._made[buf.address] = buf.mm
+        return buf
+
+    def owns(self, addr: int, nbytes: int) -> bool:
+        """Whether [addr, addr + nbytes) lies in one live buffer this pool made or adopted."""
+        return any(start <= addr and addr + nbytes <= start + len(mm) for start, mm in list(self._made.items()))
 
     def release(self, buf: AlignedBuffer) -> None:
         self._in_use -= 1
