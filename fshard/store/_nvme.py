@@ -11,9 +11,10 @@ outstanding.
 
 get: file presence, identity and size are checked, the bytes are read into `out` in place when `out` is the
 store's own memory (empty_for, the pool's buffers: huge pages) at the item's phase, else into a pool buffer and
-copied once, and the checksum is verified before the tensor is returned. tensornvme can read an entry once (its read frees the entry), so the first get after a put goes through
-tensornvme and a repeated get of an unchanged item uses a plain pread on the same slot file, which no one else
-writes. The offloaded optimizer reads each item once and writes it back, so its reads all go through tensornvme.
+copied once, and the checksum is verified before the tensor is returned. tensornvme can read an entry once (its
+read frees the entry), so the first get after a put goes through tensornvme and a repeated get of an unchanged
+item uses a plain pread on the same slot file, which no one else writes. The offloaded optimizer reads each item
+once and writes it back, so its reads all go through tensornvme.
 
 The store is meant to be used from one thread; its operations are not locked.
 """
