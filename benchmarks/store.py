@@ -20,6 +20,7 @@ optimizer's stream buffers are); `[uring,fresh]` is `get(key)` without `out` (a 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -83,19 +84,23 @@ def settle(paths=()) -> None:
         time.sleep(0.25)
 
 
+@functools.lru_cache(maxsize=None)
 def _stat_file(directory: str) -> str:
     dev = os.stat(directory).st_dev
     return f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
 
 
-STAT = None  # the block device's stat file for --dir (set in bench)
-
-
-def disk_reads():
-    """(read requests completed, bytes read) on the --dir device so far: the average request size of a cold read
-    shows how the kernel split it (a destination of scattered 4 KiB pages caps a request at max_segments pages)."""
-    f = open(STAT).read().split()
+def disk_reads(directory: str):
+    """(read requests completed, bytes read) so far on the device holding `directory`: the average request size of
+    a cold read shows how the kernel split it (a destination of scattered 4 KiB pages caps a request at
+    max_segments pages)."""
+    f = open(_stat_file(directory)).read().split()
     return int(f[0]), int(f[2]) * 512
+
+
+def req_kib(directory: str, before) -> float:
+    n, b = disk_reads(directory)
+    return (b - before[1]) / max(n - before[0], 1) / 1024
 
 
 def gbps(seconds: float) -> float:
@@ -129,12 +134,13 @@ class StoreRun:
         fsync_all(live)
         t2 = time.perf_counter()
         settle(live)
-        d0 = disk_reads()
+        d0 = disk_reads(s.directory)
         t3 = time.perf_counter()
-        got = [h.wait() for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]]  # wait() verifies checksums
+        # wait() verifies checksums; the results stay alive until the clock stops, so a `fresh` round does not
+        # time unmapping them (as in runs J and K)
+        got = [h.wait() for h in [s.get(i, out=o) for i, o in enumerate(self.outs)]]  # noqa: F841
         t4 = time.perf_counter()
-        del got
-        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3, "req KiB": req_kib(d0)}
+        return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3, "req KiB": req_kib(s.directory, d0)}
 
     def close(self):
         self.store.close()
@@ -171,23 +177,18 @@ class RawRun:
         fsync_all([self.path])
         t2 = time.perf_counter()
         settle([self.path])
-        d0 = disk_reads()
+        d0 = disk_reads(self.path)
         t3 = time.perf_counter()
         e.async_readv(self.outs, "all")
         e.synchronize()
         t4 = time.perf_counter()
-        kib = req_kib(d0)
+        kib = req_kib(self.path, d0)
         assert torch.equal(self.outs[0], self.srcs[0]) and torch.equal(self.outs[-1], self.srcs[-1])
         self.outs[0].zero_()
         return {"write": t1 - t0, "write+fsync": t2 - t0, "cold read": t4 - t3, "req KiB": kib}
 
     def close(self):
         self.engine = None
-
-
-def req_kib(before) -> float:
-    n, b = disk_reads()
-    return (b - before[1]) / max(n - before[0], 1) / 1024
 
 
 def fio(directory, engine):
@@ -197,10 +198,10 @@ def fio(directory, engine):
         settle([path] if os.path.exists(path) else [])
         cmd = ["fio", "--name=b", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--size=1G",
                f"--ioengine={engine}", "--iodepth=32", "--direct=1", "--end_fsync=1", "--output-format=json"]
-        d0 = disk_reads()
+        d0 = disk_reads(directory)
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         if rw == "read":
-            res["req KiB"] = req_kib(d0)
+            res["req KiB"] = req_kib(directory, d0)
         job = out["jobs"][0][rw]
         res[label] = TOTAL / job["bw_bytes"]  # seconds for 1 GiB at fio's bandwidth
     # The file is kept and overwritten by the next rep (as the stores overwrite their slots): deleting 1 GiB on
@@ -210,8 +211,6 @@ def fio(directory, engine):
 
 def bench(args):
     os.makedirs(args.dir, exist_ok=True)
-    global STAT
-    STAT = _stat_file(args.dir)
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(ITEM // 4, generator=g) for _ in range(N)]
     outs = [torch.empty(ITEM // 4) for _ in range(N)]
