@@ -452,6 +452,7 @@ def test_direct_in_place_at_any_address(backend, tmp_path):
                     assert s.pool.resident_bytes > 0, "the caller's memory is read through the pool"
                     s.pool.clear()
                 assert same_bits(s.get(key).wait(), x)  # repeat read: buffered pread at the item's offset
+                s.pool.clear()  # the result above was lent, and came back to the spare list when it died
                 s.put(key, x).wait()
                 dst = s.empty_for(key)  # a destination at the item's phase: read in place
                 assert s.get(key, out=dst).wait() is dst and same_bits(dst, x) and s.pool.resident_bytes == 0
@@ -489,6 +490,66 @@ def test_reads_land_in_place_only_in_the_stores_own_memory(backend, tmp_path):
             assert h.wait() is dst and same_bits(dst, x)
         s.pool.release(buf)
         assert not s.pool.owns(torch.empty(8).data_ptr(), 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_get_results_are_lent_and_come_back_when_dropped(backend, tmp_path):
+    """get(key) without `out` returns memory the pool lends: the store keeps no reference to a result once it is
+    done, the buffer comes back to the spare list only when the last tensor over it (views included) dies, and
+    the next result of that size reuses it. Results stay valid after close()."""
+    import weakref
+
+    n = (1 << 20) + 100
+    x, y = random_tensor(torch.uint8, (n,), 1), random_tensor(torch.uint8, (n,), 2)
+    with fs.NVMeStore(str(tmp_path), backend=backend) as s:
+        s.put("x", x).wait()
+        s.put("y", y).wait()
+        t = s.get("x").wait()
+        page = t.data_ptr() // 4096
+        assert same_bits(t, x) and s.pool.owns(t.data_ptr(), n) and s.pool.spare_bytes == 0
+        view = t[10:20]
+        alive = weakref.ref(t)
+        del t
+        gc.collect()
+        assert alive() is None, "the store keeps no reference to a done get's result"
+        assert s.pool.spare_bytes == 0 and same_bits(view, x[10:20]), "a view keeps the buffer lent"
+        del view
+        assert s.pool.spare_bytes > 0 and s.resident_bytes == s.pool.spare_bytes
+        s.put("x", y).wait()  # a new version, possibly at another phase: the spare buffer still fits it
+        u = s.get("x").wait()
+        assert same_bits(u, y) and u.data_ptr() // 4096 == page and s.pool.spare_bytes == 0
+        s.pool.max_spare_bytes = 0
+        del u
+        assert s.pool.spare_bytes == 0, "the spare list is bounded"
+        s.pool.max_spare_bytes = 1 << 30
+        w = s.get("y").wait()
+    assert same_bits(w, y) and s.pool.spare_bytes == 0  # readable after close; close dropped the spares
+    del w
+    assert s.pool.spare_bytes == 0, "a result dropped after close is not kept"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["get", "drop", "put"]), st.integers(0, 3)), max_size=30),
+       sizes=st.lists(st.sampled_from([1, 4096, 5000, (1 << 20) + 3, 3 << 20]), min_size=4, max_size=4))
+def test_lent_results_are_never_reused_while_alive(tmp_path, ops, sizes):
+    """Whatever the order of gets, drops and new versions, every result the caller holds keeps the bytes it was
+    read with: a lent buffer is reused only after its last tensor is gone."""
+    with fs.NVMeStore(str(tmp_path), direct_min_bytes=4096) as s:
+        version = {k: random_tensor(torch.uint8, (sizes[k],), k) for k in range(4)}
+        for k, v in version.items():
+            s.put(k, v).wait()
+        held = []  # (result, the bytes it must hold)
+        for seed, (op, k) in enumerate(ops):
+            if op == "get":
+                held.append((s.get(k).wait(), version[k]))
+            elif op == "drop" and held:
+                held.pop(k % len(held))
+            elif op == "put":
+                version[k] = random_tensor(torch.uint8, (sizes[k],), 100 + seed)
+                s.put(k, version[k]).wait()
+            for got, want in held:
+                assert same_bits(got, want)
+        assert s.pool.spare_bytes <= s.pool.max_spare_bytes
 
 
 def test_stream_depth_beyond_the_pool_is_refused(tmp_path):

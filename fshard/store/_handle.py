@@ -22,11 +22,12 @@ class Handle:
     """Result of an asynchronous store operation. `wait()` returns the value (the tensor for a get, None for a put)
     or raises the operation's error; it may be called any number of times."""
 
-    __slots__ = ("kind", "key", "_finish", "_state", "_value", "_error", "_log", "__weakref__")
+    __slots__ = ("kind", "key", "_finish", "_state", "_value", "_error", "_log", "_on_done", "__weakref__")
 
     def __init__(self, kind: str, key: Any, finish: Optional[Callable[[], Any]], log: Optional[EventLog] = None):
         self.kind, self.key, self._finish, self._log = kind, key, finish, log
         self._state, self._value, self._error = IN_FLIGHT, None, None
+        self._on_done: Optional[Callable[["Handle"], None]] = None  # the store forgets the handle once it is done
         if log is not None:
             log.record(f"{kind}_submitted", key)
 
@@ -56,6 +57,9 @@ class Handle:
         self._finish = None
         if self._log is not None:
             self._log.record(f"{self.kind}_{'failed' if error is not None else 'done'}", self.key)
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done(self)
 
     def reap(self) -> None:
         """Observe completion without raising: the error, if any, is kept for wait()."""

@@ -32,7 +32,7 @@ from ._checksum import checksum, validate_kind
 from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
-from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, aligned_empty, copy_bytes as _copy
+from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
 from ._protocol import ItemMeta, as_bytes, from_bytes, meta_of
 
 
@@ -175,7 +175,7 @@ class NVMeStore:
         staged: Optional[AlignedBuffer] = None
         io: Optional[Iovecs] = None
         if not slot.armed:  # the engine already consumed its entry; the file still holds the item, no one writes it
-            u8 = dest if dest is not None else torch.empty(n, dtype=torch.uint8)
+            u8 = dest if dest is not None else self.pool.lend(n)
             waiter = self._pool_executor().submit(slot.pread, u8, phase).result
         else:  # read the item's file range as it was written: same phase and block, so the same requests
             direct = item.direct and self.direct_reads
@@ -192,8 +192,8 @@ class NVMeStore:
                 if out is not None:
                     staged = self._acquire_buffer(span_n)
                     span = staged.bytes(span_n)
-                else:
-                    span = aligned_empty(span_n, self.pool.block)
+                else:  # the caller's result: lent memory, reused once the caller drops it (room for any phase)
+                    span = self.pool.lend(span_n, room=round_up(n, block) + block)
                 io, u8 = Iovecs(span, 0, block), span[phase:phase + n]
             try:
                 slot.read(io.vecs, direct)
@@ -313,6 +313,7 @@ class NVMeStore:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._items.clear()
+            self.pool.max_spare_bytes = 0  # results the caller still holds are dropped when they die, not kept
             self.pool.clear()
             self._finalizer()
 
@@ -328,19 +329,23 @@ class NVMeStore:
             raise StoreClosedError(f"NVMeStore at {self.directory!r} is closed")
 
     def _track(self, h: Handle) -> Handle:
+        # Only operations in flight are kept: a done handle is dropped at once, so the store never keeps a result
+        # alive that the caller has let go (its memory is lent, see BufferPool.lend).
         self._pending.setdefault(h.key, []).append(h)
+        h._on_done = self._untrack
         return h
 
+    def _untrack(self, h: Handle) -> None:
+        handles = self._pending.get(h.key)
+        if handles is not None and any(x is h for x in handles):
+            handles.remove(h)
+            if not handles:
+                del self._pending[h.key]
+
     def _settle(self, key: Hashable, writes_only: bool = False) -> None:
-        handles = self._pending.get(key)
-        if not handles:
-            return
-        for h in handles:
+        for h in list(self._pending.get(key, ())):
             if not writes_only or h.kind == "write":
                 h.reap()
-        handles[:] = [h for h in handles if not h.done()]
-        if not handles:
-            del self._pending[key]
 
     def _acquire_buffer(self, nbytes: int) -> AlignedBuffer:
         while not self.pool.can_acquire(nbytes) and self._staged:

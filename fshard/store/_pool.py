@@ -8,13 +8,18 @@ storage (the usual over-allocate-and-slice way to align) would make it read or w
 Capacities are rounded up to the block size, so a buffer fits any item up to its capacity and is reused by the
 next item of a similar size (best fit). The pool is bounded in buffer count and in bytes; when a new buffer does
 not fit, free buffers are dropped first, and only when every buffer is in use does acquire() raise.
+
+Results handed to the caller (NVMeStore.get without `out`) are lent: the buffer comes back to a bounded spare list
+when the last tensor over it dies, and the next result of a similar size reuses it, as torch's caching allocators
+do. Fresh memory costs a page fault per page (and here a host fault, since freed guest memory is reported back to
+the host), so `t = store.get(k).wait()` in a loop reads at the speed of a read into reused memory.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
 import weakref
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -139,8 +144,16 @@ def aligned_empty_like(t: torch.Tensor) -> torch.Tensor:
     return aligned_empty(n).view(t.dtype).view(t.shape) if n else torch.empty_like(t, device="cpu")
 
 
+def _come_back(pool_ref: "weakref.ref[BufferPool]", buf: AlignedBuffer) -> None:
+    # Runs when the last tensor over a lent buffer dies, in whichever thread drops it: list appends are atomic.
+    pool = pool_ref()
+    if pool is not None and pool.spare_bytes + buf.capacity <= pool.max_spare_bytes:
+        pool._spare.append(buf)
+
+
 class BufferPool:
-    def __init__(self, max_buffers: int = 16, max_bytes: int = 1 << 30, block: int = 4096):
+    def __init__(self, max_buffers: int = 16, max_bytes: int = 1 << 30, block: int = 4096,
+                 max_spare_bytes: Optional[int] = None):
         if block <= 0 or block % PAGE and PAGE % block:
             raise ValueError(f"block size {block} must divide or be a multiple of the page size {PAGE}")
         self.max_buffers, self.max_bytes, self.block = max_buffers, max_bytes, block
@@ -150,11 +163,19 @@ class BufferPool:
         # Every mapping this pool made or adopted, by address, held weakly (an entry goes when its last tensor
         # does): the store reads in place only into these (see NVMeStore.get).
         self._made: "weakref.WeakValueDictionary[int, mmap.mmap]" = weakref.WeakValueDictionary()
+        # Lent buffers whose tensors have died, kept for the next lend(); bounded apart from the pool's own buffers
+        # (results the caller holds are not the pool's to count).
+        self._spare: List[AlignedBuffer] = []
+        self.max_spare_bytes = max_bytes if max_spare_bytes is None else max_spare_bytes
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held by the pool's buffers, in use or free."""
-        return self._resident
+        """Bytes held by the pool: its buffers, in use or free, and the spare lent buffers (not those lent out)."""
+        return self._resident + self.spare_bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(b.capacity for b in list(self._spare))
 
     @property
     def in_use(self) -> int:
@@ -201,14 +222,33 @@ class BufferPool:
         """Whether [addr, addr + nbytes) lies in one live buffer this pool made or adopted."""
         return any(start <= addr and addr + nbytes <= start + len(mm) for start, mm in list(self._made.items()))
 
+    def lend(self, nbytes: int, room: int = 0) -> torch.Tensor:
+        """A uint8 tensor of exactly nbytes on page-aligned memory that becomes the caller's, in a buffer of at least
+        `room` bytes (so that it fits the next item of the same size whatever its phase). The buffer comes back to
+        the spare list when the last tensor over it dies (see the module docstring)."""
+        cap = _round_up(max(nbytes, room), self.block)
+        spare = list(self._spare)  # another thread may append meanwhile; best fit, at most twice too large
+        fits = [b for b in spare if cap <= b.capacity <= 2 * cap]
+        if fits:
+            buf = min(fits, key=lambda b: b.capacity)
+            self._spare.remove(buf)
+        else:
+            buf = self.adopt(AlignedBuffer(cap))
+        # The array owns the export of the mapping and the tensor's storage owns the array, so the array dies
+        # exactly when the last tensor (or view) over these bytes does; its storage is exactly nbytes (tensornvme).
+        arr = np.frombuffer(buf.mm, dtype=np.uint8, count=nbytes)
+        weakref.finalize(arr, _come_back, weakref.ref(self), buf).atexit = False
+        return torch.from_numpy(arr)
+
     def release(self, buf: AlignedBuffer) -> None:
         self._in_use -= 1
         self._free.append(buf)
 
     def clear(self) -> None:
-        """Drop the free buffers (buffers in use are dropped when released after this)."""
+        """Drop the free and spare buffers (buffers in use are dropped when released after this)."""
         while self._free:
             self._drop(self._free.pop())
+        self._spare.clear()
 
     def _count(self) -> int:
         return self._in_use + len(self._free)
