@@ -12,10 +12,12 @@ tensornvme is the bare engine as shipped (buffered), and `[...,direct]` the same
 the tensors with O_DIRECT set on its descriptor. Medians over the repetitions are printed with ratios; all figures
 come from the same run. --no-settle restores the old protocol (evict the files only).
 
-Read destinations: `NVMeStore[be]` reads into ordinary preallocated `torch.empty` tensors (shared with the raw
-engine); `[be,out-at-phase]` into `store.empty_for(key)` tensors (the store's own huge-page memory, as the offloaded
-optimizer's stream buffers are); `[uring,fresh]` is `get(key)` without `out` (a new result every round). The
-"read request KiB" column is the average size of the disk's read requests during the cold read (/sys/dev/block).
+Read destinations: `NVMeStore[be]` is the issue's API, `get(key).wait()` without `out`: each round returns new
+results, in memory the store lends (the previous round's results, dropped, are reused). `[be,out]` reads into
+ordinary preallocated `torch.empty` tensors (shared with the raw engine), which the store reads through a pool
+buffer plus one copy; `[be,out=empty_for]` into `store.empty_for(key)` tensors (the store's own huge-page memory,
+as the offloaded optimizer's stream buffers are), in place. The "read request KiB" column is the average size of
+the disk's read requests during the cold read (/sys/dev/block).
 """
 from __future__ import annotations
 
@@ -216,13 +218,12 @@ def bench(args):
     outs = [torch.empty(ITEM // 4) for _ in range(N)]
     global SETTLE
     SETTLE = not args.no_settle
-    runs = [StoreRun(args.dir, "uring", srcs, outs, args.checksum),
-            StoreRun(args.dir, "aio", srcs, outs, args.checksum),
-            RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs),
+    runs = [RawRun(args.dir, "uring", srcs, outs), RawRun(args.dir, "aio", srcs, outs),
             RawRun(args.dir, "uring", srcs, outs, direct=True)]
     for be in ("uring", "aio"):
-        runs.append(StoreRun(args.dir, be, srcs, outs, args.checksum, label=",out-at-phase", at_phase=True))
-    runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",fresh", fresh=True))
+        runs.append(StoreRun(args.dir, be, srcs, outs, args.checksum, fresh=True))
+        runs.append(StoreRun(args.dir, be, srcs, outs, args.checksum, label=",out"))
+        runs.append(StoreRun(args.dir, be, srcs, outs, args.checksum, label=",out=empty_for", at_phase=True))
     if args.buffered:
         runs.append(StoreRun(args.dir, "uring", srcs, outs, args.checksum, label=",buffered", direct=False))
     runs.sort(key=lambda r: r.name)  # stable report order
@@ -254,16 +255,12 @@ def bench(args):
             pairs.append(("raw[uring,dir]", "raw tensornvme[uring,direct]", ("write+fsync", "cold read")))
         if have_fio:
             pairs.append((f"fio[{fe}]", f"fio[{fe}]", ("write+fsync", "cold read")))
-        ours = f"NVMeStore[{be}]"
-        if have_fio:
-            at = f"NVMeStore[{be},out-at-phase]"
-            per_rep = statistics.median(o["cold read"] / m["cold read"] for o, m in zip(times[f"fio[{fe}]"], times[at]))
-            print(f"  {at} / fio[{fe}] cold read {med[f'fio[{fe}]']['cold read'] / med[at]['cold read']:6.3f}   "
-                  f"per-rep {per_rep:6.3f}")
-        for label, other, phases in pairs:
-            for k in phases:
-                per_rep = statistics.median(o[k] / m[k] for o, m in zip(times[other], times[ours]))
-                print(f"  {ours} / {label:15s} {k:12s} {med[other][k] / med[ours][k]:6.3f}   per-rep {per_rep:6.3f}")
+        for ours in (f"NVMeStore[{be}]", f"NVMeStore[{be},out]", f"NVMeStore[{be},out=empty_for]"):
+            for label, other, phases in pairs:
+                for k in phases:
+                    per_rep = statistics.median(o[k] / m[k] for o, m in zip(times[other], times[ours]))
+                    print(f"  {ours:30s} / {label:15s} {k:12s} {med[other][k] / med[ours][k]:6.3f}   "
+                          f"per-rep {per_rep:6.3f}")
     # per-rep ratios, to show the spread on this shared machine
     print("\nper-rep cold read GB/s: " + "; ".join(
         f"{n}: " + ",".join(f"{gbps(x['cold read']):.2f}" for x in v) for n, v in times.items()))
