@@ -37,18 +37,26 @@ HUGE = 2 << 20
 
 
 class AlignedBuffer:
-    """One page-aligned buffer of `capacity` bytes."""
+    """One page-aligned buffer of `capacity` bytes; from 2 MiB up it starts on a 2 MiB boundary (see __init__)."""
 
-    __slots__ = ("mm", "capacity", "pinned", "address")
+    __slots__ = ("mm", "capacity", "pinned", "address", "offset")
+    align_huge = True  # class switch, for benchmarks that compare with the unaligned buffers of before
 
     def __init__(self, capacity: int):
         # Private, not shared (Python's default): only private anonymous memory can get transparent huge pages,
-        # which direct I/O pins and maps with far fewer page lookups (256 MiB read 0.12-0.13 s vs 0.14-0.17 s)
-        self.mm = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # which direct I/O pins and maps with far fewer page lookups (256 MiB read 0.12-0.13 s vs 0.14-0.17 s).
+        # Large buffers start on a 2 MiB boundary, so huge pages cover all of them: a direct request then needs a
+        # segment per 2 MiB and reaches the disk's 4 MiB request limit. Unaligned, the 4 KiB pages at the ends
+        # split requests at the virtio disk's 254 segments (3.2 MiB on average, RESULTS.md (NVMe store)). The
+        # padding is never touched, so it costs address space, not memory.
+        huge = capacity >= HUGE and self.align_huge
+        self.mm = mmap.mmap(-1, capacity + (HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if capacity >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
             self.mm.madvise(mmap.MADV_HUGEPAGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))  # the temporary export ends here
+        self.offset = -base % HUGE if huge else 0
         self.capacity = capacity
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))  # the temporary export ends here
+        self.address = base + self.offset
         self.pinned = _maybe_pin(self)
 
     def bytes(self, n: int) -> torch.Tensor:
@@ -57,7 +65,7 @@ class AlignedBuffer:
             raise ValueError(f"{n} bytes do not fit a {self.capacity}-byte buffer")
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self.mm, dtype=torch.uint8, count=n)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=self.offset)
 
 
 def round_up(n: int, block: int) -> int:
@@ -215,7 +223,7 @@ class BufferPool:
 
     def adopt(self, buf: AlignedBuffer) -> AlignedBuffer:
         """Record a buffer made for the store outside the pool (empty_for), so owns() knows its memory."""
-        self._made[buf.address] = buf.mm
+        self._made[buf.address] = buf.mm  # the mapping runs at least `capacity` bytes past the address
         return buf
 
     def owns(self, addr: int, nbytes: int) -> bool:
@@ -236,7 +244,7 @@ class BufferPool:
             buf = self.adopt(AlignedBuffer(cap))
         # The array owns the export of the mapping and the tensor's storage owns the array, so the array dies
         # exactly when the last tensor (or view) over these bytes does; its storage is exactly nbytes (tensornvme).
-        arr = np.frombuffer(buf.mm, dtype=np.uint8, count=nbytes)
+        arr = np.frombuffer(buf.mm, dtype=np.uint8, count=nbytes, offset=buf.offset)
         weakref.finalize(arr, _come_back, weakref.ref(self), buf).atexit = False
         return torch.from_numpy(arr)
 
