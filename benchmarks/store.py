@@ -110,7 +110,7 @@ def gbps(seconds: float) -> float:
 
 
 class StoreRun:
-    def __init__(self, directory, backend, srcs, outs, checksum, writes=4, label="", direct=True, at_phase=False,
+    def __init__(self, directory, backend, srcs, outs, checksum, writes=16, label="", direct=True, at_phase=False,
                  fresh=False):
         self.name = f"NVMeStore[{backend}{label}]"
         self.store = fs.NVMeStore(directory, backend=backend, checksum=checksum, max_inflight_writes=writes,

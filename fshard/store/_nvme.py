@@ -47,7 +47,7 @@ class _Item:
 class NVMeStore:
     def __init__(self, directory: str, backend: str = "uring", *, create: bool = True, checksum: str = "fast",
                  max_buffers: int = 16, max_buffer_bytes: int = 1 << 30, block: int = 4096,
-                 max_free_slots: Optional[int] = None, max_inflight_writes: int = 4,
+                 max_free_slots: Optional[int] = None, max_inflight_writes: int = 16,
                  direct: bool = True, direct_min_bytes: int = 1 << 20, events: Optional[EventLog] = None):
         try:
             from tensornvme._C import get_backends
