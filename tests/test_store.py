@@ -346,6 +346,22 @@ def test_close_context_manager_and_exit_cleanup(tmp_path):
 
 
 # ---- buffer pool ----------------------------------------------------------------------------------------------
+def test_large_buffers_start_on_a_huge_page_boundary():
+    """From 2 MiB up a buffer (and a lent result) starts on a 2 MiB boundary, so huge pages can cover all of it, and
+    its tensors still have storages of exactly the bytes asked for (tensornvme sizes iovecs by storage)."""
+    from fshard.store._pool import AlignedBuffer
+
+    for cap in ((2 << 20), (16 << 20) + 4096):
+        buf = AlignedBuffer(cap)
+        t = buf.bytes(cap)
+        assert t.data_ptr() == buf.address and buf.address % (2 << 20) == 0
+        assert t.untyped_storage().nbytes() == cap
+        t.fill_(7)  # the whole capacity is inside the mapping
+    lent = BufferPool().lend(3 << 20)
+    assert lent.data_ptr() % (2 << 20) == 0 and lent.untyped_storage().nbytes() == 3 << 20
+    assert AlignedBuffer(8192).address % 4096 == 0
+
+
 def test_buffer_pool_aligned_reused_bounded():
     pool = BufferPool(max_buffers=3, max_bytes=3 * 8192, block=4096)
     a = pool.acquire(5000)

@@ -40,7 +40,6 @@ class AlignedBuffer:
     """One page-aligned buffer of `capacity` bytes; from 2 MiB up it starts on a 2 MiB boundary (see __init__)."""
 
     __slots__ = ("mm", "capacity", "pinned", "address", "offset")
-    align_huge = True  # class switch, for benchmarks that compare with the unaligned buffers of before
 
     def __init__(self, capacity: int):
         # Private, not shared (Python's default): only private anonymous memory can get transparent huge pages,
@@ -48,9 +47,9 @@ class AlignedBuffer:
         # Large buffers start on a 2 MiB boundary, so huge pages cover all of them, not only their aligned middle:
         # cold reads of 1 GiB ran 5-10% faster so (RESULTS.md (NVMe store), after run L). The padding is never
         # touched, so it costs address space, not memory.
-        huge = capacity >= HUGE and self.align_huge
+        huge = capacity >= HUGE
         self.mm = mmap.mmap(-1, capacity + (HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if capacity >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
             self.mm.madvise(mmap.MADV_HUGEPAGE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))  # the temporary export ends here
         self.offset = -base % HUGE if huge else 0
