@@ -250,14 +250,13 @@ class NVMeStore:
 
     def empty_for(self, key: Hashable) -> torch.Tensor:
         """An uninitialised tensor with `key`'s dtype and shape, in the store's own (huge-page) memory, whose address
-        has the item's phase: get(key, out=it) reads into it in place (no pool buffer, no copy). Reuse it: fresh
-        memory costs page faults."""
+        has the item's phase: get(key, out=it) reads into it in place (no pool buffer, no copy). Its memory is lent
+        like a get's result (BufferPool.lend): reused by the store once the tensor dies."""
         meta = self.meta(key)
         phase = self.phase(key)
         if meta.nbytes == 0:
             return torch.empty(meta.shape, dtype=meta.dtype)
-        buf = self.pool.adopt(AlignedBuffer(round_up(phase + meta.nbytes, self.pool.block)))
-        return buf.bytes(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
+        return self.pool.lend(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
 
     def keys(self) -> List[Hashable]:
         self.flush()
@@ -336,8 +335,8 @@ class NVMeStore:
         return h
 
     def _untrack(self, h: Handle) -> None:
-        handles = self._pending.get(h.key)
-        if handles is not None and any(x is h for x in handles):
+        handles = self._pending.get(h.key, [])
+        if h in handles:  # Handle has no __eq__: identity
             handles.remove(h)
             if not handles:
                 del self._pending[h.key]

@@ -220,7 +220,7 @@ class BufferPool:
         return buf
 
     def adopt(self, buf: AlignedBuffer) -> AlignedBuffer:
-        """Record a buffer made for the store outside the pool (empty_for), so owns() knows its memory."""
+        """Record a buffer made for the store outside the pool's bounds (lent memory), so owns() knows it."""
         self._made[buf.address] = buf.mm  # the mapping runs at least `capacity` bytes past the address
         return buf
 
