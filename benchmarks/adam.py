@@ -11,6 +11,13 @@ Two workloads:
 Every round times each implementation once, in turn; the figures are medians over rounds and
 each ratio compares medians from this same run. The roof is an in-place triad (x += a*y,
 12 B/element) on the same number of elements, measured in the same rounds.
+
+This machine's DRAM switches between two states on its own (triad about 55 or about 90 GB/s), often
+within one run. `--by-state SECONDS` times the bare and mixed-precision updates round by round for
+that long, with a triad in every round, groups the rounds by the triad's state and reports, per
+state, medians and the median over rounds of each peer's time / ours (a paired ratio):
+    flock /tmp/fshard-bench.lock env PYTHONPATH=.:/tmp/ds .venv/bin/python benchmarks/adam.py \
+        --by-state 150 --layouts large
 """
 from __future__ import annotations
 
@@ -69,10 +76,10 @@ def bare_fns(sizes, ds_cls) -> dict:
     M, V = [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes]
     step = [0]
 
-    def ours(check):
+    def ours(check, isa=None):
         def f():
             step[0] += 1
-            assert not ops.adamw_(P, G, M, V, step=step[0], check_finite=check, **HP)
+            assert not ops.adamw_(P, G, M, V, step=step[0], check_finite=check, isa=isa, **HP)
         return f
 
     def torch_opt(**kw):
@@ -83,8 +90,10 @@ def bare_fns(sizes, ds_cls) -> dict:
                                 weight_decay=HP["weight_decay"], **kw)
         return opt.step
 
-    fns = {"ours (bare, check_finite=False)": ours(False), "ours (with non-finite check)": ours(True),
-           "torch AdamW fused=True": torch_opt(fused=True), "torch AdamW foreach=True": torch_opt(foreach=True)}
+    fns = {"ours (bare, check_finite=False)": ours(False), "ours (with non-finite check)": ours(True)}
+    if ops.backend_info()["cpu_isa"] == "avx512":  # what the wider kernel buys, in the same run
+        fns["ours (bare, AVX2 kernel)"] = ours(False, "avx2")
+    fns.update({"torch AdamW fused=True": torch_opt(fused=True), "torch AdamW foreach=True": torch_opt(foreach=True)})
     if ds_cls is not None:
         params = [torch.nn.Parameter(t.clone()) for t in P]
         for p, g in zip(params, G):
@@ -103,9 +112,11 @@ def mixed_fns(sizes) -> dict:
     coef = 0.5  # clip coefficient, computed beforehand from the grad norm by either side
     step = [0]
 
-    def ours():
-        step[0] += 1
-        assert not ops.adamw_(P, G, M, V, step=step[0], grad_scale=coef, param_copies=C, **HP)
+    def ours(isa=None):
+        def f():
+            step[0] += 1
+            assert not ops.adamw_(P, G, M, V, step=step[0], grad_scale=coef, param_copies=C, isa=isa, **HP)
+        return f
 
     TP, TM, TV = [t.clone() for t in P], [torch.zeros(s) for s in sizes], [torch.zeros(s) for s in sizes]
     tstep = [torch.tensor(0.0) for _ in sizes]
@@ -135,13 +146,57 @@ def mixed_fns(sizes) -> dict:
             torch._fused_adamw_(TP, g32, TM, TV, [], tstep, amsgrad=False, maximize=False, **HP)
         torch._foreach_copy_(C, TP)
 
-    return {"ours (one call)": ours, "torch: cast, check+scale, fused, copy": torch_best,
+    fns = {"ours (one call)": ours()}
+    if ops.backend_info()["cpu_isa"] == "avx512":
+        fns["ours (one call, AVX2 kernel)"] = ours("avx2")
+    return {**fns, "torch: cast, check+scale, fused, copy": torch_best,
             "torch: cast, scale, isfinite, fused, copy": torch_literal}
 
 
 def triad(n: int):
     x, y = torch.zeros(n), torch.ones(n)
     return lambda: x.add_(y, alpha=1e-3)
+
+
+FAST_GBS, SLOW_GBS = 75.0, 65.0  # triad bands of the two memory states; rounds in between are dropped
+
+
+def by_state(lay: str, sizes: list[int], ds_cls, seconds: float) -> dict:
+    n = sum(sizes)
+    fns = {k: f for k, f in bare_fns(sizes, ds_cls).items() if "foreach" not in k}
+    mixed = mixed_fns(sizes)
+    fns.update({"mixed: ours (one call)": mixed["ours (one call)"],
+                "mixed: torch: cast, check+scale, fused, copy": mixed["torch: cast, check+scale, fused, copy"]})
+    roof = triad(n)
+    for f in [*fns.values(), roof]:
+        f()
+    rows, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        row = {}
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            row[k] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        roof()
+        row["triad GB/s"] = 12 * n / (time.perf_counter() - t0) / 1e9
+        rows.append(row)
+    out = {}
+    for state, keep in (("fast", lambda r: r["triad GB/s"] > FAST_GBS), ("slow", lambda r: r["triad GB/s"] < SLOW_GBS)):
+        rs = [r for r in rows if keep(r)]
+        print(f"\n### {lay} layout, {state} memory state: {len(rs)} of {len(rows)} rounds")
+        if not rs:
+            continue
+        med = {k: statistics.median(r[k] for r in rs) for k in rows[0]}
+        print(f"triad {med['triad GB/s']:.1f} GB/s\n| implementation | ms (median) | peer / ours, median over rounds |\n|---|---|---|")
+        for k in fns:
+            ours = "mixed: ours (one call)" if k.startswith("mixed") else "ours (bare, check_finite=False)"
+            ratio = statistics.median(r[k] / r[ours] for r in rs)
+            print(f"| {k} | {med[k] * 1e3:.2f} | {ratio:.3f}x |")
+            out[f"{lay}/{state}/{k}"] = {"ms": med[k] * 1e3, "peer_over_ours": ratio}
+        out[f"{lay}/{state}/rounds"] = len(rs)
+        out[f"{lay}/{state}/triad_gbs"] = med["triad GB/s"]
+    return out
 
 
 def main() -> None:
@@ -151,12 +206,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layouts", default="large,mixed")
     ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    ap.add_argument("--by-state", type=float, default=0, metavar="SECONDS",
+                    help="time round by round for this long per layout, grouped by the memory state")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, n={args.n:,}, rounds={args.rounds}")
     print("fshard.ops:", {k: v for k, v in ops.backend_info().items() if k in ("backend", "cpu_isa", "cuda")})
     ds_cls = try_deepspeed()
     out = {}
+    if args.by_state:
+        for lay in args.layouts.split(","):
+            out.update(by_state(lay, layout(lay, args.n), ds_cls, args.by_state))
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        return
     for lay in args.layouts.split(","):
         sizes = layout(lay, args.n)
         n = sum(sizes)

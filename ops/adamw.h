@@ -1,6 +1,6 @@
-// Plain data shared by the CPU kernels (scalar and AVX2) and the CUDA launcher.
-// No torch headers here: adamw_avx2.cpp includes this file under an AVX2 target
-// pragma, and nothing inline from torch may be compiled with AVX2 there.
+// Plain data shared by the CPU kernels (scalar, AVX2, AVX-512) and the CUDA launcher.
+// No torch headers here: the ISA files include this file ahead of their target
+// pragmas, and nothing inline from torch may be compiled for AVX2/AVX-512 there.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -9,6 +9,7 @@ namespace fshard {
 
 enum GradType : int { kGradF32 = 0, kGradBF16 = 1, kGradF16 = 2 };
 enum CopyType : int { kCopyNone = 0, kCopyBF16 = 1, kCopyF16 = 2 };
+enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };  // ordered: each level implies the ones below
 
 // A runtime dtype tag -> f(std::integral_constant<int, tag>). The switch is written once here; each ISA file
 // passes lambdas over its own templates, so every kernel is still instantiated in that file's translation unit,
@@ -62,9 +63,11 @@ struct Segment {
 // Update elements [begin, end) of one segment.
 void adamw_range_scalar(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end);
 void adamw_range_avx2(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end);
+void adamw_range_avx512(const AdamConsts& c, const Segment& s, int64_t begin, int64_t end);
 
 // True when any grad[i] * scale in [begin, end) is inf or NaN.
 bool nonfinite_range_scalar(const Segment& s, float scale, int64_t begin, int64_t end);
 bool nonfinite_range_avx2(const Segment& s, float scale, int64_t begin, int64_t end);
+bool nonfinite_range_avx512(const Segment& s, float scale, int64_t begin, int64_t end);
 
 }  // namespace fshard

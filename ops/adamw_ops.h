@@ -6,10 +6,11 @@
 namespace fshard {
 
 // Returns true (and modifies nothing) when check_finite and any grad * scale is
-// inf/NaN. Otherwise applies the update to every segment.
-bool adamw_cpu(const std::vector<Segment>& segs, const AdamConsts& c, bool check_finite,
-               bool force_scalar);
-const char* cpu_isa();
+// inf/NaN. Otherwise applies the update to every segment, with the kernel for `isa` (an Isa;
+// capped at best_cpu_isa()).
+bool adamw_cpu(const std::vector<Segment>& segs, const AdamConsts& c, bool check_finite, int isa);
+int best_cpu_isa();
+const char* isa_name(int isa);
 
 #ifdef FSHARD_WITH_CUDA
 // Same contract; segment pointers are device pointers on the current device.

@@ -53,6 +53,28 @@ int copy_type(const at::Tensor& c, size_t i) {
   return 0;
 }
 
+// "auto" -> the best kernel the CPU runs; a named one must be one the CPU runs.
+int parse_isa(const std::string& isa) {
+  const int best = best_cpu_isa();
+  if (isa == "auto") return best;
+  int level = -1;
+  for (int l : {kIsaScalar, kIsaAvx2, kIsaAvx512})
+    if (isa == isa_name(l)) level = l;
+  TORCH_CHECK_VALUE(level >= 0, "fshard.ops.adamw_: unknown CPU kernel isa='", isa,
+                    "'; use 'auto', 'avx512', 'avx2' or 'scalar'");
+  TORCH_CHECK_VALUE(level <= best, "fshard.ops.adamw_: isa='", isa, "' asked for, but this CPU runs at most '",
+                    isa_name(best), "'; ask for that, a lower one, or 'auto'");
+  return level;
+}
+
+std::vector<std::string> cpu_isas() {
+  std::vector<std::string> out;
+  for (int l = kIsaScalar; l <= best_cpu_isa(); ++l) out.push_back(isa_name(l));
+  return out;
+}
+
+std::string cpu_isa() { return isa_name(best_cpu_isa()); }
+
 AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
                        double grad_scale, bool adam_w_mode) {
   TORCH_CHECK_VALUE(step >= 1, "fshard.ops.adamw_: step must be >= 1 (the step count after "
@@ -80,7 +102,7 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
 bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const TList& exp_avg_sqs,
            const TList& copies, int64_t step, double lr, double beta1, double beta2, double eps,
            double weight_decay, double grad_scale, bool adam_w_mode, bool check_finite,
-           bool force_scalar) {
+           const std::string& isa) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
                     "fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
@@ -89,6 +111,7 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
   TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, "fshard.ops.adamw_: param_copies has ",
                     copies.size(), " tensors but params has ", n, "; pass one copy per param or None");
   const AdamConsts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adam_w_mode);
+  const int level = parse_isa(isa);
   if (n == 0) return false;
   const at::Tensor& p0 = params[0];
   std::vector<Segment> segs;
@@ -117,7 +140,7 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
   }
   bool found;
   if (p0.is_cpu()) {
-    found = adamw_cpu(segs, c, check_finite, force_scalar);
+    found = adamw_cpu(segs, c, check_finite, level);
   } else if (p0.is_cuda()) {
 #ifdef FSHARD_WITH_CUDA
     found = adamw_cuda(segs, c, check_finite, p0.get_device());
@@ -156,7 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("param_copies"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adam_w_mode"),
-        py::arg("check_finite"), py::arg("force_scalar"));
-  m.def("cpu_isa", &fshard::cpu_isa);
+        py::arg("check_finite"), py::arg("isa"));
+  m.def("cpu_isa", &fshard::cpu_isa, "the CPU kernel that isa='auto' runs");
+  m.def("cpu_isas", &fshard::cpu_isas, "every CPU kernel this CPU runs, lowest first");
   m.def("built_with_cuda", &fshard::built_with_cuda);
 }

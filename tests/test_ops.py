@@ -24,7 +24,12 @@ def native():
     return ops.load()
 
 
-ISAS = pytest.mark.parametrize("force_scalar", [False, True], ids=["auto-isa", "scalar"])
+@pytest.fixture(scope="module", params=["avx512", "avx2", "scalar"])
+def isa(request, native):
+    """Each CPU kernel this CPU runs; the others skip with the reason."""
+    if request.param not in native.cpu_isas():
+        pytest.skip(f"this CPU does not run the {request.param} kernel (it runs {native.cpu_isas()})")
+    return request.param
 
 
 def make_state(sizes, seed, gdtype=torch.float32):
@@ -59,12 +64,11 @@ def torch_optim_steps(p0, grads_per_step, adam_w_mode, grad_scale=1.0):
     return ([prm.detach() for prm in params], [s["exp_avg"] for s in st_], [s["exp_avg_sq"] for s in st_])
 
 
-@ISAS
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
 @SETTINGS
 @given(sizes=SIZES, seed=st.integers(0, 2**31 - 1), grad_scale=st.sampled_from([1.0, 0.5, 0.37, 3.0]))
-def test_matches_torch_optim_over_steps(native, force_scalar, adam_w_mode, gdtype, sizes, seed, grad_scale):
+def test_matches_torch_optim_over_steps(native, isa, adam_w_mode, gdtype, sizes, seed, grad_scale):
     sizes = [s for s in sizes if s > 0] or [1]  # torch.optim rejects nothing, but its state needs a param
     p, _, _, _ = make_state(sizes, seed)
     grads = [make_state(sizes, seed + k + 1, gdtype)[1] for k in range(3)]
@@ -72,7 +76,7 @@ def test_matches_torch_optim_over_steps(native, force_scalar, adam_w_mode, gdtyp
     v = [torch.zeros_like(t) for t in p]
     for step, g in enumerate(grads, start=1):
         found = ops.adamw_(p, g, m, v, step=step, grad_scale=grad_scale, adam_w_mode=adam_w_mode,
-                           _force_scalar=force_scalar, **HP)
+                           isa=isa, **HP)
         assert found is False
     ep, em, ev = torch_optim_steps(make_state(sizes, seed)[0], grads, adam_w_mode, grad_scale)
     assert_all_close(p, ep)
@@ -80,17 +84,16 @@ def test_matches_torch_optim_over_steps(native, force_scalar, adam_w_mode, gdtyp
     assert_all_close(v, ev)
 
 
-@ISAS
 @SETTINGS
 @given(sizes=SIZES, seed=st.integers(0, 2**31 - 1), step=st.integers(1, 10_000),
        copy_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_fused_adamw_and_param_copies(native, force_scalar, sizes, seed, step, copy_dtype, gdtype):
+def test_fused_adamw_and_param_copies(native, isa, sizes, seed, step, copy_dtype, gdtype):
     p, g, m, v = make_state(sizes, seed, gdtype)
     copies = [torch.full((n,), 7.0, dtype=copy_dtype) for n in sizes]
     rp, rm, rv = clone(p), clone(m), clone(v)
     found = ops.adamw_(p, g, m, v, step=step, grad_scale=0.25, param_copies=copies,
-                       _force_scalar=force_scalar, **HP)
+                       isa=isa, **HP)
     assert found is False
     keep = [i for i, n in enumerate(sizes) if n]
     if keep:
@@ -104,21 +107,82 @@ def test_fused_adamw_and_param_copies(native, force_scalar, sizes, seed, step, c
         assert torch.equal(c, prm.to(copy_dtype))
 
 
-@ISAS
 @SETTINGS
 @given(sizes=st.lists(st.one_of(st.sampled_from(EDGE[1:]), st.integers(1, 3000)), min_size=1, max_size=5),
        seed=st.integers(0, 2**31 - 1), data=st.data(),
        bad=st.sampled_from([float("inf"), float("-inf"), float("nan")]),
        gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_nonfinite_grad_updates_nothing(native, force_scalar, sizes, seed, data, bad, gdtype):
+def test_nonfinite_grad_updates_nothing(native, isa, sizes, seed, data, bad, gdtype):
     p, g, m, v = make_state(sizes, seed, gdtype)
     t = data.draw(st.integers(0, len(sizes) - 1))
     g[t][data.draw(st.integers(0, sizes[t] - 1))] = bad
     copies = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
     before = clone(p) + clone(m) + clone(v) + clone(copies)
-    assert ops.adamw_(p, g, m, v, step=5, param_copies=copies, _force_scalar=force_scalar, **HP) is True
+    assert ops.adamw_(p, g, m, v, step=5, param_copies=copies, isa=isa, **HP) is True
     for a, b in zip(p + m + v + copies, before):
         assert torch.equal(a, b)
+
+
+def same_bits(a, b):
+    """Bit for bit, except that any NaN equals any NaN: payloads are not part of the contract (torch's own
+    float->bf16 gives 0xffff in its vector path and 0x7fc0 in its scalar one)."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    ia, ib = (t.view(torch.int32 if t.dtype == torch.float32 else torch.int16) for t in (a, b))
+    return torch.equal(ia[~nan], ib[~nan])
+
+
+@SETTINGS
+@given(sizes=SIZES, seed=st.integers(0, 2**31 - 1), step=st.integers(1, 10_000),
+       adam_w_mode=st.booleans(), grad_scale=st.sampled_from([1.0, 0.37, 3.0]),
+       gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       copy_dtype=st.sampled_from([None, torch.bfloat16, torch.float16]),
+       lr=st.sampled_from([1e-3, 0.0]),  # lr 0 keeps the odd params below as they are, into the copies
+       specials=st.lists(st.sampled_from([0.0, -0.0, 1e-40, -3e-39, 1e38, float("inf"), float("nan"),
+                                          0x7FA00000, 0x7FFFFFFF, 0xFF812345 - (1 << 32)]), max_size=4))
+def test_every_cpu_kernel_gives_the_same_bits(native, sizes, seed, step, adam_w_mode, grad_scale, gdtype,
+                                              copy_dtype, lr, specials):
+    """AVX-512, AVX2 and scalar run one IEEE sequence per element: identical bits, NaN (with payloads)
+    and denormal params and their bf16/fp16 copies included, at every length and tail."""
+    p, g, m, v = make_state(sizes, seed, gdtype)
+    for k, x in enumerate(specials):  # odd params the check does not look at; ints are NaN bit patterns
+        t = p[k % len(p)] if p else torch.empty(0)
+        if t.numel():
+            t.view(torch.int32)[(7 * k) % t.numel()] = x if isinstance(x, int) else torch.tensor(x).view(torch.int32)
+    results = {}
+    for name in native.cpu_isas():
+        state = [clone(p), clone(g), clone(m), clone(v)]
+        copies = [torch.zeros(n, dtype=copy_dtype) for n in sizes] if copy_dtype else None
+        assert ops.adamw_(*state, step=step, grad_scale=grad_scale, adam_w_mode=adam_w_mode,
+                          param_copies=copies, isa=name, **dict(HP, lr=lr)) is False
+        results[name] = state[0] + state[2] + state[3] + (copies or [])
+    first, *rest = results
+    for name in rest:
+        for a, b in zip(results[first], results[name]):
+            assert same_bits(a, b), f"{name} differs from {first}"
+    if copy_dtype:  # and each copy is torch's own rounding of the param, bit for bit
+        n = len(sizes)
+        for c, prm in zip(results[first][3 * n:], results[first][:n]):
+            assert same_bits(c, prm.to(copy_dtype))
+
+
+def test_isa_choice_is_checked_and_the_env_caps_it(native, monkeypatch):
+    p, g, m, v = make_state([40], 2)
+    before = clone(p)
+    with pytest.raises(ValueError, match="unknown CPU kernel isa='sse4'"):
+        ops.adamw_(p, g, m, v, step=1, isa="sse4", **HP)
+    if "avx512" not in native.cpu_isas():
+        with pytest.raises(ValueError, match="runs at most"):
+            ops.adamw_(p, g, m, v, step=1, isa="avx512", **HP)
+    assert torch.equal(p[0], before[0])
+    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "scalar")
+    assert ops.backend_info()["cpu_isa"] == "scalar"
+    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "avx512")  # a cap above the CPU is no error
+    assert ops.backend_info()["cpu_isa"] == native.cpu_isas()[-1]
+    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "neon")
+    with pytest.raises(ValueError, match="FSHARD_OPS_CPU_ISA='neon'"):
+        ops.adamw_(p, g, m, v, step=1, **HP)
 
 
 def test_grad_scale_overflow_counts_as_nonfinite(native):
@@ -137,8 +201,7 @@ def test_check_finite_false_skips_the_check(native):
     assert not torch.isfinite(p[0][0])  # the caller asked for no check and got the raw update
 
 
-@ISAS
-def test_large_multithreaded_slices_of_flat_buffer(native, force_scalar):
+def test_large_multithreaded_slices_of_flat_buffer(native, isa):
     """Unaligned 1-D views into one flat shard, spanning many blocks and both threads."""
     sizes = [1, 130_001, 3, 70_000, 4097, 0, 99_999]
     total = sum(sizes) + 2 * len(sizes) + 1
@@ -154,7 +217,7 @@ def test_large_multithreaded_slices_of_flat_buffer(native, force_scalar):
             views[k].append(flat[k][off:off + n])
         off += n + 2  # gaps of 2 elements must stay untouched
     assert ops.adamw_(views["p"], views["g"], views["m"], views["v"], step=7, param_copies=views["c"],
-                      _force_scalar=force_scalar, **HP) is False
+                      isa=isa, **HP) is False
     rv = {k: [] for k in ref}
     off = 1
     for n in sizes:

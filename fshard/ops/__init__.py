@@ -10,6 +10,10 @@ per-user cache (see ``fshard.ops._build``); ``load()`` builds eagerly. Without a
 compiler, ``adamw_`` falls back to ``adamw_reference_`` (torch ops, several passes): it
 warns once and counts the calls in ``metrics()["fallback_calls"]``. Set
 ``FSHARD_OPS_REQUIRE_NATIVE=1`` to make that an error instead.
+
+On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
+bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
+``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from ._build import BuildError, cache_root
 from ._reference import adamw_reference_, as_list
 
 __all__ = ["adamw_", "adamw_reference_", "load", "native_available", "backend_info", "metrics",
-           "BuildError", "cache_root"]
+           "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
 _lib = None
@@ -64,7 +68,7 @@ def backend_info() -> dict:
     ok = native_available()
     return {
         "backend": "native" if ok else "reference",
-        "cpu_isa": _lib.cpu_isa() if ok else None,
+        "cpu_isa": _default_isa(_lib) if ok else None,
         "cuda": bool(_lib.built_with_cuda()) if ok else False,
         "error": None if ok else str(_error),
         "cache": str(cache_root()),
@@ -91,9 +95,29 @@ def _native():
         return None
 
 
+_ISAS = ("scalar", "avx2", "avx512")
+
+
+def _default_isa(lib) -> str:
+    """The best CPU kernel, capped by $FSHARD_OPS_CPU_ISA (a cap above the CPU's best is no error)."""
+    runs = list(lib.cpu_isas())
+    cap = os.environ.get("FSHARD_OPS_CPU_ISA", "")
+    if not cap:
+        return runs[-1]
+    if cap not in _ISAS:
+        raise ValueError(f"FSHARD_OPS_CPU_ISA={cap!r} is not a CPU kernel; use one of {', '.join(_ISAS)} "
+                         "or unset it")
+    return cap if cap in runs else runs[-1]
+
+
+def cpu_isas() -> list[str]:
+    """The CPU kernels this CPU runs, lowest first (e.g. ['scalar', 'avx2', 'avx512'])."""
+    return list(load().cpu_isas())
+
+
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
            eps: float, weight_decay: float, grad_scale: float = 1.0, param_copies=None,
-           adam_w_mode: bool = True, check_finite: bool = True, _force_scalar: bool = False) -> bool:
+           adam_w_mode: bool = True, check_finite: bool = True, isa: str | None = None) -> bool:
     """Fused in-place AdamW over lists of tensors (or single tensors / flat-shard slices).
 
     params, exp_avgs, exp_avg_sqs: fp32, contiguous. grads: fp32, bf16 or fp16, same numel as
@@ -105,7 +129,9 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
 
     Returns True, modifying nothing, when check_finite and any g is inf/NaN. The GIL is released
     while the kernel runs. ``check_finite=False`` skips the read-only pre-pass over the grads, for
-    callers that already know the grads are finite (e.g. from a finite grad norm).
+    callers that already know the grads are finite (e.g. from a finite grad norm). ``isa`` picks
+    the CPU kernel ('auto', 'avx512', 'avx2', 'scalar'; default ``$FSHARD_OPS_CPU_ISA`` or 'auto');
+    one the CPU cannot run is a ValueError.
     """
     p, g = as_list(params, "params"), as_list(grads, "grads")
     m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
@@ -120,7 +146,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
         _metrics["native_calls"] += 1
         found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
                           float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
-                          bool(_force_scalar))
+                          isa or _default_isa(lib))
     if found:
         _metrics["found_inf"] += 1
     return found
