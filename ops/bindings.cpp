@@ -73,8 +73,6 @@ std::vector<std::string> cpu_isas() {
   return out;
 }
 
-std::string cpu_isa() { return isa_name(best_cpu_isa()); }
-
 AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
                        double grad_scale, bool adam_w_mode) {
   TORCH_CHECK_VALUE(step >= 1, "fshard.ops.adamw_: step must be >= 1 (the step count after "
@@ -180,7 +178,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param_copies"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adam_w_mode"),
         py::arg("check_finite"), py::arg("isa"));
-  m.def("cpu_isa", &fshard::cpu_isa, "the CPU kernel that isa='auto' runs");
   m.def("cpu_isas", &fshard::cpu_isas, "every CPU kernel this CPU runs, lowest first");
   m.def("built_with_cuda", &fshard::built_with_cuda);
 }

@@ -178,6 +178,14 @@ def test_isa_choice_is_checked_and_the_env_caps_it(native, monkeypatch):
     assert torch.equal(p[0], before[0])
     monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "scalar")
     assert ops.backend_info()["cpu_isa"] == "scalar"
+    calls = []
+    monkeypatch.setattr(ops, "_lib", type("Spy", (), {  # what adamw_ hands the kernel under the cap
+        "cpu_isas": native.cpu_isas, "adamw": lambda *a: calls.append(a[-1]) or False})())
+    ops.adamw_(p, g, m, v, step=1, **HP)
+    ops.adamw_(p, g, m, v, step=1, isa="auto", **HP)
+    ops.adamw_(p, g, m, v, step=1, isa="avx2", **HP)  # an explicit choice is not capped
+    assert calls == ["scalar", "scalar", "avx2"]
+    monkeypatch.setattr(ops, "_lib", native)
     monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "avx512")  # a cap above the CPU is no error
     assert ops.backend_info()["cpu_isa"] == native.cpu_isas()[-1]
     monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "neon")

@@ -130,8 +130,8 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
     Returns True, modifying nothing, when check_finite and any g is inf/NaN. The GIL is released
     while the kernel runs. ``check_finite=False`` skips the read-only pre-pass over the grads, for
     callers that already know the grads are finite (e.g. from a finite grad norm). ``isa`` picks
-    the CPU kernel ('auto', 'avx512', 'avx2', 'scalar'; default ``$FSHARD_OPS_CPU_ISA`` or 'auto');
-    one the CPU cannot run is a ValueError.
+    the CPU kernel: 'avx512', 'avx2', 'scalar', or None/'auto' for the best one the CPU runs, capped
+    by ``$FSHARD_OPS_CPU_ISA``. A kernel the CPU cannot run is a ValueError.
     """
     p, g = as_list(params, "params"), as_list(grads, "grads")
     m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
@@ -146,7 +146,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
         _metrics["native_calls"] += 1
         found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
                           float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
-                          isa or _default_isa(lib))
+                          _default_isa(lib) if isa in (None, "auto") else isa)
     if found:
         _metrics["found_inf"] += 1
     return found
