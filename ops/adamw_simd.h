@@ -147,10 +147,10 @@ bool nonfinite(const Segment& s, float scale, int64_t begin, int64_t end) {
     acc0 = T::m_or(acc0, T::m_or(a, a2));
     acc1 = T::m_or(acc1, T::m_or(b, b2));
   }
+  alignas(64) unsigned char g[W * 4];
   for (; i < end; i += W) {
-    alignas(64) unsigned char g[W * 4] = {0};
     const void* src = base + i * gb;
-    if (end - i < W) std::memcpy(g, src, (end - i) * gb), src = g;
+    if (end - i < W) std::memset(g, 0, sizeof g), std::memcpy(g, src, (end - i) * gb), src = g;
     acc0 = T::m_or(acc0, T::nonfinite(T::mul(T::template load_grad<G>(src, 0), k)));
   }
   return T::any(T::m_or(acc0, acc1));

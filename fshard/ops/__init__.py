@@ -64,11 +64,12 @@ def native_available() -> bool:
 
 
 def backend_info() -> dict:
-    """Which backend adamw_ uses, the CPU ISA, CUDA support, and the build error if any."""
+    """Which backend adamw_ uses, the CPU kernel isa=None runs, CUDA support, and the build error if any."""
     ok = native_available()
+    isa = _capped_isa(_lib) if ok else None
     return {
         "backend": "native" if ok else "reference",
-        "cpu_isa": _default_isa(_lib) if ok else None,
+        "cpu_isa": _lib.cpu_isas()[-1] if isa == "auto" else isa,
         "cuda": bool(_lib.built_with_cuda()) if ok else False,
         "error": None if ok else str(_error),
         "cache": str(cache_root()),
@@ -98,15 +99,16 @@ def _native():
 _ISAS = ("scalar", "avx2", "avx512")
 
 
-def _default_isa(lib) -> str:
-    """The best CPU kernel, capped by $FSHARD_OPS_CPU_ISA (a cap above the CPU's best is no error)."""
-    runs = list(lib.cpu_isas())
+def _capped_isa(lib) -> str:
+    """'auto' (the best kernel the CPU runs), or the one $FSHARD_OPS_CPU_ISA caps it to (a cap above the CPU's
+    best is no error). Read per call, so a change of the variable takes effect; unset, it costs no binding call."""
     cap = os.environ.get("FSHARD_OPS_CPU_ISA", "")
     if not cap:
-        return runs[-1]
+        return "auto"
     if cap not in _ISAS:
         raise ValueError(f"FSHARD_OPS_CPU_ISA={cap!r} is not a CPU kernel; use one of {', '.join(_ISAS)} "
                          "or unset it")
+    runs = list(lib.cpu_isas())
     return cap if cap in runs else runs[-1]
 
 
@@ -146,7 +148,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
         _metrics["native_calls"] += 1
         found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
                           float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
-                          _default_isa(lib) if isa in (None, "auto") else isa)
+                          _capped_isa(lib) if isa in (None, "auto") else isa)
     if found:
         _metrics["found_inf"] += 1
     return found
