@@ -10,6 +10,7 @@ while the step runs (DDP and FSDP keep the same under ``no_sync``).
 from __future__ import annotations
 
 from ._transforms import Transform
+from ._errors import ArgumentError, ArgumentTypeError
 
 
 class _MicroBatches:
@@ -19,7 +20,7 @@ class _MicroBatches:
     def __call__(self, batch) -> list:
         if not isinstance(batch, list) or len(batch) != self.k:
             what = f"a list of {len(batch)}" if isinstance(batch, list) else type(batch).__name__
-            raise TypeError(f"a step composed with fs.accumulate({self.k}) takes a list of {self.k} micro-batches, "
+            raise ArgumentTypeError(f"a step composed with fs.accumulate({self.k}) takes a list of {self.k} micro-batches, "
                             f"got {what}. Pass step(state, [mb_1, ..., mb_{self.k}]) (a list, so that a tuple batch "
                             "such as (x, y) is never mistaken for micro-batches).")
         return batch
@@ -32,7 +33,7 @@ class accumulate(Transform):
 
     def __init__(self, k: int):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"fs.accumulate: k must be an int >= 1 (micro-batches per step), got {k!r}.")
+            raise ArgumentError(f"fs.accumulate: k must be an int >= 1 (micro-batches per step), got {k!r}.")
         self.k = k
 
     def wrap_batches(self, batches):

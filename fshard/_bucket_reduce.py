@@ -27,6 +27,7 @@ import torch
 
 from ._init import ROOT
 from ._transforms import Transform
+from ._errors import ArgumentError, ArgumentTypeError
 
 
 @dataclass(frozen=True)
@@ -232,12 +233,12 @@ class bucket_reduce(Transform):
 
     def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg"):
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"fs.bucket_reduce: bucket_mb must be a number > 0, got {bucket_mb!r}.")
+            raise ArgumentError(f"fs.bucket_reduce: bucket_mb must be a number > 0, got {bucket_mb!r}.")
         if op not in ("avg", "sum"):
-            raise ValueError(f"fs.bucket_reduce: op must be 'avg' or 'sum', got {op!r}.")
+            raise ArgumentError(f"fs.bucket_reduce: op must be 'avg' or 'sum', got {op!r}.")
         if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype)
                                          or not reduce_dtype.is_floating_point):
-            raise TypeError(f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
+            raise ArgumentTypeError(f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
         self.bucket_mb, self.reduce_dtype, self.op = bucket_mb, reduce_dtype, op
 
     def wrap_reduce(self, reduce):

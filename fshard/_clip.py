@@ -13,6 +13,7 @@ import math
 import torch
 
 from ._transforms import Grads, Transform
+from ._errors import ArgumentError
 
 
 def global_sq_norm(comm, grads: Grads) -> float:
@@ -49,7 +50,7 @@ class clip_by_global_norm(Transform):
 
     def __init__(self, max_norm: float):
         if not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"fs.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}.")
+            raise ArgumentError(f"fs.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}.")
         self.max_norm = float(max_norm)
 
     def wrap_grads(self, grads):

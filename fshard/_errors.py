@@ -46,3 +46,11 @@ class UnboundParameterError(FshardError, RuntimeError):
 
 class ScheduleError(FshardError):
     """The model acquired its units in a different order than the gather_ahead schedule (on_change="error")."""
+
+
+class ArgumentError(FshardError, ValueError):
+    """An fshard function was given a value it cannot use; the message names the argument and what it takes."""
+
+
+class ArgumentTypeError(FshardError, TypeError):
+    """An fshard function was given an argument of the wrong type; the message names what it takes."""

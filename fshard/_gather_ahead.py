@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ._errors import ScheduleError
+from ._errors import ScheduleError, ArgumentError, ArgumentTypeError
 from ._init import ROOT
 from ._transforms import Transform
 
@@ -39,7 +39,7 @@ class Schedule:
         for f in ("forward", "backward"):
             v = getattr(self, f)
             if isinstance(v, str) or not all(isinstance(n, str) for n in v):
-                raise TypeError(f"Schedule.{f} must be a sequence of unit names, got {v!r}.")
+                raise ArgumentTypeError(f"Schedule.{f} must be a sequence of unit names, got {v!r}.")
             object.__setattr__(self, f, tuple(v))
 
     @property
@@ -207,7 +207,7 @@ class GatherAhead:
             names |= set(self.reshard_after_forward)
         unknown = sorted(names - known)
         if unknown:
-            raise ValueError(f"fs.gather_ahead: unknown unit names {unknown}; this state's units are "
+            raise ArgumentError(f"fs.gather_ahead: unknown unit names {unknown}; this state's units are "
                              f"{sorted(known)}.")
         self._checked = key
 
@@ -233,14 +233,14 @@ class gather_ahead(Transform):
                  reshard_after_forward: bool | Mapping[str, bool] | Callable[[str], bool] = True,
                  on_change: str = "replan"):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-            raise ValueError(f"fs.gather_ahead: depth must be an int >= 0 (units gathered ahead), got {depth!r}.")
+            raise ArgumentError(f"fs.gather_ahead: depth must be an int >= 0 (units gathered ahead), got {depth!r}.")
         if schedule is not None and not isinstance(schedule, Schedule):
-            raise TypeError(f"fs.gather_ahead: schedule must be an fs.Schedule (or None to record one), got "
+            raise ArgumentTypeError(f"fs.gather_ahead: schedule must be an fs.Schedule (or None to record one), got "
                             f"{type(schedule).__name__}.")
         if on_change not in ("replan", "error"):
-            raise ValueError(f"fs.gather_ahead: on_change must be 'replan' or 'error', got {on_change!r}.")
+            raise ArgumentError(f"fs.gather_ahead: on_change must be 'replan' or 'error', got {on_change!r}.")
         if not isinstance(reshard_after_forward, (bool, Mapping)) and not callable(reshard_after_forward):
-            raise TypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name to "
+            raise ArgumentTypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name to "
                             f"bool, or a callable, got {type(reshard_after_forward).__name__}.")
         self.depth, self.schedule = depth, schedule
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._errors import FshardError
+from ._errors import FshardError, ArgumentError, ArgumentTypeError
 from ._optim import AdamWState, _segments
 from ._stored import Stored, _Items, _location, _stored_state
 from ._transforms import IdentityGrads, Transform
@@ -337,15 +337,15 @@ class offload_state(Transform):
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
                  overlap_backward: bool | None = None, worker_nice: int = 5):
         if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
-            raise TypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
+            raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
                             f"{type(store).__name__}.")
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fs.offload_state: fraction must be in [0, 1], got {fraction!r}.")
+            raise ArgumentError(f"fs.offload_state: fraction must be in [0, 1], got {fraction!r}.")
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
+            raise ArgumentError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
                              f"{depth!r}.")
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
-            raise ValueError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
+            raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
         on_disk = getattr(store, "directory", None) is not None  # a store that waits on a device

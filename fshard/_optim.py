@@ -13,6 +13,7 @@ import torch
 
 from ._layout import UnitLayout
 from ._state import register_node
+from ._errors import ArgumentError
 
 _IMPLS = ("auto", "torch", "fused", "native")
 
@@ -46,11 +47,11 @@ class AdamW:
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
-            raise ValueError(f"fs.adamw(impl={self.impl!r}) is not one of {_IMPLS}.")
+            raise ArgumentError(f"fs.adamw(impl={self.impl!r}) is not one of {_IMPLS}.")
         if not 0.0 <= self.betas[0] < 1.0 or not 0.0 <= self.betas[1] < 1.0:
-            raise ValueError(f"fs.adamw(betas={self.betas}): each beta must be in [0, 1).")
+            raise ArgumentError(f"fs.adamw(betas={self.betas}): each beta must be in [0, 1).")
         if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ValueError(f"fs.adamw: lr, eps and weight_decay must be >= 0, got {self}.")
+            raise ArgumentError(f"fs.adamw: lr, eps and weight_decay must be >= 0, got {self}.")
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> AdamWState | None:
         n = layout.opt_numel(rank)

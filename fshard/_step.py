@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from ._collectives import HASH_BITS, Comm, agree
-from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError, UnboundParameterError
+from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError, UnboundParameterError, ArgumentTypeError
 from ._init import ROOT
 from ._state import TrainState
 from ._transforms import Grads, fold
@@ -47,7 +47,7 @@ class Step:
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None):
         if not callable(loss_fn):
-            raise TypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got {loss_fn!r}.")
+            raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got {loss_fn!r}.")
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
         self.donate, self.trace, self.mesh = donate, trace, mesh
         self.policy = fold(self.transforms)
@@ -113,7 +113,7 @@ class Step:
 
     def _check_state(self, state):
         if not isinstance(state, TrainState):
-            raise TypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous step, "
+            raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous step, "
                             f"got {type(state).__name__}.")
         state.check_usable()
         spec = state.spec

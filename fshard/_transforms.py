@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from ._errors import ArgumentTypeError
 
 
 class Transform:
@@ -124,7 +125,7 @@ class DeviceUpdate:
         for u in spec.units:
             if u.name in opt_state and any(active[u.name]):
                 if not isinstance(getattr(opt_state[u.name], "exp_avg", None), torch.Tensor):
-                    raise TypeError(f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose "
+                    raise ArgumentTypeError(f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose "
                                     "this step with the same fs.offload_state(store) to update it.")
                 params[u.name], opt_state[u.name] = spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
@@ -154,7 +155,7 @@ def fold(transforms) -> Policy:
     batches = OneBatch()
     for t in transforms:
         if not isinstance(t, Transform):
-            raise TypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
+            raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
                             "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
         gather, reduce = t.wrap_gather(gather), t.wrap_reduce(reduce)
         grads, update, batches = t.wrap_grads(grads), t.wrap_update(update), t.wrap_batches(batches)

@@ -25,6 +25,7 @@ import torch
 
 from ._build import BuildError, cache_root
 from ._reference import adamw_reference_, as_list
+from .._errors import ArgumentError
 
 __all__ = ["adamw_", "adamw_reference_", "load", "native_available", "backend_info", "metrics",
            "cpu_isas", "BuildError", "cache_root"]
@@ -106,7 +107,7 @@ def _capped_isa(lib) -> str:
     if not cap:
         return "auto"
     if cap not in _ISAS:
-        raise ValueError(f"FSHARD_OPS_CPU_ISA={cap!r} is not a CPU kernel; use one of {', '.join(_ISAS)} "
+        raise ArgumentError(f"FSHARD_OPS_CPU_ISA={cap!r} is not a CPU kernel; use one of {', '.join(_ISAS)} "
                          "or unset it")
     runs = list(lib.cpu_isas())
     return cap if cap in runs else runs[-1]

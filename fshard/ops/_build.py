@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .._errors import FshardError
+
 log = logging.getLogger("fshard.ops")
 
 
@@ -35,7 +37,7 @@ CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]  # FMAs only where
 LDFLAGS = ["-fopenmp"]
 
 
-class BuildError(RuntimeError):
+class BuildError(FshardError, RuntimeError):
     """The native ops could not be built (no compiler, no ninja, compile error)."""
 
 
@@ -77,7 +79,7 @@ def check_toolchain() -> None:
         raise BuildError(
             f"fshard.ops: C++ compiler {cxx!r} not found on PATH (from $CXX, default 'c++'). "
             "Install g++ (e.g. apt-get install g++) or set CXX to a compiler, then retry; "
-            "or set FSHARD_OPS_ALLOW_FALLBACK=1 to run the ~10x slower torch reference."
+            "Without a build, fshard.ops.adamw_ runs the several-pass torch reference instead (with a warning), unless FSHARD_OPS_REQUIRE_NATIVE=1 makes that an error."
         )
     if not cpp_extension.is_ninja_available():
         raise BuildError("fshard.ops: ninja not found; pip install ninja (torch JIT builds need it).")

@@ -9,6 +9,7 @@ copy) are the passes the native kernel fuses away.
 from __future__ import annotations
 
 import torch
+from .._errors import ArgumentError, ArgumentTypeError
 
 Tensors = list[torch.Tensor]
 
@@ -20,7 +21,7 @@ def as_list(x, name: str) -> Tensors:
         return [x]
     if isinstance(x, (list, tuple)):
         return list(x)
-    raise TypeError(f"fshard.ops.adamw_: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
+    raise ArgumentTypeError(f"fshard.ops.adamw_: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
 
 
 @torch.no_grad()
@@ -33,16 +34,16 @@ def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: flo
     copies = as_list(param_copies, "param_copies")
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError("fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
+        raise ArgumentError("fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
                          f"length, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
     if copies and len(copies) != n:
-        raise ValueError(f"fshard.ops.adamw_: param_copies has {len(copies)} tensors but params has {n}")
+        raise ArgumentError(f"fshard.ops.adamw_: param_copies has {len(copies)} tensors but params has {n}")
     if step < 1:
-        raise ValueError(f"fshard.ops.adamw_: step must be >= 1, got {step}")
+        raise ArgumentError(f"fshard.ops.adamw_: step must be >= 1, got {step}")
     for i in range(n):
         for name, t in (("grads", grads[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
             if t.numel() != params[i].numel():
-                raise ValueError(f"fshard.ops.adamw_: {name}[{i}] has {t.numel()} elements but "
+                raise ArgumentError(f"fshard.ops.adamw_: {name}[{i}] has {t.numel()} elements but "
                                  f"params[{i}] has {params[i].numel()}")
     keep = [i for i in range(n) if params[i].numel() > 0]
     if not keep:

@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import torch
+from .._errors import ArgumentError
 
 _BLOCK_WORDS = 512  # 4 KiB of uint64 words
 _MASK = (1 << 64) - 1
@@ -46,10 +47,10 @@ def checksum(u8: torch.Tensor, kind: str = "fast") -> int:
         return _fast(a)
     if kind == "crc32":
         return zlib.crc32(a)
-    raise ValueError(f"unknown checksum kind {kind!r}; use 'fast' or 'crc32'")
+    raise ArgumentError(f"unknown checksum kind {kind!r}; use 'fast' or 'crc32'")
 
 
 def validate_kind(kind: str) -> str:
     if kind not in ("fast", "crc32"):
-        raise ValueError(f"unknown checksum kind {kind!r}; use 'fast' or 'crc32'")
+        raise ArgumentError(f"unknown checksum kind {kind!r}; use 'fast' or 'crc32'")
     return kind

@@ -1,9 +1,11 @@
 """Error classes of the store. Every message names the key and, for disk errors, the file or directory."""
 from __future__ import annotations
 
+from .._errors import FshardError
 
-class StoreError(RuntimeError):
-    """Base class of every error the store raises on purpose."""
+
+class StoreError(FshardError, RuntimeError):
+    """Base class of every error the store raises on purpose (an ``fs.FshardError``)."""
 
 
 class StoreDirectoryError(StoreError):

@@ -34,6 +34,7 @@ from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
 from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
 from ._protocol import ItemMeta, as_bytes, from_bytes, meta_of
+from .._errors import ArgumentError
 
 
 @dataclass
@@ -54,7 +55,7 @@ class NVMeStore:
         except ImportError as e:
             raise StoreError("NVMeStore needs tensornvme (pip install tensornvme; see scripts/bootstrap.sh)") from e
         if backend not in get_backends():
-            raise ValueError(f"tensornvme backend {backend!r} is not available; built with {sorted(get_backends())}")
+            raise ArgumentError(f"tensornvme backend {backend!r} is not available; built with {sorted(get_backends())}")
         self.backend = backend
         self.checksum_kind = validate_kind(checksum)
         self.directory = open_store_dir(directory, create)
@@ -162,7 +163,7 @@ class NVMeStore:
                                   f"(never put, deleted, or its put failed)")
         meta = item.meta
         if out is not None and (out.dtype != meta.dtype or tuple(out.shape) != meta.shape):
-            raise ValueError(f"out has {out.dtype} {tuple(out.shape)}, key {key!r} holds {meta.dtype} {meta.shape}")
+            raise ArgumentError(f"out has {out.dtype} {tuple(out.shape)}, key {key!r} holds {meta.dtype} {meta.shape}")
         if meta.nbytes == 0:
             value = torch.empty(meta.shape, dtype=meta.dtype) if out is None else out
             return Handle.completed("read", key, value, self.events)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._errors import PoolExhaustedError
+from .._errors import ArgumentError
 
 PAGE = mmap.PAGESIZE
 
@@ -60,7 +61,7 @@ class AlignedBuffer:
     def bytes(self, n: int) -> torch.Tensor:
         """A uint8 tensor over the first n bytes, whose storage is exactly n bytes (safe to hand to tensornvme)."""
         if n > self.capacity:
-            raise ValueError(f"{n} bytes do not fit a {self.capacity}-byte buffer")
+            raise ArgumentError(f"{n} bytes do not fit a {self.capacity}-byte buffer")
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=self.offset)
@@ -161,7 +162,7 @@ class BufferPool:
     def __init__(self, max_buffers: int = 16, max_bytes: int = 1 << 30, block: int = 4096,
                  max_spare_bytes: Optional[int] = None):
         if block <= 0 or block % PAGE and PAGE % block:
-            raise ValueError(f"block size {block} must divide or be a multiple of the page size {PAGE}")
+            raise ArgumentError(f"block size {block} must divide or be a multiple of the page size {PAGE}")
         self.max_buffers, self.max_bytes, self.block = max_buffers, max_bytes, block
         self._free: List[AlignedBuffer] = []
         self._in_use = 0

@@ -21,13 +21,14 @@ import torch
 from ._errors import StoreError
 from ._handle import Handle
 from ._pool import AlignedBuffer
+from .._errors import ArgumentError
 
 
 def check_depth(store: Any, depth: int, who: str) -> None:
     """Refuse, up front, a stream the store's pool cannot hold: `depth` reads, the caller's item and one write."""
     pool = getattr(store, "pool", None)
     if pool is not None and depth + 2 > pool.max_buffers:
-        raise ValueError(f"{who} needs {depth + 2} pool buffers but the store's pool allows {pool.max_buffers}; "
+        raise ArgumentError(f"{who} needs {depth + 2} pool buffers but the store's pool allows {pool.max_buffers}; "
                          f"lower depth or make the store with max_buffers >= {depth + 2}")
 
 
@@ -45,7 +46,7 @@ class Stream:
     def __init__(self, store: Any, keys: Iterable[Hashable], depth: int = 2, writeback: bool = False,
                  max_writes: Optional[int] = None):
         if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+            raise ArgumentError(f"depth must be >= 1, got {depth}")
         self.store, self.keys, self.depth, self.writeback_mode = store, list(keys), depth, writeback
         self.max_writes = depth if max_writes is None else max_writes
         check_depth(store, depth, f"a stream of depth {depth}")
