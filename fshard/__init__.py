@@ -5,48 +5,72 @@ State is data (an immutable, sharded pytree) and the step is a pure function::
     import fshard as fs
     mesh = fs.Mesh.from_env()
     state = fs.init(model, mesh, fs.adamw(lr=1e-3))
-    step = fs.compose(loss_fn)
-    for batch in loader:
-        state, metrics = step(state, batch)
+    with fs.compose(loss_fn) as step:
+        for batch in loader:
+            state, metrics = step(state, batch)
 
-Public names are re-exported here over private modules (``fshard._*``), as optax does.
+Public names are re-exported here over private modules (``fshard._*``), as optax does; ``__all__`` lists them.
+Two subpackages load on first use, because they pull in what a training run may not need: ``fs.ops`` (builds the
+native kernels) and ``fs.testing`` (hypothesis). The stores are plain Python until an ``NVMeStore`` is opened
+(tensornvme loads then).
 """
 from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
-
-# Subpackages that are heavy or optional (native ops, the NVMe store) load on first use.
-_LAZY = {
-    "Store": "fshard.store",
-    "CPUStore": "fshard.store",
-    "NVMeStore": "fshard.store",
-    "ops": "fshard.ops",
-    "testing": "fshard.testing",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        mod = importlib.import_module(_LAZY[name])
-        return mod if mod.__name__.endswith("." + name) else getattr(mod, name)
-    raise AttributeError(f"module 'fshard' has no attribute {name!r}")
-
-from ._errors import (BatchMismatchError, DonatedStateError, FrozenStateError, FshardError, InitError, LossError,
-                      MeshMismatchError, RankDivergenceError, ScheduleError, TemplateCallError,
-                      UnboundParameterError)
 from ._accumulate import accumulate
+from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
+                    UnitView, UpdatePolicy)
 from ._bucket_reduce import bucket_reduce
 from ._clip import clip_by_global_norm
+from ._errors import (ArgumentError, ArgumentTypeError, BatchMismatchError, DonatedStateError, FrozenStateError,
+                      FshardError, InitError, LossError, MeshMismatchError, PolicyError, RankDivergenceError,
+                      ScheduleError, StepClosedError, TemplateCallError, TransformConflictError,
+                      UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
 from ._offload import OffloadError, offload_state
 from ._optim import AdamW, AdamWState, adamw
-from ._state import ShardSpec, TrainState
 from ._skip import skip_nonfinite
+from ._state import Donation, FrozenMap, ShardSpec, TrainState
 from ._step import Step, compose
 from ._stored import Stored
-from ._transforms import Grads, Transform
+from ._transforms import Policy, Transform
+from .store import CPUStore, NVMeStore, Store, StoreError
+
+__version__ = "0.1.0"
+
+_LAZY = ("ops", "testing")
+
+__all__ = [
+    # state and set-up
+    "Mesh", "init", "full_params", "TrainState", "ShardSpec", "FrozenMap", "Donation", "ParamSlot", "UnitLayout",
+    "adamw", "AdamW", "AdamWState", "Stored",
+    # the step and its transforms
+    "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
+    "clip_by_global_norm", "skip_nonfinite", "offload_state",
+    # the stage protocols (fshard/_base.py)
+    "GatherPolicy", "ReducePolicy", "GradsPolicy", "UpdatePolicy", "BatchesPolicy", "StepView", "UnitView",
+    "Collectives", "InFlight", "Grads",
+    # stores
+    "Store", "CPUStore", "NVMeStore",
+    # errors: every one an FshardError
+    "FshardError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "DonatedStateError",
+    "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError", "PolicyError",
+    "RankDivergenceError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
+    "TransformConflictError", "UnboundParameterError",
+    # subpackages, loaded on first use
+    "ops", "testing",
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"fshard.{name}")
+    raise AttributeError(f"module 'fshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {"__version__"})

@@ -9,11 +9,12 @@ while the step runs (DDP and FSDP keep the same under ``no_sync``).
 """
 from __future__ import annotations
 
+from ._base import BatchesPolicy
 from ._transforms import Transform
 from ._errors import ArgumentError, ArgumentTypeError
 
 
-class _MicroBatches:
+class _MicroBatches(BatchesPolicy):
     def __init__(self, k: int):
         self.k = k
 
@@ -30,13 +31,14 @@ class accumulate(Transform):
     """Accumulate the gradients of k micro-batches per step; reduce them once, in the last micro-batch."""
 
     name = "accumulate"
+    stages = {"batches": "set"}
 
     def __init__(self, k: int):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ArgumentError(f"fs.accumulate: k must be an int >= 1 (micro-batches per step), got {k!r}.")
         self.k = k
 
-    def wrap_batches(self, batches):
+    def wrap_batches(self, batches: BatchesPolicy) -> BatchesPolicy:
         return _MicroBatches(self.k)
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ The step waits for all of them before the update.
 
 Landing: at each arrival, the flights that have already completed (checked without blocking, in launch order) are
 landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
-on (``run.grad_final``: offload_state may begin that unit's update). The rest land at the end of backward.
+on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ._init import ROOT
+from ._base import ReducePolicy
 from ._transforms import Transform
 from ._errors import ArgumentError, ArgumentTypeError
 
@@ -131,7 +132,10 @@ class _Pending:
         self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
 
-class BucketReduce:
+class BucketReduce(ReducePolicy):
+    """The reduce policy of ``fs.bucket_reduce``. The plan lives here (made once per layout); one step's buckets
+    live in ``step.scratch(self)``."""
+
     def __init__(self, bucket_bytes: int, reduce_dtype, op: str):
         self.bucket_bytes, self.reduce_dtype, self.op = bucket_bytes, reduce_dtype, op
         self._plan = None  # (key, plan), made on the first step from the layout
@@ -147,13 +151,14 @@ class BucketReduce:
         return self._plan[1]
 
     def _state(self, run) -> _Pending:
-        if getattr(run, "buckets", None) is None:
-            run.buckets = _Pending(self._plan_for(run))
-        return run.buckets
+        scratch = run.scratch(self)
+        if "pending" not in scratch:
+            scratch["pending"] = _Pending(self._plan_for(run))
+        return scratch["pending"]
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
         st = self._state(run)
-        name = unit.layout.name
+        name = unit.name
         n = run.comm.mesh.world_size
         scale = 1.0 / n if (self.op == "avg" and n > 1) else None
         for b, pieces in st.plan.by_unit.get(name, ()):
@@ -183,7 +188,7 @@ class BucketReduce:
             f.wait()
         st.landed = len(st.flights)
         self._scatter(run, st)
-        run.buckets = None
+        del run.scratch(self)["pending"]
 
     def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> torch.Tensor:
         if b.index not in st.buffers:
@@ -216,9 +221,8 @@ class BucketReduce:
             spots = st.plan.mine[name]
             parts = [st.buffers[i][at:at + k] for i, at, k in spots]
             g = parts[0] if len(parts) == 1 else torch.cat(parts)
-            dtype = run.units[name].layout.dtype
-            run.units[name].grad = g if g.dtype == dtype else g.to(dtype)
-            run.grad_final(run.units[name])
+            unit = run.units[name]
+            run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
 
 
 class bucket_reduce(Transform):
@@ -230,6 +234,7 @@ class bucket_reduce(Transform):
     """
 
     name = "bucket_reduce"
+    stages = {"reduce": "set"}
 
     def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg"):
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
@@ -241,7 +246,7 @@ class bucket_reduce(Transform):
             raise ArgumentTypeError(f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
         self.bucket_mb, self.reduce_dtype, self.op = bucket_mb, reduce_dtype, op
 
-    def wrap_reduce(self, reduce):
+    def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return BucketReduce(int(self.bucket_mb * 2**20), self.reduce_dtype, self.op)
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ._mesh import Mesh
+from ._errors import ArgumentError
 
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see agree())
 GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
@@ -36,7 +37,7 @@ def gather_impl(mesh: Mesh) -> str:
     if impl == "auto":
         return _FASTEST_GATHER.get(mesh.backend, "all_gather")
     if impl not in GATHER_IMPLS:
-        raise ValueError(f"FSHARD_GATHER={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}.")
+        raise ArgumentError(f"FSHARD_GATHER={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}.")
     return impl
 
 
@@ -202,14 +203,24 @@ class Comm:
         return t
 
 
+def all_equal(n: int, sums: list[float], sq_sums: list[float]) -> list[bool]:
+    """For each small integer hash, from its sum ``sums[j]`` and sum of squares ``sq_sums[j]`` over ``n`` ranks:
+    does every rank hold the same one? All n values are equal iff n * sum(h^2) == sum(h)^2 (Cauchy-Schwarz).
+
+    The check is exact: each h < 2**HASH_BITS, so every partial sum of h (< n * 2**20) and of h^2 (< n * 2**40),
+    and both n * sum(h^2) and sum(h)^2 (< n^2 * 2**40), are integers below 2**53 for n <= 8 (indeed n <= 90),
+    which float64 holds exactly whatever order the all-reduce adds them in."""
+    return [n * q == s * s for s, q in zip(sums, sq_sums)]
+
+
 def agree(comm: Comm, values: list[float], hashes: list[int]) -> tuple[list[float], list[bool]]:
     """One all-reduce that sums ``values`` over ranks and tells, for each small integer in ``hashes``, whether
     every rank holds the same one: all n values are equal iff n * sum(h^2) == sum(h)^2 (Cauchy-Schwarz).
-    All entries stay exact in float64, so the check is exact."""
+    All entries stay exact in float64, so the check is exact (``all_equal``)."""
     n = comm.mesh.world_size
     buf = torch.tensor(values + [float(h) for h in hashes] + [float(h) ** 2 for h in hashes], dtype=torch.float64,
                        device=comm.mesh.device)
     comm.all_reduce(buf, "agree")
     k, m = len(values), len(hashes)
     sums, sq = buf[k:k + m].tolist(), buf[k + m:].tolist()
-    return buf[:k].tolist(), [n * q == s * s for s, q in zip(sums, sq)]
+    return buf[:k].tolist(), all_equal(n, sums, sq)

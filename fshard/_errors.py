@@ -54,3 +54,16 @@ class ArgumentError(FshardError, ValueError):
 
 class ArgumentTypeError(FshardError, TypeError):
     """An fshard function was given an argument of the wrong type; the message names what it takes."""
+
+
+class TransformConflictError(FshardError, ValueError):
+    """Two transforms passed to fs.compose change the same stage in ways that cannot both hold."""
+
+
+class StepClosedError(FshardError, RuntimeError):
+    """A step function was called after step.close()."""
+
+
+class PolicyError(FshardError, RuntimeError):
+    """A stage policy broke its protocol (fshard/_base.py), e.g. a reduce policy that never handed a unit's
+    gradient shard over."""

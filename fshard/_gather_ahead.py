@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ._errors import ScheduleError, ArgumentError, ArgumentTypeError
 from ._init import ROOT
+from ._base import GatherPolicy
 from ._transforms import Transform
 
 
@@ -69,8 +70,9 @@ class _Walk:
         return len(self.forward) + len(self.backward)
 
 
-class GatherAhead:
-    """The gather policy of ``fs.gather_ahead`` (see the module docstring)."""
+class GatherAhead(GatherPolicy):
+    """The gather policy of ``fs.gather_ahead`` (see the module docstring). Per step, its walk and counts live in
+    ``step.scratch(self)``; the schedule, which never changes a result, lives here."""
 
     def __init__(self, depth: int, schedule: Schedule | None, reshard_after_forward, on_change: str):
         self.depth, self.schedule = depth, schedule
@@ -81,26 +83,26 @@ class GatherAhead:
     # --- the gather protocol -------------------------------------------------------------------------------------
 
     def start(self, run) -> None:
-        run.walk = _Walk(self.schedule)
+        run.scratch(self)["walk"] = _Walk(self.schedule)
         self._check_names(run)
 
     def before_forward(self, run, unit) -> None:
-        w = run.walk
+        w = run.scratch(self)["walk"]
         if w.in_backward:  # forward code called from backward (activation checkpointing): not in the plan
             return unit.acquire()
-        w.uses[unit.layout.name] = w.uses.get(unit.layout.name, 0) + 1
+        w.uses[unit.name] = w.uses.get(unit.name, 0) + 1
         self._event(run, w.forward, unit)
 
     def after_forward(self, run, unit) -> None:
-        w = run.walk
-        if unit.layout.name == ROOT:  # the root's forward ends the forward pass
+        w = run.scratch(self)["walk"]
+        if unit.name == ROOT:  # the root's forward ends the forward pass
             w.in_backward = True
         if not self._keep(run, unit, forward=True):
             unit.release()
 
     def before_backward(self, run, unit) -> None:
-        w = run.walk
-        name = unit.layout.name
+        w = run.scratch(self)["walk"]
+        name = unit.name
         if not w.in_backward:  # a saved tensor read during forward (e.g. by a custom autograd.Function)
             return unit.acquire()
         if name in w.active:  # the same backward use, still under way
@@ -109,35 +111,39 @@ class GatherAhead:
         self._event(run, w.backward, unit)
 
     def after_backward(self, run, unit) -> None:
-        w = run.walk
-        name = unit.layout.name
+        w = run.scratch(self)["walk"]
+        name = unit.name
         w.active.discard(name)
         w.done_uses[name] = w.done_uses.get(name, 0) + 1
         if not self._keep(run, unit, forward=False):
             unit.release()
 
     def finish(self, run) -> dict:
-        """After backward: settle the schedule and report (the step then releases what is left)."""
-        w = run.walk
+        """After each micro-batch's backward: settle the schedule and report the step's counts so far (the step
+        then releases what is left)."""
+        scratch = run.scratch(self)
+        w = scratch["walk"]
         observed = Schedule(tuple(w.forward), tuple(w.backward))
-        replanned = 0
         if self.schedule is None:
             self.schedule = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
         elif observed != self.schedule:
             self._changed(run, observed)  # raises with on_change="error"
-            self.schedule, replanned = observed, 1
-        return {"gather/depth": self.depth, "gather/prefetched": w.prefetched, "gather/replanned": replanned}
+            self.schedule = observed
+            scratch["replanned"] = scratch.get("replanned", 0) + 1
+        scratch["prefetched"] = scratch.get("prefetched", 0) + w.prefetched
+        return {"gather/depth": self.depth, "gather/prefetched": scratch["prefetched"],
+                "gather/replanned": scratch.get("replanned", 0)}
 
     # --- the walk ------------------------------------------------------------------------------------------------
 
     def _event(self, run, phase: list[str], unit) -> None:
-        w = run.walk
+        w = run.scratch(self)["walk"]
         k = w.cursor
-        phase.append(unit.layout.name)
-        if w.on_plan and (k >= len(w.plan) or w.plan[k] != unit.layout.name):
+        phase.append(unit.name)
+        if w.on_plan and (k >= len(w.plan) or w.plan[k] != unit.name):
             self._stop(run)
             if self.on_change == "error":
-                self._changed(run, None, at=k, got=unit.layout.name)
+                self._changed(run, None, at=k, got=unit.name)
         if w.on_plan:
             for name in self._window(w, k + 1):
                 u = run.units[name]
@@ -157,18 +163,18 @@ class GatherAhead:
     def _keep(self, run, unit, forward: bool) -> bool:
         """Keep a unit gathered instead of freeing it: it is needed again within the window, or it is not to be
         resharded after forward (until its last backward use)."""
-        w, name = run.walk, unit.layout.name
+        w, name = run.scratch(self)["walk"], unit.name
         if not self._reshard(name) and (forward or w.done_uses.get(name, 0) < w.uses.get(name, 0)):
             return True
         return w.on_plan and name in self._window(w, w.cursor)
 
     def _stop(self, run) -> None:
         """Leave the plan: complete every gather in flight and free what nobody is using."""
-        w = run.walk
+        w = run.scratch(self)["walk"]
         w.on_plan = False
         current = set(w.active)
         for u in run.units.values():
-            if u.pending is not None and u.layout.name not in current:
+            if u.in_flight and u.name not in current:
                 u.release()
 
     def _changed(self, run, observed: Schedule | None, at: int | None = None, got: str | None = None) -> None:
@@ -228,6 +234,7 @@ class gather_ahead(Transform):
     """
 
     name = "gather_ahead"
+    stages = {"gather": "set"}
 
     def __init__(self, depth: int = 2, schedule: Schedule | None = None,
                  reshard_after_forward: bool | Mapping[str, bool] | Callable[[str], bool] = True,
@@ -245,7 +252,7 @@ class gather_ahead(Transform):
         self.depth, self.schedule = depth, schedule
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
 
-    def wrap_gather(self, gather):
+    def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
         # Each composed step gets its own policy, so two steps built from one transform keep their own schedule.
         return GatherAhead(self.depth, self.schedule, self.reshard_after_forward, self.on_change)
 

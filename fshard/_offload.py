@@ -8,15 +8,17 @@ buffers, and runs the same AdamW kernel on the same elements as without offload 
 multiples of 16 elements, so a kernel's vector lanes see every element in the same position).
 
 Purity: without ``donate``, updated chunks are written under a new version key and the input state's items stay
-readable; an item is deleted once no state refers to it (its ``Stored`` leaves were garbage-collected), at the
-next update. With ``donate=True`` chunks are written back under their own key (the store keeps the previous
+readable; an item is deleted once no state refers to it (its ``Stored`` leaves were garbage-collected): the store
+owns that (``store.delete_later``, carried out at its next operation), so it holds whichever step function made
+the item, and also once every step function is gone. With ``donate=True`` chunks are written back under their own key (the store keeps the previous
 version readable until the new one is complete). The first step moves the chosen units' moments into the store;
 if a write fails there (directory full, read-only), the step raises ``OffloadError`` and the input state is
 unchanged and usable.
 
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
-(0: none, 1: all). Other units go to the update this transform wraps. With ``overlap_backward`` a unit's update
-starts in a worker thread once its gradient shard is final, while backward runs (design/OFFLOAD.md). On CUDA the
+(0: none, 1: all). Other units go to the update policy this one was given. With ``overlap_backward`` a unit's
+update starts in a worker thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); the
+thread ends with ``step.close()``. On CUDA the
 shard's gradient and parameter go to the CPU for the update and the parameter comes back (not run on a GPU yet).
 """
 from __future__ import annotations
@@ -31,10 +33,12 @@ from typing import Any
 
 import torch
 
-from ._errors import FshardError, ArgumentError, ArgumentTypeError
-from ._optim import AdamWState, _segments
+from ._base import UpdatePolicy
+from ._errors import ArgumentError, ArgumentTypeError, FshardError
+from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
-from ._transforms import IdentityGrads, Transform
+from ._transforms import Transform
+from .store._errors import StoreError
 from .store._stream import check_depth
 
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
@@ -46,12 +50,6 @@ class OffloadError(FshardError):
 
 def _chunks(n: int, chunk: int):
     return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
-
-
-def _plan(layout, rank: int, s: AdamWState, on: list[bool]):
-    """The new step counts and the (lo, hi, step) runs of the shard to update, as the in-memory update makes them."""
-    count = s.count + torch.tensor(on, dtype=torch.int64)
-    return count, _segments(layout.trainable_ranges(rank), on, count.tolist())
 
 
 class _Early:
@@ -88,12 +86,14 @@ class _Early:
         self.created = []
 
 
-class OffloadUpdate:
-    def __init__(self, inner, store, fraction: float, chunk_numel: int, depth: int, overlap_backward: bool,
-                 worker_nice: int):
+class OffloadUpdate(UpdatePolicy):
+    """The update policy of ``fs.offload_state``. Updates begun during backward live in ``step.scratch(self)``
+    (unit name -> ``_Early``) until ``__call__`` takes them or ``abort`` drops them."""
+
+    def __init__(self, inner: UpdatePolicy, store, fraction: float, chunk_numel: int, depth: int,
+                 overlap_backward: bool, worker_nice: int):
         self.inner, self.store, self.fraction, self.chunk, self.depth = inner, store, fraction, chunk_numel, depth
         self.overlap_backward = overlap_backward
-        self.trash: list = []
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
@@ -102,27 +102,35 @@ class OffloadUpdate:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload",
                                          initializer=_lower_priority, initargs=(worker_nice,))
 
-    def overlap(self, run, unit) -> None:
+    def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
-        cannot depend on anything decided after backward. That holds when the grads stage is the identity (no
-        global clip or skip), the moments are already in the store, the shard is on the CPU, and every trainable
-        parameter of the unit got a gradient here (so on every rank, whatever the agreement says)."""
-        name = unit.layout.name
-        s = run.opt_state.get(name)
-        if (not self.overlap_backward or not isinstance(run.policy.grads, IdentityGrads) or unit.grad is None
+        cannot depend on anything decided after backward. That holds when the grads stage hands the shards on
+        unchanged (no global clip or skip), the moments are already in the store, the shard is on the CPU, and every
+        trainable parameter of the unit got a gradient here (so on every rank, whatever the agreement says)."""
+        name, early = unit.name, step.scratch(self)
+        s = step.state.opt_state.get(name)
+        if (not self.overlap_backward or not step.grads_unchanged or unit.grad is None
                 or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type != "cpu"
-                or not run.got_all(unit) or name in run.early):
+                or not unit.got_all() or name in early):
             return
-        spec = run.spec
-        count, segs = _plan(unit.layout, spec.mesh.rank, s, [True] * len(unit.layout.trainable))
-        if not segs:
-            return
-        run.early[name] = _Early(self, spec.optimizer, name, unit.shard.detach(), unit.grad, s, segs, count,
-                                 self._key(name))
+        opt = step.spec.optimizer
+        count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable))
+        if segs:
+            early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name))
 
-    def _take_early(self, grads, state, active, m, created) -> dict:
+    def abort(self, step) -> None:
+        """The step failed: wait for the updates begun during backward and delete what they wrote."""
+        early = step.scratch(self)
+        while early:
+            early.popitem()[1].abandon()
+
+    def close(self) -> None:
+        """End the worker thread (after the work it has)."""
+        self.worker.shutdown(wait=True)
+
+    def _take_early(self, early: dict, grads, state, active, m, created) -> dict:
         """Wait for the updates begun during backward; keep those that are what the update would compute now."""
-        taken, early = {}, grads.early
+        taken = {}
         t0 = time.perf_counter()
         try:
             for name in list(early):
@@ -147,14 +155,15 @@ class OffloadUpdate:
             m["time/io_wait"] += time.perf_counter() - t0  # what backward did not hide
         return taken
 
-    def __call__(self, spec, state, grads, active, donate):
+    def __call__(self, step, state, grads, active, donate):
+        spec = step.spec
         m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0, "time/overlapped_update": 0.0}
         created = []  # keys this update wrote under new names: deleted again if it fails
         try:
-            taken = self._take_early(grads, state, active, m, created)
+            taken = self._take_early(step.scratch(self), grads, state, active, m, created)
         except Exception as e:
-            return self._fail(e, created, state, donate=False)
-        self._empty_trash()  # only now: the worker has stopped using the store
+            return self._fail(e, created, donate=False)
+        self.store.collect()  # versions no state refers to any more; only now: the worker is done with the store
         chosen = self._choose(spec, state)
         stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
         # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
@@ -162,7 +171,8 @@ class OffloadUpdate:
         m["update/overlapped_units"] = len(taken)
         t0 = time.perf_counter()
         try:
-            params, opt_state = self.inner(spec, state, grads, in_memory, donate)
+            params, opt_state, inner_metrics = self.inner(step, state, grads, in_memory, donate)
+            m.update(inner_metrics)
             for name in sorted(chosen - stored):
                 opt_state[name] = self._put(name, opt_state[name], created, m)
             streamed = []
@@ -172,11 +182,11 @@ class OffloadUpdate:
                 s, on = state.opt_state[u.name], active[u.name]
                 if u.name in taken:  # updated during backward, into a new version
                     params[u.name], work = taken[u.name]
-                    items = _Items(self.store, work.key, s.exp_avg.items.chunks, self.trash)
+                    items = _Items(self.store, work.key, s.exp_avg.items.chunks)
                     opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
                                                       s.exp_avg.location)
                     continue
-                count, segs = _plan(u, spec.mesh.rank, s, on)
+                count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on)
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
@@ -184,29 +194,27 @@ class OffloadUpdate:
                 key = s.exp_avg.key if donate else self._key(u.name)
                 streamed.append((p, grads.shards[u.name], segs, s, key))
                 params[u.name] = p
-                items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks, self.trash)
+                items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks)
                 opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
                                                   s.exp_avg.location)
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
         except Exception as e:
-            self._fail(e, created, state, donate)
+            self._fail(e, created, donate)
         m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
         t0 = min([t0] + [work.started for _, work in taken.values()])  # I/O began with the first early update
         m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
-        grads.metrics.update(m)
-        return params, opt_state
+        return params, opt_state, m
 
-    def _fail(self, e, created, state, donate):
+    def _fail(self, e, created, donate):
         for k in created:
             _quiet_delete(self.store, k)
-        if donate:  # parameters and chunks were being updated in place
-            object.__setattr__(state, "_donated", True)
+        if donate:  # parameters and chunks were being updated in place (the step marked the state donated)
             lost = ("The donated input state was partly updated in place and can no longer be used; restart "
                     "from a checkpoint, or compose without donate=True to keep inputs intact.")
         else:
             lost = "Nothing was updated: the input state is unchanged and usable."
-        if isinstance(e, FshardError):
+        if isinstance(e, FshardError) and not isinstance(e, StoreError):
             raise e
         raise OffloadError(
             f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} Free "
@@ -257,19 +265,13 @@ class OffloadUpdate:
             m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
         for h in handles:
             h.wait()
-        items = _Items(self.store, key, chunks, self.trash)
+        items = _Items(self.store, key, chunks)
         return _stored_state(items, s.count, n, s.exp_avg.dtype, _location(self.store))
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
         return f"{name}@{self._prefix}.v{next(self._versions)}"
-
-    def _empty_trash(self) -> None:
-        while self.trash:
-            store, keys = self.trash.pop()
-            for k in keys:
-                _quiet_delete(store, k)
 
     def _choose(self, spec, state) -> frozenset:
         if self._chosen is None or self._chosen[0] != spec.fingerprint:
@@ -289,11 +291,11 @@ class OffloadUpdate:
 def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows."""
     if p.device.type == "cpu":
-        opt._apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
         return
     # CUDA: update on the host copy, then send the parameter back (not run on a GPU yet)
     ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
-    opt._apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+    opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
     p[a:b].copy_(ph, non_blocking=True)
 
 
@@ -333,10 +335,11 @@ class offload_state(Transform):
     during backward, and the worker's time on them), and ``store/resident_bytes``."""
 
     name = "offload_state"
+    stages = {"update": "set"}  # one store per step; units it does not take go to the policy it was given
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
                  overlap_backward: bool | None = None, worker_nice: int = 5):
-        if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete")):
+        if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete", "delete_later", "collect")):
             raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
                             f"{type(store).__name__}.")
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
@@ -352,7 +355,7 @@ class offload_state(Transform):
         self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
         self.worker_nice = worker_nice
 
-    def wrap_update(self, update):
+    def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
         return OffloadUpdate(update, self.store, self.fraction, chunk, self.depth, self.overlap_backward,
                              self.worker_nice)

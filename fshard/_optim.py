@@ -1,7 +1,9 @@
 """fs.adamw: AdamW over flat shards, with the arithmetic of torch.optim.AdamW.
 
 An optimizer is a small frozen object with ``init`` (make the state of one unit's shard) and ``update`` (apply one
-step to a shard, given which parameters got a gradient). It works on the trainable prefix of a unit's shard; a
+step to a shard, given which parameters got a gradient). ``update`` is ``plan`` (which runs of the shard move, at
+which step count) followed by ``apply`` on each run; an update policy that streams the state in pieces
+(``fs.offload_state``) calls those two itself. It works on the trainable prefix of a unit's shard; a
 parameter with no gradient this step is skipped exactly as torch.optim.AdamW skips a parameter whose .grad is None:
 no weight decay, no moment update and no step count.
 """
@@ -65,8 +67,7 @@ class AdamW:
                grad_scale: float = 1.0) -> tuple[torch.Tensor, AdamWState]:
         """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank.
         The gradient is multiplied by ``grad_scale`` first (clipping), inside the kernel where it can be."""
-        count = state.count + torch.tensor(active, dtype=torch.int64)
-        segments = _segments(layout.trainable_ranges(rank), active, count.tolist())
+        count, segments = self.plan(layout, rank, state.count, active)
         if not segments:
             return param, AdamWState(count, state.exp_avg, state.exp_avg_sq)
         if not donate:  # purity: the input state stays valid, so the update writes into copies
@@ -74,15 +75,24 @@ class AdamW:
         else:
             m, v = state.exp_avg, state.exp_avg_sq
         for lo, hi, step in segments:
-            self._apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale)
+            self.apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale)
         return param, AdamWState(count, m, v)
+
+    def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor,
+             active: list[bool]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The new per-parameter step counts, and the ``(lo, hi, step)`` runs of this rank's shard that one update
+        touches: the ranges of the parameters that got a gradient, adjacent ones with the same count merged."""
+        count = count + torch.tensor(active, dtype=torch.int64)
+        return count, _segments(layout.trainable_ranges(rank), active, count.tolist())
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs for state of ``dtype`` on ``device`` ("auto": native for fp32 where it is
         built, else fused)."""
         return _resolve(self.impl, torch.device(device), dtype)
 
-    def _apply(self, p, g, m, v, step: int, grad_scale: float = 1.0) -> None:
+    def apply(self, p, g, m, v, step: int, grad_scale: float = 1.0) -> None:
+        """One AdamW step, in place, on one run: parameter ``p``, gradient ``g`` (times ``grad_scale``), moments
+        ``m`` and ``v``, all of the same length; ``step`` is the run's new step count."""
         lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         impl = _resolve(self.impl, p.device, p.dtype)
         if grad_scale != 1.0 and impl != "native":

@@ -7,7 +7,8 @@ registered with optree under the "fshard" namespace: ``optree.tree_leaves(state,
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -53,29 +54,107 @@ class ShardSpec:
         return next(u for u in self.units if u.name == name)
 
 
+class FrozenMap(Mapping):
+    """A read-only mapping (name -> tensor or optimizer state), in insertion order: the ``params``, ``opt_state``
+    and ``buffers`` of a TrainState. Assigning to it raises ``FrozenStateError`` with the fix; make a changed copy
+    as ``{**state.params, name: t}`` and pass it to ``state.replace(params=...)``."""
+
+    __slots__ = ("_data", "_field")
+
+    def __init__(self, data=(), field: str = "mapping"):
+        object.__setattr__(self, "_data", dict(data))
+        object.__setattr__(self, "_field", field)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key) -> bool:
+        return key in self._data
+
+    def __setitem__(self, key, value):
+        raise FrozenStateError(
+            f"cannot assign state.{self._field}[{key!r}]: fshard states are immutable values, and so are their "
+            f"mappings. Make a changed copy: state.replace({self._field}={{**state.{self._field}, {key!r}: ...}}).")
+
+    def __delitem__(self, key):
+        self.__setitem__(key, None)
+
+    def __setattr__(self, name, value):
+        raise FrozenStateError(f"FrozenMap is immutable; make a changed copy with state.replace({self._field}=...).")
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+optree.register_pytree_node(
+    FrozenMap, lambda m: (tuple(m._data.values()), (m._field, tuple(m._data)), tuple(m._data)),
+    lambda meta, children: FrozenMap(zip(meta[1], children), meta[0]), namespace=NAMESPACE)
+
+
+class Donation:
+    """Whether a state's tensors were handed to a step composed with ``donate=True``, which updates them in place.
+
+    Every state holds one (``state.donation``). States that share their tensors share it: ``state.replace(...)``
+    keeps it, so donating either one makes both unusable. A state rebuilt from leaves (optree) gets a new one.
+    """
+
+    __slots__ = ("step",)
+
+    def __init__(self):
+        self.step: int | None = None  # the step count of the state when it was donated
+
+    @property
+    def done(self) -> bool:
+        return self.step is not None
+
+    def take(self, step: int) -> None:
+        self.step = step
+
+    def __repr__(self) -> str:
+        return "Donation(not donated)" if self.step is None else f"Donation(donated at step {self.step})"
+
+
 @dataclass(frozen=True, eq=False)
 class TrainState:
     """params: unit name -> this rank's shard. opt_state: unit name -> optimizer state of that shard (units with
-    no trainable parameter have none). step: number of steps taken. buffers: name -> replicated buffer."""
+    no trainable parameter have none). step: number of updates taken. buffers: name -> replicated buffer.
+    skipped: number of steps skipped (fs.skip_nonfinite), a 0-dim int64 tensor like ``step``. donation: see
+    ``Donation``. The three mappings are read-only (``FrozenMap``)."""
 
-    params: dict[str, torch.Tensor]
-    opt_state: dict[str, Any]
+    params: Mapping[str, torch.Tensor]
+    opt_state: Mapping[str, Any]
     step: torch.Tensor
-    buffers: dict[str, torch.Tensor]
+    buffers: Mapping[str, torch.Tensor]
     spec: ShardSpec
+    skipped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    donation: Donation = field(default_factory=Donation, repr=False)
+
+    def __post_init__(self):
+        for f in ("params", "opt_state", "buffers"):
+            v = getattr(self, f)
+            if not isinstance(v, FrozenMap):
+                object.__setattr__(self, f, FrozenMap(v, f))
 
     def replace(self, **changes) -> "TrainState":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; it shares the tensors it does not change, and so the donation token too."""
+        return dataclasses.replace(self, **changes, **({} if "donation" in changes else {"donation": self.donation}))
 
     @property
     def mesh(self):
         return self.spec.mesh
 
     def check_usable(self) -> None:
-        if self.__dict__.get("_donated"):
+        if self.donation.done:
             raise DonatedStateError(
-                "this TrainState was donated to a step (compose(..., donate=True)), which updated its tensors in "
-                "place; use the state that step returned, or compose without donate=True to keep inputs intact.")
+                f"this TrainState was donated to a step (compose(..., donate=True)) at step {self.donation.step}, "
+                "which updated its tensors in place; use the state that step returned, or compose without "
+                "donate=True to keep inputs intact.")
 
     def nbytes(self) -> dict[str, int]:
         """Bytes this rank holds in memory, by part (gradient shards exist only inside a step; they are counted
@@ -91,7 +170,8 @@ class TrainState:
 
     def __repr__(self) -> str:
         m = self.spec.mesh
-        rows = [f"TrainState(step={int(self.step)}, {m}, optimizer={self.spec.optimizer})",
+        rows = [f"TrainState(step={int(self.step)}, skipped={int(self.skipped)}, {m}, optimizer={self.spec.optimizer}"
+                f"{', ' + repr(self.donation) if self.donation.done else ''})",
                 f"  {'unit':<24}{'params':>7}{'numel':>12}{'padded':>12}{'shard':>11}{'dtype':>10}{'bytes/rank':>12}"]
         for u in self.spec.units:
             opt = optree.tree_leaves(self.opt_state.get(u.name), namespace=NAMESPACE)
@@ -109,10 +189,9 @@ class TrainState:
         return "\n".join(rows)
 
 
+_CHILDREN = ("params", "opt_state", "step", "skipped", "buffers")
 optree.register_pytree_node(
-    TrainState,
-    lambda s: ((s.params, s.opt_state, s.step, s.buffers), s.spec, ("params", "opt_state", "step", "buffers")),
-    lambda spec, children: TrainState(*children, spec=spec),
-    namespace=NAMESPACE)
+    TrainState, lambda s: (tuple(getattr(s, f) for f in _CHILDREN), s.spec, _CHILDREN),
+    lambda spec, children: TrainState(spec=spec, **dict(zip(_CHILDREN, children))), namespace=NAMESPACE)
 TrainState.__setattr__ = _frozen_setattr
 TrainState.__delattr__ = _frozen_setattr

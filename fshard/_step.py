@@ -19,11 +19,13 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from ._base import Grads
 from ._collectives import HASH_BITS, Comm, agree
-from ._errors import BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError, UnboundParameterError, ArgumentTypeError
+from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError,
+                      StepClosedError, UnboundParameterError)
 from ._init import ROOT
 from ._state import TrainState
-from ._transforms import Grads, fold
+from ._transforms import fold
 from ._unit import Accumulator, StepRun
 
 
@@ -42,16 +44,21 @@ class Step:
     """A composed step. Call it as ``new_state, metrics = step(state, batch)``.
 
     The input state is never modified unless ``donate=True``: then the update runs in place on its tensors
-    (no copies, less memory traffic) and the donated state refuses further use.
+    (no copies, less memory traffic) and the donated state refuses further use (``state.donation``).
+
+    A step function may hold threads (``fs.offload_state``): ``step.close()``, or ``with fs.compose(...) as
+    step:``, ends them; a closed step refuses further calls.
     """
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None):
         if not callable(loss_fn):
-            raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got {loss_fn!r}.")
+            raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
+                                    f"{loss_fn!r}.")
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
         self.donate, self.trace, self.mesh = donate, trace, mesh
         self.policy = fold(self.transforms)
         self._streams: dict = {}
+        self._closed = False
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -63,9 +70,22 @@ class Step:
 
     @property
     def schedule(self):
-        """The gather_ahead schedule this step follows (an ``fs.Schedule``), or None: no gather_ahead, or no step
-        has run yet to record it."""
-        return getattr(self.policy.gather, "schedule", None)
+        """The order this step's gather policy follows (an ``fs.Schedule`` with gather_ahead, once a step has
+        recorded it), or None."""
+        return self.policy.gather.schedule
+
+    def close(self) -> None:
+        """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong
+        to the caller (close them with ``store.close()``)."""
+        if not self._closed:
+            self._closed = True
+            self.policy.close()
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"fs.compose({getattr(self.loss_fn, '__name__', self.loss_fn)}, {', '.join(map(repr, self.transforms))})"
@@ -76,42 +96,44 @@ class Step:
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device))
         _check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
         micro = self.policy.batches(batch)
-        acc, runs, ok = Accumulator(len(micro)), [], False
+        acc, scratch, runs, ok = Accumulator(len(micro)), {}, [], False
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
             t1 = time.perf_counter()
-            losses, gather_metrics = [], {}
+            losses = []
             for i, mb in enumerate(micro):
-                runs.append(StepRun(spec, state.params, comm, self.policy, acc, last=i == len(micro) - 1,
-                                    opt_state=state.opt_state))
-                mb_loss, mb_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
+                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
+                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
                 losses.append(mb_loss)
-                for k, v in mb_metrics.items():  # counts add up over micro-batches
-                    gather_metrics[k] = v if k not in gather_metrics or k == "gather/depth" else gather_metrics[k] + v
             loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
             t2 = time.perf_counter()
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
-            grads = self.policy.grads(comm, Grads({n: u.grad for n, u in run.units.items() if u.grad is not None},
-                                                  early=run.early))
+            grads = self.policy.grads(comm, Grads(run._grad_shards()))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
-                new = state
+                new, update_metrics = state.replace(skipped=state.skipped + 1), {}
             else:
-                params, opt_state = self.policy.update(spec, state, grads, active, self.donate)
                 if self.donate:
-                    object.__setattr__(state, "_donated", True)
-                new = TrainState(params, opt_state, state.step + 1, buffers, spec)
+                    state.donation.take(int(state.step))  # from here on the input's tensors change in place
+                params, opt_state, update_metrics = self.policy.update(run, state, grads, active, self.donate)
+                new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped)
             t4 = time.perf_counter()
             ok = True
-            return new, self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics}, t0, t1, t2, t3, t4)
+            return new, self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
+                                      t0, t1, t2, t3, t4)
         finally:
             if not ok:
                 comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
+                if runs:
+                    self.policy.update.abort(runs[-1])  # work begun during backward that no update took
             for run in runs:
-                run.close()  # free this step's buffers now, also when it raised
+                run._close()  # free this step's buffers now, also when it raised
 
     def _check_state(self, state):
+        if self._closed:
+            raise StepClosedError(f"{self!r} was closed (step.close(), or the end of its with block); compose a "
+                                  "new step function with fs.compose(...) to go on training.")
         if not isinstance(state, TrainState):
             raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous step, "
                             f"got {type(state).__name__}.")
@@ -126,17 +148,17 @@ class Step:
         return spec
 
     def _forward_backward(self, run: StepRun, buffers, batch, k: int):
-        with run.active():
+        with run._active():
             self.policy.gather.start(run)
             loss = self._forward(run, buffers, batch)
             run.phase = "backward"
-            leaves = [u.shard for u in run.units.values() if u.flat is not None and u.trainable]
+            leaves = [u.shard for u in run.units.values() if u._flat is not None and u.trainable]
             if loss.requires_grad and leaves:
                 # gradients land in the units (reduce policy); k micro-batches: the average, as loss / k would
                 torch.autograd.grad(loss if k == 1 else loss / k, leaves, allow_unused=True)
-            run.end_backward()
+            run._end_backward()
             gather_metrics = self.policy.gather.finish(run)
-        run.release_all()
+        run._release_all()
         return loss.detach(), gather_metrics
 
     def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
@@ -144,7 +166,7 @@ class Step:
         root, binding = run.units.get(ROOT), dict(buffers)
         if root is not None:
             self.policy.gather.before_forward(run, root)
-            binding.update(root.bind([s.aliases for s in root.layout.slots]))
+            binding.update(root._bind([s.aliases for s in root.layout.slots]))
         try:
             loss = functional_call(_Caller(run.spec.template, self.loss_fn),
                                    {"m." + k: v for k, v in binding.items()}, (batch,))
@@ -164,7 +186,7 @@ class Step:
 
     def _agree(self, comm: Comm, run: StepRun, acc: Accumulator, loss: float):
         """Sum the loss and the got-a-gradient marks over ranks, and check every rank issued the same collectives."""
-        got = [float(g) for name, u in run.units.items() for g in acc.got.get(name, u.got)]
+        got = [float(g) for name, u in run.units.items() for g in acc.got.get(name, u._got)]
         sums, (same_seq,) = agree(comm, [loss] + got, [comm.seq_hash])
         if not same_seq:
             raise RankDivergenceError(
@@ -174,8 +196,8 @@ class Step:
                 f"rank's data. This rank ran units in the order {run.order}.")
         active, i = {}, 1
         for name, u in run.units.items():
-            active[name] = [s > 0 for s in sums[i:i + len(u.got)]]
-            i += len(u.got)
+            active[name] = [s > 0 for s in sums[i:i + len(u._got)]]
+            i += len(u._got)
             if any(active[name]) and u.grad is None:
                 raise RankDivergenceError(f"unit {name!r} got a gradient on another rank but not on this one, so it "
                                           "was never reduced here; make the forward the same on every rank.")
@@ -184,16 +206,16 @@ class Step:
     def _metrics(self, comm, runs, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
         gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
         reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
-        m = {"loss": loss, "step": int(new.step),
+        m = {"loss": loss, "step": int(new.step), "skipped_total": int(new.skipped),
              "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
              "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
              "time/reduce": reduce, "time/reduce_exposed": r_exposed,
              "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
              "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
-             "mem/peak_gathered_bytes": max(r.peak_bytes for r in runs),
-             "mem/peak_gathered_bytes_forward": max(r.phase_peak["forward"] for r in runs),
-             "mem/peak_gathered_bytes_backward": max(r.phase_peak["backward"] for r in runs),
+             "mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
+             "mem/peak_gathered_bytes_forward": max(r._phase_peak["forward"] for r in runs),
+             "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
              "comm/gather_bytes": comm.bytes.get("all_gather", 0),
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
              "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)

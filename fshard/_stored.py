@@ -1,8 +1,8 @@
 """The state leaf of offload_state: ``Stored``, one row of a unit's moment chunks held in a store.
 
 It is data like any other leaf: ``print(state)`` shows its key, bytes and location, and ``load()`` reads it back.
-``_Items`` ties the chunk keys of one version to the leaves that refer to them, so that keys no state refers to any
-more are deleted (by the owning update, at its next step).
+``_Items`` ties the chunk keys of one version to the leaves that refer to them: once no state refers to them any
+more, the store is told to delete them (``store.delete_later``), whichever step function wrote them.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ _ROWS = ("exp_avg", "exp_avg_sq")
 
 class _Items:
     """The chunk items of one version of one unit's moments. When the last Stored leaf referring to them is
-    collected, their keys go to the policy's trash, deleted at its next update (never during another store
-    operation)."""
+    collected, their keys go to ``store.delete_later``: the store deletes them at its next operation (the finalizer
+    may run in any thread, in the middle of another store operation)."""
 
-    def __init__(self, store, key: str, chunks, trash: list):
+    def __init__(self, store, key: str, chunks):
         self.store, self.key, self.chunks = store, key, tuple(chunks)
-        weakref.finalize(self, trash.append, (store, [(key, i) for i in range(len(self.chunks))]))
+        weakref.finalize(self, store.delete_later, [(key, i) for i in range(len(self.chunks))])
 
     def item_keys(self):
         return [(self.key, i) for i in range(len(self.chunks))]

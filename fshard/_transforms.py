@@ -1,162 +1,156 @@
-"""The transform protocol, and the blocking policies a step uses when no transform changes them.
+"""Transforms, the blocking policies a step uses when no transform changes a stage, and ``fold``.
 
-A step has five stages that transforms can change (design/ARCHITECTURE.md):
+A transform is a small named object. For each stage it returns the policy it was given, or a policy of its own;
+it declares which stages it changes and how (``Transform.stages``):
 
-- ``gather``: when each unit's flat buffer is gathered and freed, in forward and in backward (gather_ahead);
-- ``reduce``: how the gradient of a unit's flat buffer becomes this rank's gradient shard (bucket_reduce);
-- ``grads``:  what happens to the reduced gradient shards before the update (clipping, non-finite skip);
-- ``update``: where and how the optimizer runs on the shards (offload_state);
-- ``batches``: how the step's batch splits into micro-batches whose gradients are summed (accumulate).
+- ``"set"``: its policy takes the stage over (it may still call the policy it was given, as offload_state does
+  for the units it leaves in memory). A stage is set by at most one transform.
+- ``"wrap"``: its policy calls the one it was given and changes its result (clip, skip). Wrappers compose, in
+  the order given.
 
-A transform is a small named object. For each stage it either returns the policy it was given, or a new policy
-that wraps it; ``fs.compose`` folds the transforms over the blocking policies below, left to right. The step itself
-calls the five policies and nothing else, so it never grows a branch per transform.
+``fs.compose`` folds the transforms over the blocking policies, left to right (``fold``). Two transforms that set
+the same stage, or one that sets a stage another already wraps, are a ``TransformConflictError``: the later one
+would silently replace the earlier.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
-from ._errors import ArgumentTypeError
+
+from ._base import BatchesPolicy, GatherPolicy, Grads, GradsPolicy, ReducePolicy, UpdatePolicy
+from ._errors import ArgumentTypeError, TransformConflictError
+
+STAGES = ("gather", "reduce", "grads", "update", "batches")
 
 
 class Transform:
-    """Base class: every stage unchanged. Subclasses override the stages they change."""
+    """Base class: every stage unchanged. A subclass overrides ``wrap_<stage>`` for the stages it changes and
+    declares them in ``stages`` (stage -> "set" or "wrap")."""
 
     name = "transform"
+    stages: Mapping[str, str] = {}
 
-    def wrap_gather(self, gather):
+    def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
         return gather
 
-    def wrap_reduce(self, reduce):
+    def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return reduce
 
-    def wrap_grads(self, grads):
+    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
         return grads
 
-    def wrap_update(self, update):
+    def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return update
 
-    def wrap_batches(self, batches):
+    def wrap_batches(self, batches: BatchesPolicy) -> BatchesPolicy:
         return batches
 
     def __repr__(self) -> str:
         return f"fs.{self.name}()"
 
 
-class BlockingGather:
-    """Gather a unit right before it computes and free it right after, in forward and in backward.
-
-    The gather protocol: ``start(run)`` before forward; ``before_forward/after_forward(run, unit)`` around each
-    call of a unit (the root unit: around the whole forward); ``before_backward(run, unit)`` whenever autograd
-    reads a saved tensor of the unit; ``after_backward(run, unit)`` when one use of the unit has finished
-    backward; ``finish(run) -> metrics`` after backward."""
-
-    def start(self, run) -> None:
-        pass
-
-    def finish(self, run) -> dict:
-        return {}
-
-    def before_forward(self, run, unit) -> None:
-        unit.acquire()
-
-    def after_forward(self, run, unit) -> None:
-        unit.release()
-
-    def before_backward(self, run, unit) -> None:
-        unit.acquire()
-
-    def after_backward(self, run, unit) -> None:
-        unit.release()
+class BlockingGather(GatherPolicy):
+    """Gather a unit right before it computes and free it right after, in forward and in backward (the protocol's
+    defaults)."""
 
 
-class BlockingReduce:
+class BlockingReduce(ReducePolicy):
     """Reduce-scatter each unit's flat gradient as soon as backward has produced it, and wait for it.
 
     Gradients are scaled by 1/world_size before a SUM reduce-scatter, in the order DDP uses, so the average
     matches DDP's bit for bit wherever the summation order allows it."""
 
-    def reduce(self, run, unit, grad: torch.Tensor) -> None:
-        n = run.comm.mesh.world_size
+    def reduce(self, step, unit, grad: torch.Tensor) -> None:
+        n = step.comm.mesh.world_size
         full = grad.contiguous() if n == 1 else grad * (1.0 / n)
         out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
-        run.comm.reduce_scatter(out, full, unit.layout.name).wait()
-        unit.grad = out
-        run.grad_final(unit)
-
-    def finish(self, run) -> None:
-        """Called after backward: every outstanding reduction is complete when it returns."""
+        step.comm.reduce_scatter(out, full, unit.name).wait()
+        step.grad_ready(unit, out)
 
 
-@dataclass
-class Grads:
-    """What the grads stage hands to the update: the reduced gradient shards (unit name -> shard), a factor the
-    update multiplies every gradient by (fused into the optimizer kernel where it can be), whether to skip the
-    update altogether, and metrics. ``sq_norm`` is the global sum of squares, once a transform has computed it."""
-
-    shards: dict[str, torch.Tensor]
-    scale: float = 1.0
-    skip: bool = False
-    sq_norm: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    early: dict[str, Any] = field(default_factory=dict)  # updates begun during backward (update.overlap)
-
-
-class IdentityGrads:
+class IdentityGrads(GradsPolicy):
     """Reduced gradient shards go to the update as they are."""
 
-    def __call__(self, comm, grads: Grads) -> Grads:
-        return grads
+    changes_grads = False
 
 
-class DeviceUpdate:
-    """Run the optimizer on the shards where they live, one unit at a time.
+class DeviceUpdate(UpdatePolicy):
+    """Run the optimizer on the shards where they live, one unit at a time."""
 
-    The update protocol: ``update(spec, state, grads, active, donate) -> (params, opt_state)``, called once after
-    backward and the agreement. An update policy may also define ``overlap(run, unit)``: the step calls it in the
-    last micro-batch as soon as the unit's gradient shard is final, while backward still runs. It may begin that
-    unit's update in the background and leave the work in ``run.early[name]`` (an object with ``abandon()``); the
-    step hands those to the update in ``grads.early``, and abandons the ones a failed step never took."""
-
-    def __call__(self, spec, state, grads: Grads, active, donate):
-        rank, params, opt_state = spec.mesh.rank, dict(state.params), dict(state.opt_state)
-        for u in spec.units:
+    def __call__(self, step, state, grads: Grads, active, donate):
+        rank, params, opt_state = step.spec.mesh.rank, dict(state.params), dict(state.opt_state)
+        for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
-                if not isinstance(getattr(opt_state[u.name], "exp_avg", None), torch.Tensor):
-                    raise ArgumentTypeError(f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose "
-                                    "this step with the same fs.offload_state(store) to update it.")
-                params[u.name], opt_state[u.name] = spec.optimizer.update(
+                if not isinstance(opt_state[u.name].exp_avg, torch.Tensor):
+                    raise ArgumentTypeError(
+                        f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose this step "
+                        "with the same fs.offload_state(store) to update it.")
+                params[u.name], opt_state[u.name] = step.spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
                     donate, grad_scale=grads.scale)
-        return params, opt_state
+        return params, opt_state, {}
 
 
-class OneBatch:
+class OneBatch(BatchesPolicy):
     """The batch is one micro-batch (``fs.accumulate(k)`` makes it a list of k)."""
-
-    def __call__(self, batch) -> list:
-        return [batch]
 
 
 @dataclass(frozen=True)
 class Policy:
-    gather: Any
-    reduce: Any
-    grads: Any
-    update: Any
-    batches: Any
+    """A composed step's five policies, and what ``fold`` derived from them: ``grads_unchanged`` is True when
+    every policy of the grads chain declares ``changes_grads = False``."""
+
+    gather: GatherPolicy
+    reduce: ReducePolicy
+    grads: GradsPolicy
+    update: UpdatePolicy
+    batches: BatchesPolicy
+    grads_unchanged: bool
+
+    def close(self) -> None:
+        for stage in STAGES:
+            getattr(self, stage).close()
 
 
 def fold(transforms) -> Policy:
-    """The step's policies: the blocking ones, wrapped by each transform in turn."""
-    gather, reduce, grads, update = BlockingGather(), BlockingReduce(), IdentityGrads(), DeviceUpdate()
-    batches = OneBatch()
+    """The step's policies: the blocking ones, changed by each transform in turn (see the module docstring)."""
+    policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "grads": IdentityGrads(),
+                "update": DeviceUpdate(), "batches": OneBatch()}
+    changed: dict[str, list[tuple[Transform, str]]] = {s: [] for s in STAGES}  # stage -> [(transform, how)]
+    unchanged = True
     for t in transforms:
         if not isinstance(t, Transform):
             raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
-                            "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
-        gather, reduce = t.wrap_gather(gather), t.wrap_reduce(reduce)
-        grads, update, batches = t.wrap_grads(grads), t.wrap_update(update), t.wrap_batches(batches)
-    return Policy(gather, reduce, grads, update, batches)
+                                    "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
+        wrap = {"gather": t.wrap_gather, "reduce": t.wrap_reduce, "grads": t.wrap_grads, "update": t.wrap_update,
+                "batches": t.wrap_batches}
+        for stage in STAGES:
+            given = policies[stage]
+            new = wrap[stage](given)
+            if new is given:
+                continue
+            how = t.stages.get(stage)
+            if how not in ("set", "wrap"):
+                raise ArgumentTypeError(f"{t!r} changes the {stage} stage but does not declare how: add "
+                                        f"stages = {{{stage!r}: 'set' or 'wrap'}} to its class.")
+            _check_conflict(t, stage, how, changed[stage])
+            changed[stage].append((t, how))
+            if stage == "grads":
+                unchanged = unchanged and not new.changes_grads
+            policies[stage] = new
+    return Policy(**policies, grads_unchanged=unchanged)
+
+
+def _check_conflict(t: Transform, stage: str, how: str, before: list[tuple[Transform, str]]) -> None:
+    setter = next((b for b, h in before if h == "set"), None)
+    if how == "set" and setter is not None:
+        raise TransformConflictError(
+            f"fs.compose: {setter!r} and {t!r} both set the {stage} stage, and a step has one {stage} policy: the "
+            f"later would silently replace the earlier. Pass only one of them, e.g. fs.compose(loss_fn, ..., {t!r}).")
+    if how == "set" and before:
+        wrapper = before[-1][0]
+        raise TransformConflictError(
+            f"fs.compose: {t!r} sets the {stage} stage, which {wrapper!r} (passed before it) wraps: setting it "
+            f"afterwards would drop {wrapper!r}. Pass {t!r} before {wrapper!r}.")

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from ._errors import TemplateCallError
+from ._base import StepView, UnitView
+from ._errors import PolicyError, TemplateCallError
 from ._layout import UnitLayout, views
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
@@ -47,7 +48,7 @@ class _UnitForward:
                 f"unit {self.name!r} of an fshard template was called outside a step. The template holds no data "
                 "(its tensors are on the meta device); train with step = fs.compose(loss_fn), or get the weights "
                 "with fs.full_params(state) and load them into a regular module.")
-        return run.call_unit(self, args, kwargs)
+        return run._call_unit(self, args, kwargs)
 
 
 def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
@@ -72,16 +73,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, unit):
         ctx.unit = unit
-        return unit.alias()  # a new tensor on the gathered buffer's storage (not a view of an input)
+        return unit._alias()  # a new tensor on the gathered buffer's storage (not a view of an input)
 
     @staticmethod
     def backward(ctx, grad):
         unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
-        run = unit.run
+        run = unit._run
         if run.last:
-            run.policy.reduce.reduce(run, unit, run.acc.take(unit.layout.name, grad))
+            run._reduce(unit, run._acc.take(unit.name, grad))
         else:  # more micro-batches follow: sum locally, reduce once in the last one (DDP's no_sync)
-            run.acc.add(unit.layout.name, grad)
+            run._acc.add(unit.name, grad)
         return None, None
 
 
@@ -117,74 +118,85 @@ class _Saved:
         self.unit, self.tensor = unit, tensor
 
 
-class UnitRun:
-    """One unit during one step."""
+
+class UnitRun(UnitView):
+    """One unit during one micro-batch: the ``UnitView`` that policies see, and the gather/bind/free mechanics."""
 
     def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor):
-        self.run, self.layout = run, layout
+        self._run, self.layout, self.name = run, layout, layout.name
         self.trainable = bool(layout.trainable)
         self.shard = shard.detach().requires_grad_(self.trainable)
-        self.buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
-        self.flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
         self.alive = False
-        self.pending = None  # the Flight of a gather into ``buf`` that nobody has waited on yet
-        self.grad: torch.Tensor | None = None
-        self.got = [False] * len(layout.trainable)
+        self._buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
+        self._flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
+        self._pending = None  # the Flight of a gather into ``_buf`` that nobody has waited on yet
+        self._grad: torch.Tensor | None = None
+        self._got = [False] * len(layout.trainable)
 
-    def alias(self) -> torch.Tensor:
+    @property
+    def grad(self) -> torch.Tensor | None:
+        return self._grad
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def got_all(self) -> bool:
+        got = self._run._acc.got_so_far(self.name, self._got)
+        return bool(got) and all(got)
+
+    def _alias(self) -> torch.Tensor:
         """A new tensor object on the gathered buffer's storage (its own version counter)."""
-        return torch.empty(0, dtype=self.layout.dtype, device=self.buf.device).set_(
-            self.buf.untyped_storage(), 0, (self.layout.numel,))
+        return torch.empty(0, dtype=self.layout.dtype, device=self._buf.device).set_(
+            self._buf.untyped_storage(), 0, (self.layout.numel,))
 
     def launch(self) -> None:
-        """Make the gathered buffer live and start filling it; returns at once. ``acquire`` waits for the data."""
         if self.alive:
             return
-        comm = self.run.comm
+        comm = self._run.comm
         with comm.gather_scope():
-            if self.buf is None:
-                self.buf = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
+            if self._buf is None:
+                self._buf = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
-                self.buf.untyped_storage().resize_(self.layout.nbytes)
-            self.pending = comm.gather(self.alias(), self.shard.detach(), self.layout.name)
+                self._buf.untyped_storage().resize_(self.layout.nbytes)
+            self._pending = comm.gather(self._alias(), self.shard.detach(), self.name)
         self.alive = True
-        self.run.on_alive(self, +1)
+        self._run._on_alive(self, +1)
 
     def acquire(self) -> None:
-        """Make the gathered buffer live and its data ready (gathering it now if nobody launched it)."""
         self.launch()
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        if self.flat is None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self._flat is None:
             if self.trainable:
                 with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
-                    self.flat = _Gather.apply(self.shard, self)
+                    self._flat = _Gather.apply(self.shard, self)
             else:
-                self.flat = self.buf
+                self._flat = self._buf
 
     def release(self) -> None:
         if self.alive:
-            if self.pending is not None:  # a gather still writing into this buffer must finish first
-                self.pending.wait()
-                self.pending = None
-            self.run.on_alive(self, -1)
-            self.run.comm.before_free()
-            self.buf.untyped_storage().resize_(0)
+            if self._pending is not None:  # a gather still writing into this buffer must finish first
+                self._pending.wait()
+                self._pending = None
+            self._run._on_alive(self, -1)
+            self._run.comm.before_free()
+            self._buf.untyped_storage().resize_(0)
             self.alive = False
 
-    def bind(self, names) -> dict[str, torch.Tensor]:
+    def _bind(self, names) -> dict[str, torch.Tensor]:
         """name -> view of the gathered buffer, for each slot's ``names[i]``. Trainable views carry a hook that
         records that they got a gradient (torch skips a parameter whose .grad is None; so do we)."""
         assert self.alive, "bind() before acquire()"
-        use = self.flat.view_as(self.flat)
+        use = self._flat.view_as(self._flat)
         if use.requires_grad:  # (not under torch.no_grad)
             # One view per use: its gradient is complete once this use's backward is done, which is when the
             # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
             # gathered while the units between its two uses run backward.
             use.register_hook(self._use_done)
         trainable = views(use, self.layout)
-        frozen = views(self.flat.detach(), self.layout) if len(self.layout.trainable) < len(self.layout.slots) else {}
+        frozen = views(self._flat.detach(), self.layout) if len(self.layout.trainable) < len(self.layout.slots) else {}
         out, k = {}, 0
         for s, slot_names in zip(self.layout.slots, names):
             if s.requires_grad:
@@ -198,50 +210,65 @@ class UnitRun:
         return out
 
     def _use_done(self, _grad):
-        self.run.policy.gather.after_backward(self.run, self)
+        self._run._policy.gather.after_backward(self._run, self)
 
     def _marker(self, k: int):
         def mark(_grad):
-            self.got[k] = True
+            self._got[k] = True
         return mark
 
 
-class StepRun:
-    """All units of one step: routing target, saved-tensor hooks, and the gathered-bytes counter."""
+class StepRun(StepView):
+    """One micro-batch of a step: the ``StepView`` that policies see, the routing target of unit calls, the
+    saved-tensor hooks, and the gathered-bytes counter."""
 
-    def __init__(self, spec, params: dict[str, torch.Tensor], comm, policy, acc: Accumulator | None = None,
-                 last: bool = True, opt_state: dict | None = None):
-        self.spec, self.comm, self.policy = spec, comm, policy
-        self.acc, self.last = acc if acc is not None else Accumulator(1), last
-        self.opt_state = opt_state if opt_state is not None else {}  # the input state's, for updates that start early
-        self.early: dict = {}  # unit name -> update work begun during backward (the update policy's ``overlap``)
-        self.units = {u.name: UnitRun(self, u, params[u.name]) for u in spec.units}
-        self._live: dict[int, UnitRun] = {}
-        self.live_bytes = self.peak_bytes = 0
+    def __init__(self, state, comm, policy, acc: Accumulator, scratch: dict, last: bool):
+        self.spec, self.state, self.comm, self.last = state.spec, state, comm, last
+        self.grads_unchanged = policy.grads_unchanged
         self.phase = "forward"  # the step sets "backward" once forward has returned
-        self.phase_peak = {"forward": 0, "backward": 0}
         self.order: list[str] = []  # units in the order forward used them
+        self._policy, self._acc, self._scratch = policy, acc, scratch
+        self.units = {u.name: UnitRun(self, u, state.params[u.name]) for u in self.spec.units}
+        self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
+        self._live: dict[int, UnitRun] = {}
+        self._live_bytes = self._peak_bytes = 0
+        self._phase_peak = {"forward": 0, "backward": 0}
 
-    def on_alive(self, unit: UnitRun, sign: int) -> None:
-        ptr = unit.buf.untyped_storage().data_ptr()
+    def scratch(self, owner: object) -> dict:
+        return self._scratch.setdefault(id(owner), {})
+
+    def grad_ready(self, unit: UnitRun, shard: torch.Tensor) -> None:
+        if unit._grad is not None:
+            raise PolicyError(f"the reduce policy {type(self._policy.reduce).__name__} handed over unit "
+                                      f"{unit.name!r}'s gradient shard twice in one step; hand it over once.")
+        unit._grad = shard
+        if self.last:
+            self._policy.update.overlap(self, unit)
+
+    def _reduce(self, unit: UnitRun, grad: torch.Tensor) -> None:
+        self._reduced.append(unit)
+        self._policy.reduce.reduce(self, unit, grad)
+
+    def _on_alive(self, unit: UnitRun, sign: int) -> None:
+        ptr = unit._buf.untyped_storage().data_ptr()
         if sign > 0:
             self._live[ptr] = unit
         else:
             self._live.pop(ptr, None)
-        self.live_bytes += sign * unit.layout.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.phase_peak[self.phase] = max(self.phase_peak[self.phase], self.live_bytes)
+        self._live_bytes += sign * unit.layout.nbytes
+        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+        self._phase_peak[self.phase] = max(self._phase_peak[self.phase], self._live_bytes)
 
-    def call_unit(self, route: _UnitForward, args, kwargs):
-        unit, gather = self.units[route.name], self.policy.gather
+    def _call_unit(self, route: _UnitForward, args, kwargs):
+        unit, gather = self.units[route.name], self._policy.gather
         self.order.append(route.name)
         gather.before_forward(self, unit)
-        out = functional_call(route.proxy, {"m." + k: v for k, v in unit.bind(route.names).items()}, args, kwargs)
+        out = functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
         gather.after_forward(self, unit)
         return out
 
     @contextlib.contextmanager
-    def active(self):
+    def _active(self):
         token = _ACTIVE.set(self)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -258,49 +285,43 @@ class StepRun:
 
     def _unpack(self, x):
         if isinstance(x, _Saved):
-            self.policy.gather.before_backward(self, x.unit)
+            self._policy.gather.before_backward(self, x.unit)
             return x.tensor
         return x
 
-    def grad_final(self, unit: UnitRun) -> None:
-        """The reduce policy calls this once ``unit.grad`` holds the unit's final gradient shard. In the last
-        micro-batch, an update policy with an ``overlap`` hook may start that unit's update now, while backward
-        goes on."""
-        hook = getattr(self.policy.update, "overlap", None)
-        if self.last and hook is not None:
-            hook(self, unit)
-
-    def got_all(self, unit: UnitRun) -> bool:
-        """Did every trainable parameter of the unit get a gradient on this rank, in any micro-batch so far? Then
-        it is active on every rank too (the agreement after backward is an OR over ranks)."""
-        got = self.acc.got_so_far(unit.layout.name, unit.got)
-        return bool(got) and all(got)
-
-    def end_backward(self) -> None:
+    def _end_backward(self) -> None:
         """After this micro-batch's backward. In the last one, units that got a gradient only in earlier
-        micro-batches are reduced now (in unit order), then the reduce policy completes every reduction."""
+        micro-batches are reduced now (in unit order), then the reduce policy completes every reduction, and every
+        unit it was given must have its shard."""
         if self.last:
             for u in self.spec.units:
-                if u.name in self.acc.grads:
-                    self.policy.reduce.reduce(self, self.units[u.name], self.acc.grads.pop(u.name))
-            self.policy.reduce.finish(self)
-        if self.acc.k > 1:
+                if u.name in self._acc.grads:
+                    self._reduce(self.units[u.name], self._acc.grads.pop(u.name))
+            self._policy.reduce.finish(self)
+            missing = [u.name for u in self._reduced if u._grad is None]
+            if missing:
+                raise PolicyError(
+                    f"the reduce policy {type(self._policy.reduce).__name__} did not hand over the gradient shards "
+                    f"of units {missing}: a ReducePolicy must call step.grad_ready(unit, shard) for every unit it "
+                    "is given, by the time its finish() returns.")
+        if self._acc.k > 1:
             for name, u in self.units.items():
-                self.acc.got[name] = self.acc.got_so_far(name, u.got)
+                self._acc.got[name] = self._acc.got_so_far(name, u._got)
 
-    def release_all(self) -> None:
+    def _grad_shards(self) -> dict[str, torch.Tensor]:
+        return {n: u._grad for n, u in self.units.items() if u._grad is not None}
+
+    def _release_all(self) -> None:
         for unit in self.units.values():
             unit.release()
 
-    def close(self) -> None:
-        """Drop every tensor this step's runtime holds and break its reference cycles (StepRun <-> UnitRun, and
-        flat buffer -> autograd node -> UnitRun), so a finished step frees its memory at once, not at the next
-        cycle collection."""
-        early, self.early = self.early, {}
-        for work in early.values():  # begun during backward but not taken by the update (the step failed)
-            work.abandon()
+    def _close(self) -> None:
+        """Drop every tensor this micro-batch's runtime holds and break its reference cycles (StepRun <->
+        UnitRun, and flat buffer -> autograd node -> UnitRun), so a finished step frees its memory at once, not at
+        the next cycle collection."""
         for unit in self.units.values():
             unit.release()
-            unit.flat = unit.buf = unit.grad = unit.shard = unit.run = None
+            unit._flat = unit._buf = unit._grad = unit.shard = unit._run = None
         self.units.clear()
         self._live.clear()
+        self._reduced.clear()

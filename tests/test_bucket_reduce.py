@@ -201,7 +201,8 @@ def _skip(world_size_unused=None):
         after = _bytes({f"{k}": v for k, v in new.params.items()} |
                        {f"m/{k}": v.exp_avg for k, v in new.opt_state.items()} |
                        {f"v/{k}": v.exp_avg_sq for k, v in new.opt_state.items()}) | {"step": int(new.step)}
-        out.append((m["skipped"], m["skipped_total"], before == after, [str(w.message) for w in caught]))
+        out.append((m["skipped"], m["skipped_total"], before == after, [str(w.message) for w in caught],
+                    int(new.skipped)))
         state = new
     return out
 
@@ -211,7 +212,8 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank():
         assert [o[0] for o in rank_out] == [0, 0, 1, 0]
         assert [o[1] for o in rank_out] == [0, 0, 1, 1]
         assert [o[2] for o in rank_out] == [False, False, True, False]  # unchanged exactly when skipped
-        assert "1 step(s) skipped so far" in rank_out[2][3][0]
+        assert "the step was skipped" in rank_out[2][3][0]
+        assert [o[4] for o in rank_out] == [0, 0, 1, 1]  # the count is training state: it lives in the state
 
 
 def test_misuse_is_named():
@@ -241,16 +243,22 @@ def _bf16_reduce(reduce_dtype):
 
     class Capture(fs.Transform):
         name = "capture"
+        stages = {"grads": "wrap"}
 
         def __init__(self):
             self.shards = {}
 
         def wrap_grads(self, inner):
-            def grads(comm, g):
-                g = inner(comm, g)
-                self.shards.update({k: v.clone() for k, v in g.shards.items()})
-                return g
-            return grads
+            shards = self.shards
+
+            class Policy(fs.GradsPolicy):
+                changes_grads = False
+
+                def __call__(self, comm, g):
+                    g = inner(comm, g)
+                    shards.update({k: v.clone() for k, v in g.shards.items()})
+                    return g
+            return Policy()
 
     mesh = fs.Mesh.from_env()
     torch.manual_seed(0)

@@ -10,10 +10,10 @@ from ._checksum import checksum
 from ._errors import MissingKeyError, StoreClosedError
 from ._handle import EventLog, Handle
 from ._pool import BufferPool
-from ._protocol import ItemMeta, as_bytes, meta_of
+from ._protocol import DeferredDeletes, ItemMeta, as_bytes, meta_of
 
 
-class CPUStore:
+class CPUStore(DeferredDeletes):
     def __init__(self, *, pin: Optional[bool] = None, max_buffers: int = 16, max_buffer_bytes: int = 1 << 30,
                  events: Optional[EventLog] = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -22,12 +22,14 @@ class CPUStore:
         self._items: Dict[Hashable, torch.Tensor] = {}
         self._meta: Dict[Hashable, ItemMeta] = {}
         self._closed = False
+        self._init_deferred()
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("CPUStore is closed")
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> Handle:
+        self.collect()
         self._check_open()
         copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
         copy.copy_(tensor.detach())
@@ -55,12 +57,14 @@ class CPUStore:
         return self._meta[key]
 
     def keys(self) -> List[Hashable]:
+        self.collect()
         return list(self._items)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 
     def __len__(self) -> int:
+        self.collect()
         return len(self._items)
 
     @property
@@ -69,6 +73,7 @@ class CPUStore:
 
     def stream(self, keys: Iterable[Hashable], depth: int = 2, writeback: bool = False,
                max_writes: Optional[int] = None):
+        self.collect()
         from ._stream import Stream
 
         return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)

@@ -33,7 +33,7 @@ from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, Stor
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
 from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
-from ._protocol import ItemMeta, as_bytes, from_bytes, meta_of
+from ._protocol import DeferredDeletes, ItemMeta, as_bytes, from_bytes, meta_of
 from .._errors import ArgumentError
 
 
@@ -45,7 +45,7 @@ class _Item:
     phase: int = 0  # the item's bytes start at this file offset: the source's address modulo DIO_ALIGN (direct)
 
 
-class NVMeStore:
+class NVMeStore(DeferredDeletes):
     def __init__(self, directory: str, backend: str = "uring", *, create: bool = True, checksum: str = "fast",
                  max_buffers: int = 16, max_buffer_bytes: int = 1 << 30, block: int = 4096,
                  max_free_slots: Optional[int] = None, max_inflight_writes: int = 16,
@@ -81,9 +81,11 @@ class NVMeStore:
         self.direct_reads = True
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
+        self._init_deferred()
 
     # ---- put ---------------------------------------------------------------------------------------------
     def put(self, key: Hashable, tensor: torch.Tensor) -> Handle:
+        self.collect()
         self._check_open()
         self._settle(key)  # earlier operations on this key complete first: puts commit in order
         t = tensor.detach()
@@ -260,6 +262,7 @@ class NVMeStore:
         return self.pool.lend(phase + meta.nbytes)[phase:].view(meta.dtype).view(meta.shape)
 
     def keys(self) -> List[Hashable]:
+        self.collect()
         self.flush()
         return list(self._items)
 
@@ -268,6 +271,7 @@ class NVMeStore:
         return key in self._items
 
     def __len__(self) -> int:
+        self.collect()
         self.flush()
         return len(self._items)
 
@@ -299,6 +303,7 @@ class NVMeStore:
 
     def stream(self, keys: Iterable[Hashable], depth: int = 2, writeback: bool = False,
                max_writes: Optional[int] = None):
+        self.collect()
         from ._stream import Stream
 
         return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)

@@ -1,11 +1,13 @@
 """The Store protocol shared by CPUStore and NVMeStore, and the per-item metadata they keep in memory."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
+from ._errors import MissingKeyError
 from ._handle import Handle
 
 
@@ -56,8 +58,37 @@ class Store(Protocol):
 
     def stream(self, keys: Iterable[Hashable], depth: int = 2, writeback: bool = False) -> Any: ...
 
+    def delete_later(self, keys: Iterable[Hashable]) -> None: ...
+
+    def collect(self) -> None: ...
+
     def close(self) -> None: ...
 
     def __enter__(self) -> "Store": ...
 
     def __exit__(self, *exc: Any) -> None: ...
+
+
+class DeferredDeletes:
+    """``delete_later`` and ``collect`` for a store that is used from one thread: a key whose deletion is asked for
+    from anywhere (a finalizer runs in whichever thread drops the last reference, perhaps in the middle of a store
+    operation) is deleted by the store's own next ``put``, ``stream``, ``keys()`` or ``collect()``. So the store,
+    not whoever wrote an item, owns its lifetime."""
+
+    def _init_deferred(self) -> None:
+        self._later: deque = deque()  # append and popleft are atomic: safe from a finalizer in another thread
+
+    def delete_later(self, keys: Iterable[Hashable]) -> None:
+        """Delete ``keys`` at the store's next operation (missing keys are ignored); safe from any thread."""
+        self._later.extend(keys)
+
+    def collect(self) -> None:
+        """Delete now what ``delete_later`` was asked to (from the thread that uses the store)."""
+        while self._later:
+            key = self._later.popleft()
+            if self._closed:
+                continue
+            try:
+                self.delete(key)
+            except MissingKeyError:
+                pass

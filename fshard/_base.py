@@ -1,0 +1,319 @@
+"""The stage protocols: what a policy of each stage receives, what it returns, and what it may touch.
+
+A step has five stages (design/ARCHITECTURE.md). A transform changes a stage by giving it a policy: an object
+that follows that stage's protocol below. Every hook a stage may have is declared here, with a no-op default, so
+a policy subclasses its protocol and overrides what it changes; the step calls the declared hooks and nothing
+else (it never probes a policy for an attribute).
+
+What policies receive is described here too: ``StepView`` (one micro-batch of a running step), ``UnitView`` (one
+unit in it), ``Collectives`` (the step's collectives) and ``Grads`` (the value the grads stage transforms). The
+runtime objects behind the views are private; a policy uses only what the views name.
+
+Rules every policy keeps:
+
+- A policy never inspects another policy. What one stage must know of another is declared: the grads chain says
+  whether it leaves the gradients as they are (``GradsPolicy.changes_grads``, combined by ``fs.compose`` into
+  ``StepView.grads_unchanged``).
+- Per-step state lives in ``step.scratch(self)``, never in attributes of the step objects. What outlives a step
+  and changes a result is training state, and lives in the ``TrainState``.
+- A policy that holds threads or other resources releases them in ``close()`` (``step.close()`` calls it).
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ._layout import UnitLayout
+    from ._mesh import Mesh
+    from ._state import ShardSpec, TrainState
+
+
+# --- what policies receive --------------------------------------------------------------------------------------
+
+
+class InFlight(Protocol):
+    """A collective that was issued asynchronously."""
+
+    def done(self) -> bool:
+        """Whether it has completed; never blocks."""
+
+    def wait(self) -> None:
+        """Block until its output may be read."""
+
+
+class Collectives(Protocol):
+    """The step's collectives. Every one is recorded (and hashed: ranks compare the sequence after backward, so
+    ranks that issue different collectives fail the step instead of mixing data).
+
+    Attributes:
+      mesh: the ranks of the state (``fs.Mesh``): ``rank``, ``world_size``, ``device``.
+    """
+
+    mesh: Mesh
+
+    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """Sum a small control tensor over ranks, in place, blocking. Returns ``t``."""
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> InFlight:
+        """Start ``out <- this rank's 1/N slice of the sum over ranks of full``."""
+
+    def reduce_each(self, sections: Sequence[torch.Tensor], tag: str) -> InFlight:
+        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]``."""
+
+
+class UnitView(Protocol):
+    """One unit during one micro-batch of a step.
+
+    Attributes:
+      name: the unit's name (``layout.name``).
+      layout: its ``fs.UnitLayout`` (slots, sizes, dtype, this rank's ranges).
+      trainable: whether it has trainable parameters.
+      shard: this rank's parameter shard (read it; never write it).
+      grad: this rank's reduced gradient shard, once the reduce policy handed it over (``StepView.grad_ready``);
+        None before.
+      alive: whether its gathered buffer holds memory (gathered or being gathered).
+      in_flight: whether a gather into its buffer was launched and nobody has waited on it yet.
+    """
+
+    name: str
+    layout: UnitLayout
+    trainable: bool
+    shard: torch.Tensor
+    grad: torch.Tensor | None
+    alive: bool
+    in_flight: bool
+
+    def launch(self) -> None:
+        """Start gathering the unit into its buffer, if it is not alive; returns at once."""
+
+    def acquire(self) -> None:
+        """Make the gathered buffer live and its data ready (launching the gather if nobody did)."""
+
+    def release(self) -> None:
+        """Free the gathered buffer (waiting first for a gather still writing into it)."""
+
+    def got_all(self) -> bool:
+        """Whether every trainable parameter of the unit got a gradient on this rank in this step so far (then it
+        is active on every rank, whatever the agreement after backward says)."""
+
+
+class StepView(Protocol):
+    """One micro-batch of a running step, as policies see it.
+
+    Attributes:
+      spec: the static half of the state (``fs.ShardSpec``: template, unit layouts, mesh, optimizer).
+      state: the step's input ``TrainState`` (read it; never write its tensors).
+      comm: the step's ``Collectives``.
+      units: unit name -> ``UnitView``, in layout order.
+      order: the units forward has called so far in this micro-batch, in order (a unit used twice appears twice).
+      phase: "forward" or "backward".
+      last: whether this is the step's last micro-batch (the one whose backward reduces).
+      grads_unchanged: whether the composed grads stage hands the reduced shards to the update unchanged (no
+        global clip, no skip), so an update may begin before the grads stage has run.
+    """
+
+    spec: ShardSpec
+    state: TrainState
+    comm: Collectives
+    units: Mapping[str, UnitView]
+    order: Sequence[str]
+    phase: str
+    last: bool
+    grads_unchanged: bool
+
+    def scratch(self, owner: object) -> dict:
+        """The per-step scratch space of ``owner`` (a policy): a dict shared by the micro-batches of one step and
+        dropped when the step returns or raises."""
+
+    def grad_ready(self, unit: UnitView, shard: torch.Tensor) -> None:
+        """Hand over ``unit``'s reduced gradient shard (``unit.layout.shard_numel`` elements of its dtype). The
+        reduce policy calls it exactly once per unit it was given, by the time its ``finish`` returns; in the last
+        micro-batch it also offers the unit to the update policy's ``overlap``."""
+
+
+@dataclass(frozen=True)
+class Grads:
+    """The value the grads stage transforms and the update consumes. Frozen: a grads policy returns a new one
+    (``grads.replace(...)``).
+
+    Attributes:
+      shards: unit name -> this rank's reduced gradient shard (units that got a gradient).
+      scale: a factor the update multiplies every gradient by (fused into the optimizer kernel where it can be).
+      skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1.
+      sq_norm: the global sum of squares of all gradients, once a policy asked for it (``with_sq_norm``), so that
+        policies that need it share one all-reduce.
+      metrics: added to the step's metrics.
+    """
+
+    shards: Mapping[str, torch.Tensor]
+    scale: float = 1.0
+    skip: bool = False
+    sq_norm: float | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for f in ("shards", "metrics"):
+            object.__setattr__(self, f, types.MappingProxyType(dict(getattr(self, f))))
+
+    def replace(self, **changes) -> Grads:
+        return replace(self, **changes)
+
+    def with_metrics(self, **metrics) -> Grads:
+        return replace(self, metrics={**self.metrics, **metrics})
+
+    def with_sq_norm(self, comm: Collectives) -> Grads:
+        """This value with ``sq_norm`` set: the sum over ranks of the squares of every gradient shard (the shards
+        tile the model, so each element counts once), in float64 (no overflow; inf and NaN survive). One
+        all-reduce, only if no policy has computed it yet."""
+        if self.sq_norm is not None:
+            return self
+        local = torch.zeros((), dtype=torch.float64, device=comm.mesh.device)
+        for g in self.shards.values():
+            local += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        return replace(self, sq_norm=float(comm.all_reduce(local.reshape(1), "grad_norm")[0]))
+
+
+# --- the stage protocols ----------------------------------------------------------------------------------------
+
+
+class GatherPolicy(Protocol):
+    """When each unit's flat buffer is gathered and freed, in forward and in backward.
+
+    A gather policy calls only the ``UnitView`` methods (``launch``, ``acquire``, ``release``); the data a unit
+    computes on is always its own gather's, so a policy changes when gathers happen, never a result.
+
+    Attributes:
+      schedule: the order in which the step acquires units (an ``fs.Schedule``), for policies that follow one;
+        None otherwise. ``step.schedule`` shows it.
+    """
+
+    schedule: Any = None
+
+    def start(self, step: StepView) -> None:
+        """Before each micro-batch's forward."""
+
+    def before_forward(self, step: StepView, unit: UnitView) -> None:
+        """Before a call of the unit in forward (the root unit: before the whole forward). Must leave the unit
+        acquired."""
+        unit.acquire()
+
+    def after_forward(self, step: StepView, unit: UnitView) -> None:
+        """After that call."""
+        unit.release()
+
+    def before_backward(self, step: StepView, unit: UnitView) -> None:
+        """Whenever autograd reads a saved tensor of the unit. Must leave the unit acquired."""
+        unit.acquire()
+
+    def after_backward(self, step: StepView, unit: UnitView) -> None:
+        """When one use of the unit has finished backward."""
+        unit.release()
+
+    def finish(self, step: StepView) -> dict:
+        """After each micro-batch's backward (the step then releases what is left).
+
+        Returns:
+          metrics for the step so far; the step reports those of its last micro-batch (carry counts across
+          micro-batches in ``step.scratch(self)``).
+        """
+        return {}
+
+    def close(self) -> None:
+        """Release the policy's resources (``step.close()``)."""
+
+
+class ReducePolicy(Protocol):
+    """How the gradient of a unit's flat buffer becomes this rank's reduced gradient shard (last micro-batch)."""
+
+    def reduce(self, step: StepView, unit: UnitView, grad: torch.Tensor) -> None:
+        """Start reducing ``grad`` (the unit's whole flat gradient, summed over the step's micro-batches).
+
+        Args:
+          step: the last micro-batch of the step.
+          unit: the unit (each unit with a gradient is given once per step).
+          grad: ``unit.layout.numel`` elements; the policy may reuse its memory.
+
+        The policy must hand the reduced shard over with ``step.grad_ready(unit, shard)``, now or later, but by
+        the time ``finish`` returns: the step checks this, and an update may begin as soon as it happens.
+        """
+        raise NotImplementedError
+
+    def finish(self, step: StepView) -> None:
+        """After backward: every reduction is complete, and every shard handed over, when it returns."""
+
+    def close(self) -> None:
+        """Release the policy's resources (``step.close()``)."""
+
+
+class GradsPolicy(Protocol):
+    """What happens to the reduced gradient shards between the agreement after backward and the update.
+
+    Attributes:
+      changes_grads: whether this policy (not the ones it wraps) may change what the update does with the shards:
+        their values, ``scale`` or ``skip``. A policy that only reads them and adds metrics says False, and
+        updates may then begin during backward (``StepView.grads_unchanged``).
+    """
+
+    changes_grads: bool = True
+
+    def __call__(self, comm: Collectives, grads: Grads) -> Grads:
+        """Args:
+          comm: the step's collectives (same calls on every rank, in the same order).
+          grads: the value so far.
+
+        Returns:
+          a new ``Grads`` (or ``grads`` itself).
+        """
+        return grads
+
+    def close(self) -> None:
+        """Release the policy's resources (``step.close()``)."""
+
+
+class UpdatePolicy(Protocol):
+    """Where and how the optimizer runs on the shards."""
+
+    def __call__(self, step: StepView, state: TrainState, grads: Grads, active: Mapping[str, Sequence[bool]],
+                 donate: bool) -> tuple[dict, dict, dict]:
+        """Apply one optimizer step.
+
+        Args:
+          step: the last micro-batch of the step (``scratch`` holds what ``overlap`` began).
+          state: the input state.
+          grads: the grads stage's result (``scale`` to fuse; ``skip`` is never set here: the step skips).
+          active: unit name -> per trainable parameter, whether it got a gradient on any rank.
+          donate: whether the input state's tensors may be updated in place.
+
+        Returns:
+          ``(params, opt_state, metrics)``: the new state's unit name -> shard and unit name -> optimizer state
+          mappings, and metrics to report.
+        """
+        raise NotImplementedError
+
+    def overlap(self, step: StepView, unit: UnitView) -> None:
+        """Called in the last micro-batch as soon as ``unit``'s reduced shard is final, while backward still runs.
+        The policy may begin that unit's update here (only when ``step.grads_unchanged``), keeping the work in
+        ``step.scratch(self)`` for ``__call__`` to take."""
+
+    def abort(self, step: StepView) -> None:
+        """The step failed before ``__call__`` took what ``overlap`` began: drop it, losing nothing of the input
+        state."""
+
+    def close(self) -> None:
+        """Release the policy's resources, threads included (``step.close()``)."""
+
+
+class BatchesPolicy(Protocol):
+    """How the step's batch splits into micro-batches whose gradients are summed."""
+
+    def __call__(self, batch: Any) -> list:
+        """Returns: the micro-batches (a list of at least one)."""
+        return [batch]
+
+    def close(self) -> None:
+        """Release the policy's resources (``step.close()``)."""
