@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ._errors import PolicyError
+
 if TYPE_CHECKING:
     from ._layout import UnitLayout
     from ._mesh import Mesh
@@ -241,7 +243,7 @@ class ReducePolicy(Protocol):
         The policy must hand the reduced shard over with ``step.grad_ready(unit, shard)``, now or later, but by
         the time ``finish`` returns: the step checks this, and an update may begin as soon as it happens.
         """
-        raise NotImplementedError
+        raise PolicyError(f"{type(self).__name__} is a ReducePolicy without reduce(step, unit, grad); define it.")
 
     def finish(self, step: StepView) -> None:
         """After backward: every reduction is complete, and every shard handed over, when it returns."""
@@ -293,7 +295,8 @@ class UpdatePolicy(Protocol):
           ``(params, opt_state, metrics)``: the new state's unit name -> shard and unit name -> optimizer state
           mappings, and metrics to report.
         """
-        raise NotImplementedError
+        raise PolicyError(f"{type(self).__name__} is an UpdatePolicy without __call__(step, state, grads, active, "
+                          "donate); define it.")
 
     def overlap(self, step: StepView, unit: UnitView) -> None:
         """Called in the last micro-batch as soon as ``unit``'s reduced shard is final, while backward still runs.

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ._errors import StoreDirectoryError, StoreWriteError
+from ._errors import StoreDirectoryError, StoreError, StoreWriteError
 
 _ENGINE_KEY = "v"  # each engine holds at most one entry, so one fixed key suffices
 DIO_ALIGN = 4096  # O_DIRECT buffer address, length and offset alignment we ask for (ext4 needs <= 4096)
@@ -112,7 +112,7 @@ class Slot:
 
     def _mode(self, direct: bool) -> None:
         if direct != self._direct and not self._set_direct(direct):
-            raise OSError(f"cannot switch O_DIRECT {'on' if direct else 'off'} for {self.path!r}")
+            raise StoreError(f"cannot switch O_DIRECT {'on' if direct else 'off'} for {self.path!r}")
 
     def write(self, vecs: List[torch.Tensor], direct: bool = False) -> None:
         self._mode(direct)  # no request is in flight on this slot: it is ours between acquire and release
