@@ -112,6 +112,7 @@ def main(argv=None) -> dict:
             if args.log_every and (i + 1) % args.log_every == 0:
                 bar.write(f"step {i + 1:5d}  loss {loss:.4f}  {dt:.3f} s/step")
     wall = time.perf_counter() - t_start
+    step.close()  # ends the offload worker thread; the store stays open until store.close()
     if bar is not None:
         bar.close()
 
@@ -120,6 +121,7 @@ def main(argv=None) -> dict:
     steady = sorted(times[1:] or times)
     summary = {
         "steps": len(losses),
+        "skipped_steps": int(state.skipped),
         "first_loss": losses[0] if losses else float("nan"),
         "final_loss": losses[-1] if losses else float("nan"),
         "median_step_s": steady[len(steady) // 2] if steady else float("nan"),

@@ -127,6 +127,7 @@ class OffloadUpdate(UpdatePolicy):
     def close(self) -> None:
         """End the worker thread (after the work it has)."""
         self.worker.shutdown(wait=True)
+        self.inner.close()
 
     def _take_early(self, early: dict, grads, state, active, m, created) -> dict:
         """Wait for the updates begun during backward; keep those that are what the update would compute now."""

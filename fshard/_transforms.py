@@ -23,6 +23,8 @@ from ._base import BatchesPolicy, GatherPolicy, Grads, GradsPolicy, ReducePolicy
 from ._errors import ArgumentTypeError, TransformConflictError
 
 STAGES = ("gather", "reduce", "grads", "update", "batches")
+PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "grads": GradsPolicy, "update": UpdatePolicy,
+             "batches": BatchesPolicy}
 
 
 class Transform:
@@ -135,6 +137,10 @@ def fold(transforms) -> Policy:
             if how not in ("set", "wrap"):
                 raise ArgumentTypeError(f"{t!r} changes the {stage} stage but does not declare how: add "
                                         f"stages = {{{stage!r}: 'set' or 'wrap'}} to its class.")
+            if PROTOCOLS[stage] not in type(new).__mro__:  # the step calls every declared hook: defaults needed
+                raise ArgumentTypeError(
+                    f"{t!r} gave the {stage} stage {new!r}, which is not a {PROTOCOLS[stage].__name__}: subclass "
+                    f"fs.{PROTOCOLS[stage].__name__}, which declares every hook of the stage with its default.")
             _check_conflict(t, stage, how, changed[stage])
             changed[stage].append((t, how))
             if stage == "grads":

@@ -76,6 +76,18 @@ def test_a_transform_must_declare_the_stages_it_changes():
         fs.compose(awkward_loss, Undeclared())
 
 
+def test_a_policy_must_follow_its_stage_protocol():
+    class OldStyle(fs.Transform):  # a plain function as a grads policy: it lacks the declared hooks
+        name = "old_style"
+        stages = {"grads": "wrap"}
+
+        def wrap_grads(self, grads):
+            return lambda comm, g: grads(comm, g)
+
+    with pytest.raises(fs.ArgumentTypeError, match=r"which is not a GradsPolicy: subclass fs.GradsPolicy"):
+        fs.compose(awkward_loss, OldStyle())
+
+
 # --- every shipped reduce policy hands every unit over ----------------------------------------------------------
 
 
