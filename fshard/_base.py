@@ -49,8 +49,9 @@ class InFlight(Protocol):
 
 
 class Collectives(Protocol):
-    """The step's collectives. Every one is recorded (and hashed: ranks compare the sequence after backward, so
-    ranks that issue different collectives fail the step instead of mixing data).
+    """The step's collectives. Every gather and reduction is recorded and hashed (ranks compare the sequence after
+    backward, so ranks that issue different ones fail the step instead of mixing data); ``all_reduce``, a small
+    control message, is recorded in the trace but not hashed.
 
     Attributes:
       mesh: the ranks of the state (``fs.Mesh``): ``rank``, ``world_size``, ``device``.

@@ -45,7 +45,7 @@ _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equa
 
 
 class OffloadError(FshardError):
-    """The store could not hold the optimizer state; the input state is unchanged."""
+    """The store could not hold the optimizer state; the input state is unchanged (unless it was donated)."""
 
 
 def _chunks(n: int, chunk: int):
@@ -162,8 +162,8 @@ class OffloadUpdate(UpdatePolicy):
         created = []  # keys this update wrote under new names: deleted again if it fails
         try:
             taken = self._take_early(step.scratch(self), grads, state, active, m, created)
-        except Exception as e:
-            return self._fail(e, created, donate=False)
+        except Exception as e:  # nothing of the input was written yet, but with donate the step already took it
+            return self._fail(e, created, donate)
         self.store.collect()  # versions no state refers to any more; only now: the worker is done with the store
         chosen = self._choose(spec, state)
         stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
@@ -210,9 +210,10 @@ class OffloadUpdate(UpdatePolicy):
     def _fail(self, e, created, donate):
         for k in created:
             _quiet_delete(self.store, k)
-        if donate:  # parameters and chunks were being updated in place (the step marked the state donated)
-            lost = ("The donated input state was partly updated in place and can no longer be used; restart "
-                    "from a checkpoint, or compose without donate=True to keep inputs intact.")
+        if donate:  # the step took the input before the update, which may have begun to write it in place
+            lost = ("The input state was donated (compose(..., donate=True)), so it may be partly updated in place "
+                    "and can no longer be used; restart from a checkpoint, or compose without donate=True to keep "
+                    "inputs intact.")
         else:
             lost = "Nothing was updated: the input state is unchanged and usable."
         if isinstance(e, FshardError) and not isinstance(e, StoreError):
