@@ -30,6 +30,25 @@ malloc_trim between configs, but RSS figures are then only indicative).
 
 Peak RSS per rank is the VmHWM of each config's training steps alone (reset through /proc/self/clear_refs after
 the build), the max over rounds; the build's own peak and the RSS before the build are printed beside it.
+
+Against an earlier commit (same-run A/B of fshard itself): ``--baseline DIR`` names a source tree of fshard, e.g. a
+git worktree of the commit to compare against, and a config listed as ``base:X`` (X any fshard config) runs X's
+builder from THIS file with the package ``fshard`` (fshard.ops, fshard.store, ... and the native sources
+``DIR/ops`` the JIT build compiles) imported from DIR instead of this checkout; the model (examples/gpt.py) and
+everything else stay this checkout's, so only fshard differs::
+
+    git worktree add --detach /tmp/fshard_base HEAD      # before the change; leave it in place
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/step.py --baseline /tmp/fshard_base --rounds 5 \
+        --configs "fshard,base:fshard,fshard+ahead+buckets,base:fshard+ahead+buckets"
+
+Each ``base:X`` process puts DIR first on sys.path before anything imports fshard (so it wins over this checkout
+and over the editable install), sets ``FSHARD_OPS_SRC=DIR/ops``, and checks that every loaded ``fshard*`` module
+(and the ops sources) come from DIR; with --baseline, the plain configs are checked to come from this checkout the
+same way. The log line of every round names where fshard came from. The summary adds ``X / base:X`` (ratio of the
+medians, and per round: the round-robin makes each round's pair see the same machine state, so the spread of the
+per-round ratios is the noise to judge the median ratio by) and the largest loss difference of each pair; --json
+carries them as ``ratio_vs_base``/``round_ratios_vs_base`` and under ``baseline``. base: configs need fresh
+processes per config (the default), not --in-process or torchrun: a process can import only one fshard.
 """
 from __future__ import annotations
 
@@ -55,6 +74,8 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
         sys.path.insert(0, _p)
 
 from gpt import GPT, GPTConfig, loss_fn, synthetic_batches  # noqa: E402
+
+BASE = "base:"  # prefix of a config run with fshard from --baseline DIR
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,6 +279,59 @@ def _fmt_bytes(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Baseline (--baseline DIR, configs named base:X): fshard from another source tree.
+
+
+def _is_base(name: str) -> bool:
+    return name.startswith(BASE)
+
+
+def _builder(name: str) -> Callable[[Ctx], Runner]:
+    """The builder of ``name``; ``base:X`` uses X's builder from this file (only the fshard it imports differs)."""
+    return CONFIGS[name[len(BASE):] if _is_base(name) else name]
+
+
+def _under(path: str, root: str) -> bool:
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([p, r]) == r
+
+
+def _enter_baseline(args) -> None:
+    """In a process that will run only base: configs, before anything imports fshard: import it from DIR."""
+    loaded = sorted(m for m in sys.modules if m == "fshard" or m.startswith("fshard."))
+    if loaded:
+        raise RuntimeError(f"[step.py] fshard already imported before switching to the baseline: {loaded}")
+    sys.path.insert(0, args.baseline)  # ahead of ROOT and of the editable install's finder (on sys.meta_path's end)
+    ops = os.path.join(args.baseline, "ops")
+    if os.path.isdir(ops):
+        os.environ["FSHARD_OPS_SRC"] = ops  # the baseline's native sources, whatever the caller's environment says
+    else:
+        os.environ.pop("FSHARD_OPS_SRC", None)
+
+
+def _fshard_source(args, name: str) -> str:
+    """Where this process's fshard was imported from (for the log). For ``base:`` configs, and for all configs
+    when --baseline is given, raise if any loaded ``fshard*`` module (or the ops sources) is not from the tree
+    the config must use: DIR for ``base:X``, this checkout otherwise."""
+    mod = sys.modules.get("fshard")
+    if mod is None or getattr(mod, "__file__", None) is None:
+        return "no fshard"
+    want = args.baseline if _is_base(name) else ROOT
+    build = sys.modules.get("fshard.ops._build")
+    src = getattr(build, "SRC_DIR", None)
+    bad = [f"{m}: {getattr(mod_, '__file__', None)}" for m, mod_ in list(sys.modules.items())
+           if (m == "fshard" or m.startswith("fshard.")) and getattr(mod_, "__file__", None)
+           and (not _under(mod_.__file__, want)
+                or (not _is_base(name) and args.baseline and _under(mod_.__file__, args.baseline)
+                    and not _under(ROOT, args.baseline)))]  # DIR nested inside this checkout
+    if src is not None and _is_base(name) and not _under(str(src), want):
+        bad.append(f"fshard.ops._build.SRC_DIR: {src}")
+    if bad and (_is_base(name) or args.baseline):
+        raise RuntimeError(f"[step.py] {name} must import fshard from {want}, but: " + "; ".join(bad))
+    return f"fshard from {os.path.dirname(mod.__file__)}" + (f", ops sources {src}" if src is not None else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The per-rank benchmark.
 
 
@@ -270,6 +344,11 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
+    names = names or _config_names(args)
+    if any(_is_base(n) for n in names):
+        if any(n.startswith("fshard") for n in names):
+            raise SystemExit("[step.py] base: and current fshard configs cannot share a process (one fshard each)")
+        _enter_baseline(args)
     import faulthandler
 
     faulthandler.enable()  # a native abort (e.g. in gloo) then shows where Python was
@@ -281,7 +360,6 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     ctx = Ctx(args, cfg, rank, world_size)
     n_total = args.warmup + args.steps
     batches = list(synthetic_batches(cfg, args.batch_size, n_total, args.seed, rank, world_size))
-    names = names or _config_names(args)
     n_rounds = args.rounds - first_round if out is None else 1
     rss_resettable = _reset_peak_rss()
 
@@ -293,6 +371,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     base: dict[str, int] = {n: 0 for n in names}  # RSS right before the build, at the run where peak was taken
     bpeak: dict[str, int] = {n: 0 for n in names}  # peak RSS while building (fs.init, DDP(...), fully_shard)
     failed: dict[str, str] = {}
+    origin: dict[str, str] = {}  # where fshard came from, per config
     log = print if rank == 0 else (lambda *a, **k: None)
     if out is None:
         log(_header(args, cfg, world_size, "one process per rank for all configs"), flush=True)
@@ -308,7 +387,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
             err = None
             runner = None
             try:
-                runner = CONFIGS[name](ctx)
+                runner = _builder(name)(ctx)
+                _fshard_source(args, name)  # check before timing anything
                 build_peak = _peak_rss_bytes()
                 _reset_peak_rss()  # from here on: the peak of the training steps alone
                 step_losses, step_times = [], []
@@ -325,6 +405,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                             if k.startswith(("time/", "mem/", "comm/", "gather/")) and isinstance(v, (int, float)):
                                 phases[name].setdefault(k, []).append(float(v))
                 times[name].append(step_times)
+                origin[name] = _fshard_source(args, name)  # again: lazily imported modules are loaded by now
                 if rnd == 0:
                     losses[name], loss_global[name] = step_losses, runner.loss_is_global
             except Exception as e:  # noqa: BLE001 -- report and go on with the other configs
@@ -348,10 +429,11 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
                 peak[name], base[name] = p, base_rss
             bpeak[name] = max(bpeak[name], build_peak)
             log(f"[step.py] round {rnd} {name}: median {statistics.median(times[name][-1]):.3f} s/step "
-                f"(rank 0), last loss {step_losses[-1]:.4f} (rank 0's)", flush=True)
+                f"(rank 0), last loss {step_losses[-1]:.4f} (rank 0's); {origin[name]}", flush=True)
 
     # ---- gather everything to rank 0 and report -------------------------------------------------------------
-    mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak, base=base, bpeak=bpeak)
+    mine = dict(times=times, losses=losses, loss_global=loss_global, phases=phases, peak=peak, base=base, bpeak=bpeak,
+                origin=origin)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -369,18 +451,24 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
 def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> None:
     ok = [n for n in names if n not in failed]
     result: dict[str, Any] = {"world_size": world_size, "batch_per_rank": args.batch_size, "threads": args.threads,
-                              "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "configs": {}}
+                              "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                              "git": _git_head(), "configs": {}}
+    if args.baseline:
+        result["baseline"] = {"dir": args.baseline, "git": _git_head(args.baseline), "ratios": {}}
+    w = max([28] + [len(n) for n in names])
     print("\n=== Training step, world size %d, gloo, %d thread(s)/rank, batch %d/rank, %s ==="
           % (world_size, args.threads, args.batch_size, "tiny GPT" if args.tiny else "GPT 27.4M"))
-    print(f"{'config':28s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  {'per-round medians':28s} "
+    print(f"{'config':{w}s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  {'per-round medians':28s} "
           f"{'last loss':>11s}  peak RSS per rank during the steps")
-    med = {}
+    med: dict[str, float] = {}
+    rmed: dict[str, list[float]] = {}  # per-round medians
     for n in ok:
         # a step's time is the slowest rank's
         rounds = [[max(r["times"][n][k][i] for r in everyone) for i in range(len(everyone[0]["times"][n][k]))]
                   for k in range(len(everyone[0]["times"][n]))]
         flat = [t for rd in rounds for t in rd]
         med[n] = statistics.median(flat)
+        rmed[n] = [statistics.median(rd) for rd in rounds]
         per_round = ", ".join(f"{statistics.median(rd):.3f}" for rd in rounds)
         if everyone[0]["loss_global"][n]:
             loss_curve = everyone[0]["losses"][n]
@@ -390,7 +478,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
         peaks = [r["peak"][n] for r in everyone]
         bases = [r["base"][n] for r in everyone]
         bpeaks = [r["bpeak"][n] for r in everyone]
-        print(f"{n:28s} {med[n]:9.3f} {min(flat):7.3f} {max(flat):7.3f}  {per_round:28s} {loss_curve[-1]:11.6f}  "
+        print(f"{n:{w}s} {med[n]:9.3f} {min(flat):7.3f} {max(flat):7.3f}  {per_round:28s} {loss_curve[-1]:11.6f}  "
               + " / ".join(_fmt_bytes(p) for p in peaks)
               + "  (build: " + " / ".join(_fmt_bytes(b) for b in bpeaks)
               + "; before build: " + " / ".join(_fmt_bytes(b) for b in bases) + ")")
@@ -398,10 +486,12 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
                                 "round_medians_s": [statistics.median(rd) for rd in rounds], "step_s": rounds,
                                 "loss_curve": loss_curve, "peak_rss_bytes": peaks,
                                 "rss_before_build_bytes": bases, "peak_rss_build_bytes": bpeaks}
+        if everyone[0].get("origin", {}).get(n):
+            result["configs"][n]["fshard_source"] = everyone[0]["origin"][n]
     if not rss_resettable:
         print("(peak RSS: /proc/self/clear_refs unavailable, figures are process-wide maxima)")
     for n, e in failed.items():
-        print(f"{n:28s} FAILED: {e.splitlines()[0]}")
+        print(f"{n:{w}s} FAILED: {e.splitlines()[0]}")
         result["configs"][n] = {"error": e}
 
     base_losses = {n: result["configs"][n]["loss_curve"] for n in ok}
@@ -419,6 +509,24 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
             if base in med and n != base and not (n == "ddp" and base == "fsdp2"):
                 print(f"  {n} / {base} = {med[n] / med[base]:.3f}")
                 result["configs"][n][f"ratio_vs_{base}"] = med[n] / med[base]
+
+    pairs = [(n, BASE + n) for n in ok if BASE + n in med]
+    if pairs:
+        print(f"\nagainst the baseline {args.baseline} (git {result['baseline']['git']}): current / baseline, "
+              "median step time; per-round ratios (the noise); max |loss difference| over the first round:")
+        for n, b in pairs:
+            r = med[n] / med[b]
+            per_round = [c / p for c, p in zip(rmed[n], rmed[b])]
+            dloss = max(abs(x - y) for x, y in zip(base_losses[n], base_losses[b]))
+            print(f"  {n} / {b} = {r:.3f}   per round: " + ", ".join(f"{x:.3f}" for x in per_round)
+                  + (f" (min {min(per_round):.3f}, max {max(per_round):.3f})" if len(per_round) > 1 else "")
+                  + f"   loss diff {dloss:.3g}")
+            result["configs"][n].update(ratio_vs_base=r, round_ratios_vs_base=per_round,
+                                        max_abs_loss_diff_vs_base=dloss)
+            result["baseline"]["ratios"][n] = r
+    for n in names:
+        if _is_base(n) and n[len(BASE):] not in names:
+            print(f"  ({n}: no {n[len(BASE):]} in --configs to compare with)")
 
     for n in ok:
         order = ["check", "gather", "gather_exposed", "compute", "reduce", "control", "update", "step"]
@@ -454,7 +562,8 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--configs", default="ddp,fsdp2,fshard", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--configs", default="ddp,fsdp2,fshard",
+                   help=f"comma-separated, from {sorted(CONFIGS)}; base:X for fshard config X from --baseline DIR")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config per round")
     p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
@@ -469,24 +578,39 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default spawns fresh processes per round and config, so that configs share no allocator "
                         "state or peak RSS")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
-    return p.parse_args(argv)
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="a source tree of fshard to compare against (e.g. a git worktree of an earlier commit): a "
+                        "config listed as base:X runs X with the package fshard imported from DIR (this file's "
+                        "builders and model); the summary adds X / base:X")
+    args = p.parse_args(argv)
+    if args.baseline:
+        args.baseline = os.path.realpath(args.baseline)
+        if not os.path.isfile(os.path.join(args.baseline, "fshard", "__init__.py")):
+            p.error(f"--baseline {args.baseline}: no fshard/__init__.py there")
+    return args
 
 
 def _config_names(args) -> list[str]:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if (n[len(BASE):] if _is_base(n) else n) not in CONFIGS]
     if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)} (and base:X for fshard ones)")
+    based = [n for n in names if _is_base(n)]
+    if based and not args.baseline:
+        raise SystemExit(f"configs {based} need --baseline DIR")
+    not_fshard = [n for n in based if not n[len(BASE):].startswith("fshard")]
+    if not_fshard:
+        raise SystemExit(f"base: is for fshard configs only, not {not_fshard}")
     return names
 
 
-def _git_head() -> str:
+def _git_head(root: str = ROOT) -> str:
     import subprocess
 
     try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -496,7 +620,9 @@ def _git_head() -> str:
 def _header(args, cfg, world_size, how) -> str:
     return (f"[step.py] git {_git_head()} torch {torch.__version__}\n"f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
             f"params={GPT(cfg, device='meta').num_params():,} configs={_config_names(args)} rounds={args.rounds} "
-            f"warmup={args.warmup} steps={args.steps} ({how})")
+            f"warmup={args.warmup} steps={args.steps} ({how})"
+            + (f"\n[step.py] baseline (base: configs): fshard from {args.baseline}, git {_git_head(args.baseline)}"
+               if args.baseline else ""))
 
 
 def run_isolated(args) -> None:
@@ -548,6 +674,8 @@ def run_isolated(args) -> None:
                     for key in ("losses", "loss_global"):
                         for n, v in src[key].items():
                             dst[key].setdefault(n, v)
+                    for n, v in src.get("origin", {}).items():
+                        dst.setdefault("origin", {}).setdefault(n, v)
                     for n, p in src["peak"].items():
                         if p > dst["peak"].get(n, 0):
                             dst["peak"][n], dst["base"][n] = p, src["base"][n]
@@ -565,6 +693,9 @@ def _free_port() -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if any(_is_base(n) for n in _config_names(args)) and (args.in_process or "RANK" in os.environ):
+        raise SystemExit("[step.py] base: configs need fresh processes per config (not --in-process or torchrun): "
+                         "a process can import only one fshard")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one set of processes for everything
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     elif not args.in_process:
