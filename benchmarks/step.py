@@ -618,7 +618,8 @@ def _git_head(root: str = ROOT) -> str:
 
 
 def _header(args, cfg, world_size, how) -> str:
-    return (f"[step.py] git {_git_head()} torch {torch.__version__}\n"f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
+    return (f"[step.py] git {_git_head()} torch {torch.__version__}\n"
+            f"[step.py] world={world_size} threads/rank={args.threads} batch/rank={args.batch_size} cfg={cfg} "
             f"params={GPT(cfg, device='meta').num_params():,} configs={_config_names(args)} rounds={args.rounds} "
             f"warmup={args.warmup} steps={args.steps} ({how})"
             + (f"\n[step.py] baseline (base: configs): fshard from {args.baseline}, git {_git_head(args.baseline)}"

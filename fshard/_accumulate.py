@@ -21,9 +21,10 @@ class _MicroBatches(BatchesPolicy):
     def __call__(self, batch) -> list:
         if not isinstance(batch, list) or len(batch) != self.k:
             what = f"a list of {len(batch)}" if isinstance(batch, list) else type(batch).__name__
-            raise ArgumentTypeError(f"a step composed with fs.accumulate({self.k}) takes a list of {self.k} micro-batches, "
-                            f"got {what}. Pass step(state, [mb_1, ..., mb_{self.k}]) (a list, so that a tuple batch "
-                            "such as (x, y) is never mistaken for micro-batches).")
+            raise ArgumentTypeError(
+                f"a step composed with fs.accumulate({self.k}) takes a list of {self.k} micro-batches, got {what}. "
+                f"Pass step(state, [mb_1, ..., mb_{self.k}]) (a list, so that a tuple batch such as (x, y) is never "
+                "mistaken for micro-batches).")
         return batch
 
 

@@ -243,7 +243,8 @@ class bucket_reduce(Transform):
             raise ArgumentError(f"fs.bucket_reduce: op must be 'avg' or 'sum', got {op!r}.")
         if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype)
                                          or not reduce_dtype.is_floating_point):
-            raise ArgumentTypeError(f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
+            raise ArgumentTypeError(
+                f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
         self.bucket_mb, self.reduce_dtype, self.op = bucket_mb, reduce_dtype, op
 
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:

@@ -214,7 +214,7 @@ class GatherAhead(GatherPolicy):
         unknown = sorted(names - known)
         if unknown:
             raise ArgumentError(f"fs.gather_ahead: unknown unit names {unknown}; this state's units are "
-                             f"{sorted(known)}.")
+                                f"{sorted(known)}.")
         self._checked = key
 
 
@@ -243,12 +243,12 @@ class gather_ahead(Transform):
             raise ArgumentError(f"fs.gather_ahead: depth must be an int >= 0 (units gathered ahead), got {depth!r}.")
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ArgumentTypeError(f"fs.gather_ahead: schedule must be an fs.Schedule (or None to record one), got "
-                            f"{type(schedule).__name__}.")
+                                    f"{type(schedule).__name__}.")
         if on_change not in ("replan", "error"):
             raise ArgumentError(f"fs.gather_ahead: on_change must be 'replan' or 'error', got {on_change!r}.")
         if not isinstance(reshard_after_forward, (bool, Mapping)) and not callable(reshard_after_forward):
-            raise ArgumentTypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name to "
-                            f"bool, or a callable, got {type(reshard_after_forward).__name__}.")
+            raise ArgumentTypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name "
+                                    f"to bool, or a callable, got {type(reshard_after_forward).__name__}.")
         self.depth, self.schedule = depth, schedule
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
 

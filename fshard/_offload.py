@@ -10,10 +10,10 @@ multiples of 16 elements, so a kernel's vector lanes see every element in the sa
 Purity: without ``donate``, updated chunks are written under a new version key and the input state's items stay
 readable; an item is deleted once no state refers to it (its ``Stored`` leaves were garbage-collected): the store
 owns that (``store.delete_later``, carried out at its next operation), so it holds whichever step function made
-the item, and also once every step function is gone. With ``donate=True`` chunks are written back under their own key (the store keeps the previous
-version readable until the new one is complete). The first step moves the chosen units' moments into the store;
-if a write fails there (directory full, read-only), the step raises ``OffloadError`` and the input state is
-unchanged and usable.
+the item, and also once every step function is gone. With ``donate=True`` chunks are written back under their own
+key (the store keeps the previous version readable until the new one is complete). The first step moves the
+chosen units' moments into the store; if a write fails there (directory full, read-only), the step raises
+``OffloadError`` and the input state is unchanged and usable (unless it was donated).
 
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
 (0: none, 1: all). Other units go to the update policy this one was given. With ``overlap_backward`` a unit's
@@ -343,12 +343,12 @@ class offload_state(Transform):
                  overlap_backward: bool | None = None, worker_nice: int = 5):
         if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete", "delete_later", "collect")):
             raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
-                            f"{type(store).__name__}.")
+                                    f"{type(store).__name__}.")
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise ArgumentError(f"fs.offload_state: fraction must be in [0, 1], got {fraction!r}.")
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
             raise ArgumentError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
-                             f"{depth!r}.")
+                                f"{depth!r}.")
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")

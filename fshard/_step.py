@@ -135,8 +135,8 @@ class Step:
             raise StepClosedError(f"{self!r} was closed (step.close(), or the end of its with block); compose a "
                                   "new step function with fs.compose(...) to go on training.")
         if not isinstance(state, TrainState):
-            raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous step, "
-                            f"got {type(state).__name__}.")
+            raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous "
+                                    f"step, got {type(state).__name__}.")
         state.check_usable()
         spec = state.spec
         if self.mesh is not None and not self.mesh.same_as(spec.mesh):

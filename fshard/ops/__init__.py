@@ -108,7 +108,7 @@ def _capped_isa(lib) -> str:
         return "auto"
     if cap not in _ISAS:
         raise ArgumentError(f"FSHARD_OPS_CPU_ISA={cap!r} is not a CPU kernel; use one of {', '.join(_ISAS)} "
-                         "or unset it")
+                            "or unset it")
     runs = list(lib.cpu_isas())
     return cap if cap in runs else runs[-1]
 

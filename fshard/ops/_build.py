@@ -78,8 +78,9 @@ def check_toolchain() -> None:
     if shutil.which(cxx) is None:
         raise BuildError(
             f"fshard.ops: C++ compiler {cxx!r} not found on PATH (from $CXX, default 'c++'). "
-            "Install g++ (e.g. apt-get install g++) or set CXX to a compiler, then retry; "
-            "Without a build, fshard.ops.adamw_ runs the several-pass torch reference instead (with a warning), unless FSHARD_OPS_REQUIRE_NATIVE=1 makes that an error."
+            "Install g++ (e.g. apt-get install g++) or set CXX to a compiler, then retry. Without a build, "
+            "fshard.ops.adamw_ runs the several-pass torch reference instead (with a warning), unless "
+            "FSHARD_OPS_REQUIRE_NATIVE=1 makes that an error."
         )
     if not cpp_extension.is_ninja_available():
         raise BuildError("fshard.ops: ninja not found; pip install ninja (torch JIT builds need it).")

@@ -35,7 +35,7 @@ def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: flo
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
         raise ArgumentError("fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
-                         f"length, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
+                            f"length, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
     if copies and len(copies) != n:
         raise ArgumentError(f"fshard.ops.adamw_: param_copies has {len(copies)} tensors but params has {n}")
     if step < 1:
@@ -44,7 +44,7 @@ def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: flo
         for name, t in (("grads", grads[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
             if t.numel() != params[i].numel():
                 raise ArgumentError(f"fshard.ops.adamw_: {name}[{i}] has {t.numel()} elements but "
-                                 f"params[{i}] has {params[i].numel()}")
+                                    f"params[{i}] has {params[i].numel()}")
     keep = [i for i in range(n) if params[i].numel() > 0]
     if not keep:
         return False

@@ -72,8 +72,8 @@ class Store(Protocol):
 class DeferredDeletes:
     """``delete_later`` and ``collect`` for a store that is used from one thread: a key whose deletion is asked for
     from anywhere (a finalizer runs in whichever thread drops the last reference, perhaps in the middle of a store
-    operation) is deleted by the store's own next ``put``, ``stream``, ``keys()``, ``len()`` or ``collect()``. So the store,
-    not whoever wrote an item, owns its lifetime."""
+    operation) is deleted by the store's own next ``put``, ``stream``, ``keys()``, ``len()`` or ``collect()``. So
+    the store, not whoever wrote an item, owns its lifetime."""
 
     def _init_deferred(self) -> None:
         self._later: deque = deque()  # append and popleft are atomic: safe from a finalizer in another thread

@@ -29,7 +29,7 @@ def check_depth(store: Any, depth: int, who: str) -> None:
     pool = getattr(store, "pool", None)
     if pool is not None and depth + 2 > pool.max_buffers:
         raise ArgumentError(f"{who} needs {depth + 2} pool buffers but the store's pool allows {pool.max_buffers}; "
-                         f"lower depth or make the store with max_buffers >= {depth + 2}")
+                            f"lower depth or make the store with max_buffers >= {depth + 2}")
 
 
 class StreamItem:
