@@ -10,9 +10,10 @@ State is data (an immutable, sharded pytree) and the step is a pure function::
             state, metrics = step(state, batch)
 
 Public names are re-exported here over private modules (``fshard._*``), as optax does; ``__all__`` lists them.
-Two subpackages load on first use, because they pull in what a training run may not need: ``fs.ops`` (builds the
-native kernels) and ``fs.testing`` (hypothesis). The stores are plain Python until an ``NVMeStore`` is opened
-(tensornvme loads then).
+The subpackages are modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *`` loads none of
+them): ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on
+first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
+``fs.testing`` (hypothesis).
 """
 from __future__ import annotations
 
@@ -61,8 +62,6 @@ __all__ = [
     "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError", "PolicyError",
     "RankDivergenceError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
     "TransformConflictError", "UnboundParameterError",
-    # subpackages, loaded on first use
-    "ops", "testing",
 ]
 
 
@@ -73,4 +72,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(__all__) | {"__version__"})
+    return sorted(set(__all__) | set(_LAZY) | {"store", "__version__"})

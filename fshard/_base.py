@@ -134,9 +134,9 @@ class StepView(Protocol):
         dropped when the step returns or raises."""
 
     def grad_ready(self, unit: UnitView, shard: torch.Tensor) -> None:
-        """Hand over ``unit``'s reduced gradient shard (``unit.layout.shard_numel`` elements of its dtype). The
-        reduce policy calls it exactly once per unit it was given, by the time its ``finish`` returns; in the last
-        micro-batch it also offers the unit to the update policy's ``overlap``."""
+        """Hand over ``unit``'s reduced gradient shard (``unit.layout.shard_numel`` elements of its dtype; else
+        ``PolicyError``). The reduce policy calls it exactly once per unit it was given, by the time its ``finish``
+        returns; in the last micro-batch it also offers the unit to the update policy's ``overlap``."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,9 @@ class Grads:
             object.__setattr__(self, f, types.MappingProxyType(dict(getattr(self, f))))
 
     def replace(self, **changes) -> Grads:
+        """A copy with ``changes``. New ``shards`` drop the cached ``sq_norm`` (unless one is given with them)."""
+        if "shards" in changes and "sq_norm" not in changes:
+            changes["sq_norm"] = None
         return replace(self, **changes)
 
     def with_metrics(self, **metrics) -> Grads:
@@ -305,8 +308,9 @@ class UpdatePolicy(Protocol):
         ``step.scratch(self)`` for ``__call__`` to take."""
 
     def abort(self, step: StepView) -> None:
-        """The step failed before ``__call__`` took what ``overlap`` began: drop it, losing nothing of the input
-        state."""
+        """Called at the end of every step that began a micro-batch: drop what ``overlap`` began and ``__call__``
+        did not take (the step failed, ``__call__`` included, or skipped the update), losing nothing of the input
+        state. After a successful ``__call__`` there is nothing left to drop."""
 
     def close(self) -> None:
         """Release the policy's resources, threads included (``step.close()``)."""

@@ -24,8 +24,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from ._mesh import Mesh
+from ._base import Collectives
 from ._errors import ArgumentError
+from ._mesh import Mesh
 
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see agree())
 GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
@@ -45,10 +46,10 @@ class Flight:
     """One collective in flight (a gather or a reduction, ``phase``). ``wait()`` returns once its output is
     complete (on CUDA: once the current stream is ordered after it)."""
 
-    __slots__ = ("comm", "works", "t_issue", "t_done", "_stamps", "phase")
+    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase")
 
     def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather"):
-        self.comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
+        self._comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
         self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
         if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
             try:
@@ -68,13 +69,13 @@ class Flight:
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
-        if self.comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
-            torch.cuda.current_stream().wait_stream(self.comm.stream)
+        if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
+            torch.cuda.current_stream().wait_stream(self._comm.stream)
         t1 = time.perf_counter()
         self.works = None
         stamps = self._stamps
         self.t_done = max(stamps) if stamps and all(t is not None for t in stamps) else t1
-        self.comm.seconds[self.phase + "_exposed"] += t1 - t0
+        self._comm.seconds[self.phase + "_exposed"] += t1 - t0
 
 
 class Comm:
@@ -201,6 +202,23 @@ class Comm:
             dist.all_reduce(t, op=op, group=self.mesh.group)
         self.seconds["control"] += time.perf_counter() - t0
         return t
+
+
+class CollectivesView(Collectives):
+    """What policies get of a step's ``Comm`` (``fs.Collectives``): the mesh and the collectives a policy may issue.
+    The rest of ``Comm`` (gathers, timing, draining) belongs to the step."""
+
+    def __init__(self, comm: Comm):
+        self._comm, self.mesh = comm, comm.mesh
+
+    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        return self._comm.all_reduce(t, tag)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
+        return self._comm.reduce_scatter(out, full, tag)
+
+    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+        return self._comm.reduce_each(sections, tag)
 
 
 def all_equal(n: int, sums: list[float], sq_sums: list[float]) -> list[bool]:

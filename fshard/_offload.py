@@ -18,8 +18,8 @@ chosen units' moments into the store; if a write fails there (directory full, re
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
 (0: none, 1: all). Other units go to the update policy this one was given. With ``overlap_backward`` a unit's
 update starts in a worker thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); the
-thread ends with ``step.close()``. On CUDA the
-shard's gradient and parameter go to the CPU for the update and the parameter comes back (not run on a GPU yet).
+thread ends with ``step.close()``. On CUDA the shard's gradient and parameter go to the CPU for the update and the
+parameter comes back (not run on a GPU yet).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import os
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
 from ._transforms import Transform
 from .store._errors import StoreError
+from .store._protocol import Store
 from .store._stream import check_depth
 
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
@@ -76,7 +77,8 @@ class _Early:
         return p
 
     def abandon(self) -> None:
-        """Wait for the worker, then delete what it wrote: the step did not take this update."""
+        """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let
+        the worker finish every other update first, so the store has one user at a time.)"""
         try:
             self.future.result()
         except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
@@ -119,8 +121,10 @@ class OffloadUpdate(UpdatePolicy):
             early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name))
 
     def abort(self, step) -> None:
-        """The step failed: wait for the updates begun during backward and delete what they wrote."""
+        """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
+        update): wait until the worker is done with every one of them, then delete what they wrote."""
         early = step.scratch(self)
+        _settle(early.values())  # the deletes below use the store: the worker must be done with it
         while early:
             early.popitem()[1].abandon()
 
@@ -133,10 +137,12 @@ class OffloadUpdate(UpdatePolicy):
         """Wait for the updates begun during backward; keep those that are what the update would compute now."""
         taken = {}
         t0 = time.perf_counter()
+        _settle(early.values())  # every one first: from here on the store is this thread's alone
+        m["time/io_wait"] += time.perf_counter() - t0  # what backward did not hide
         try:
             for name in list(early):
                 work = early.pop(name)
-                ok = (grads.scale == 1.0 and not grads.skip and all(active.get(name, ()))
+                ok = (grads.scale == 1.0 and all(active.get(name, ()))
                       and grads.shards.get(name) is work.grad and state.opt_state.get(name) is work.s)
                 if not ok:  # (never expected: overlap only starts work whose inputs are final)
                     work.abandon()
@@ -151,9 +157,8 @@ class OffloadUpdate(UpdatePolicy):
                     m[k] += work.metrics[k]
                 m["time/overlapped_update"] += work.seconds
         finally:
-            for work in list(early.values()):  # an error above: wait for and drop the rest before going on
-                early.pop(work.name).abandon()
-            m["time/io_wait"] += time.perf_counter() - t0  # what backward did not hide
+            while early:  # an error above: drop the rest before going on
+                early.popitem()[1].abandon()
         return taken
 
     def __call__(self, step, state, grads, active, donate):
@@ -202,7 +207,7 @@ class OffloadUpdate(UpdatePolicy):
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
         except Exception as e:
             self._fail(e, created, donate)
-        m["store/resident_bytes"] = int(getattr(self.store, "resident_bytes", 0))
+        m["store/resident_bytes"] = int(self.store.resident_bytes)
         t0 = min([t0] + [work.started for _, work in taken.values()])  # I/O began with the first early update
         m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
         return params, opt_state, m
@@ -301,6 +306,11 @@ def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) ->
     p[a:b].copy_(ph, non_blocking=True)
 
 
+def _settle(works) -> None:
+    """Wait until the worker has finished (or failed) every one of ``works``."""
+    wait([w.future for w in works])
+
+
 def _lower_priority(nice: int) -> None:
     """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
     their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
@@ -341,9 +351,9 @@ class offload_state(Transform):
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
                  overlap_backward: bool | None = None, worker_nice: int = 5):
-        if not all(hasattr(store, a) for a in ("put", "get", "stream", "delete", "delete_later", "collect")):
-            raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory), got "
-                                    f"{type(store).__name__}.")
+        if not isinstance(store, Store):
+            raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory) (or "
+                                    f"have every method and attribute of fs.Store), got {type(store).__name__}.")
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise ArgumentError(f"fs.offload_state: fraction must be in [0, 1], got {fraction!r}.")
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
@@ -353,7 +363,7 @@ class offload_state(Transform):
             raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
-        on_disk = getattr(store, "directory", None) is not None  # a store that waits on a device
+        on_disk = store.directory is not None  # a store that waits on a device
         self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
         self.worker_nice = worker_nice
 

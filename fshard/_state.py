@@ -88,6 +88,9 @@ class FrozenMap(Mapping):
     def __setattr__(self, name, value):
         raise FrozenStateError(f"FrozenMap is immutable; make a changed copy with state.replace({self._field}=...).")
 
+    def __reduce__(self):  # copy, deepcopy and pickle rebuild it through __init__ (__setattr__ refuses)
+        return FrozenMap, (self._data, self._field)
+
     def __repr__(self) -> str:
         return f"FrozenMap({self._data!r})"
 
@@ -142,7 +145,8 @@ class TrainState:
                 object.__setattr__(self, f, FrozenMap(v, f))
 
     def replace(self, **changes) -> "TrainState":
-        """A copy with ``changes``; it shares the tensors it does not change, and so the donation token too."""
+        """A copy with ``changes``; it shares the tensors it does not change, and so the donation token too (pass
+        ``donation=fs.Donation()`` for a copy that shares no tensor with this state)."""
         return dataclasses.replace(self, **changes, **({} if "donation" in changes else {"donation": self.donation}))
 
     @property

@@ -109,7 +109,7 @@ class Step:
             t2 = time.perf_counter()
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
-            grads = self.policy.grads(comm, Grads(run._grad_shards()))
+            grads = self.policy.grads(run.comm, Grads(run._grad_shards()))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
                 new, update_metrics = state.replace(skipped=state.skipped + 1), {}
@@ -125,8 +125,8 @@ class Step:
         finally:
             if not ok:
                 comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
-                if runs:
-                    self.policy.update.abort(runs[-1])  # work begun during backward that no update took
+            if runs:  # work begun during backward that no update took (the step failed, or skipped the update)
+                self.policy.update.abort(runs[-1])
             for run in runs:
                 run._close()  # free this step's buffers now, also when it raised
 

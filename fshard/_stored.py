@@ -67,7 +67,7 @@ class Stored:
 
 
 def _location(store) -> str:
-    d = getattr(store, "directory", None)
+    d = store.directory
     return f"nvme:{d} ({getattr(store, 'backend', '?')})" if d else type(store).__name__.removesuffix("Store").lower()
 
 

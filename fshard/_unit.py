@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from ._base import StepView, UnitView
+from ._collectives import CollectivesView
 from ._errors import PolicyError, TemplateCallError
 from ._layout import UnitLayout, views
 
@@ -153,7 +154,7 @@ class UnitRun(UnitView):
     def launch(self) -> None:
         if self.alive:
             return
-        comm = self._run.comm
+        comm = self._run._comm
         with comm.gather_scope():
             if self._buf is None:
                 self._buf = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
@@ -181,7 +182,7 @@ class UnitRun(UnitView):
                 self._pending.wait()
                 self._pending = None
             self._run._on_alive(self, -1)
-            self._run.comm.before_free()
+            self._run._comm.before_free()
             self._buf.untyped_storage().resize_(0)
             self.alive = False
 
@@ -223,7 +224,8 @@ class StepRun(StepView):
     saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, state, comm, policy, acc: Accumulator, scratch: dict, last: bool):
-        self.spec, self.state, self.comm, self.last = state.spec, state, comm, last
+        self.spec, self.state, self.last = state.spec, state, last
+        self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
         self.grads_unchanged = policy.grads_unchanged
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
@@ -238,9 +240,14 @@ class StepRun(StepView):
         return self._scratch.setdefault(id(owner), {})
 
     def grad_ready(self, unit: UnitRun, shard: torch.Tensor) -> None:
+        policy = type(self._policy.reduce).__name__
         if unit._grad is not None:
-            raise PolicyError(f"the reduce policy {type(self._policy.reduce).__name__} handed over unit "
-                                      f"{unit.name!r}'s gradient shard twice in one step; hand it over once.")
+            raise PolicyError(f"the reduce policy {policy} handed over unit {unit.name!r}'s gradient shard twice in "
+                              "one step; hand it over once.")
+        if shard.numel() != unit.layout.shard_numel or shard.dtype != unit.layout.dtype:
+            raise PolicyError(f"the reduce policy {policy} handed over {shard.numel()} elements of {shard.dtype} as "
+                              f"the gradient shard of unit {unit.name!r}, whose shard has {unit.layout.shard_numel} "
+                              f"of {unit.layout.dtype}.")
         unit._grad = shard
         if self.last:
             self._policy.update.overlap(self, unit)

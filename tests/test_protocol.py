@@ -3,12 +3,15 @@ their lifetimes, one public surface and one error family."""
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import gc
 import pathlib
+import pickle
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import optree
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import fshard as fs
+import fshard.testing as ft
 from models import Awkward, awkward_batches, awkward_loss
 
 FSHARD = pathlib.Path(fs.__file__).parent
@@ -105,31 +109,49 @@ class _Record(fs.Transform):
 
         class Recording(fs.UpdatePolicy):
             def overlap(self, step, unit):
-                rec.overlapped.append((unit.name, step.last, unit.grad is not None))
+                rec.overlapped.append((unit.name, unit.grad, len(step.order)))
 
             def __call__(self, step, state, grads, active, donate):
-                rec.updated.append(sorted(grads.shards))
+                rec.updated.append((dict(grads.shards), len(step.order)))
                 return inner(step, state, grads, active, donate)
         return Recording()
+
+
+def _hand_over(reduce, k, world_size=1):
+    """Per step: the units offered to overlap, in order, and whether each was offered the very shard the update
+    got, in the last micro-batch (whose forward called 4 units), before the update."""
+    mesh, rec = fs.Mesh.from_env(), _Record()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw(lr=1e-2, impl="torch"))
+    ts = (() if reduce is None else (fs.bucket_reduce(reduce),)) + ((fs.accumulate(k),) if k > 1 else ())
+    step = fs.compose(awkward_loss, *ts, rec)
+    bs = list(awkward_batches(2, 2 * k, rank=mesh.rank, world_size=world_size))
+    out = []
+    for i in range(2):
+        state, _ = step(state, bs[i * k:(i + 1) * k] if k > 1 else bs[i])
+        shards, calls = rec.updated[-1]
+        offered = rec.overlapped[len(rec.overlapped) - len(shards):]
+        out.append((sorted(n for n, _, _ in offered), sorted(shards),
+                    all(shards[n] is g and c == calls for n, g, c in offered)))
+    return out, len(rec.overlapped) == sum(len(s) for s, _ in rec.updated)
 
 
 @pytest.mark.parametrize("reduce", [None, 1e-6, 1e-4, 25])
 @pytest.mark.parametrize("k", [1, 3])
 def test_every_shipped_reduce_policy_hands_each_unit_over_once_in_the_last_micro_batch(reduce, k):
-    state, rec = _state(), _Record()
-    ts = (() if reduce is None else (fs.bucket_reduce(reduce),)) + ((fs.accumulate(k),) if k > 1 else ())
-    step = fs.compose(awkward_loss, *ts, rec)
-    bs = list(awkward_batches(2, 2 * k))
-    for i in range(2):
-        batch = bs[i * k:(i + 1) * k] if k > 1 else bs[i]
-        state, _ = step(state, batch)
-        names = rec.updated[-1]
-        got = rec.overlapped[-len(names):]
-        assert sorted(n for n, _, _ in got) == names  # each unit with a gradient once, none twice
-        assert all(last and has for _, last, has in got)  # in the last micro-batch, with its shard
-    assert len(rec.overlapped) == sum(len(u) for u in rec.updated)
-    # the never-called unit: no gradient to reduce (blocking), or its zeros with its bucket's (bucket_reduce)
-    assert ("blocks.2" in rec.updated[-1]) == (reduce is not None) and "<root>" in rec.updated[-1]
+    steps, counted = _hand_over(reduce, k)
+    assert counted  # no unit offered twice, none in an earlier micro-batch
+    for offered, updated, same in steps:
+        assert offered == updated and same  # every unit the update gets, offered once, with that very shard
+        # the never-called unit: no gradient to reduce (blocking), or its zeros with its bucket's (bucket_reduce)
+        assert ("blocks.2" in updated) == (reduce is not None) and "<root>" in updated
+
+
+@pytest.mark.parametrize("reduce", [None, 1e-4])
+def test_the_hand_over_holds_at_world_size_2(reduce):
+    from _dist import run_ranks
+    for steps, counted in run_ranks(_hand_over, 2, reduce, 3, 2):
+        assert counted and all(offered == updated and same for offered, updated, same in steps)
 
 
 class _Lazy(fs.Transform):
@@ -138,16 +160,16 @@ class _Lazy(fs.Transform):
     name = "lazy"
     stages = {"reduce": "set"}
 
-    def __init__(self, times):
-        self.times = times
+    def __init__(self, times, short=0):
+        self.times, self.short = times, short
 
     def wrap_reduce(self, reduce):
-        times = self.times
+        times, short = self.times, self.short
 
         class Lazy(fs.ReducePolicy):
             def reduce(self, step, unit, grad):
                 for _ in range(times if unit.name == "blocks.1" else 1):
-                    step.grad_ready(unit, grad[:unit.layout.shard_numel].clone())
+                    step.grad_ready(unit, grad[:unit.layout.shard_numel - short].clone())
         return Lazy()
 
 
@@ -157,6 +179,9 @@ def test_a_reduce_policy_that_breaks_the_hand_over_is_named():
         fs.compose(awkward_loss, _Lazy(0))(_state(), b)
     with pytest.raises(fs.PolicyError, match=r"handed over unit 'blocks.1'.*twice"):
         fs.compose(awkward_loss, _Lazy(2))(_state(), b)
+    with pytest.raises(fs.PolicyError, match=r"handed over 111 elements of torch.float32 as the gradient shard of "
+                                             r"unit 'blocks.1', whose shard has 112 of torch.float32"):
+        fs.compose(awkward_loss, _Lazy(1, short=1))(_state(), b)
 
 
 def test_policies_see_only_the_documented_views():
@@ -171,11 +196,12 @@ def test_policies_see_only_the_documented_views():
                 def before_forward(self, step, unit):
                     seen.setdefault("step", {a for a in dir(step) if not a.startswith("_")})
                     seen.setdefault("unit", {a for a in dir(unit) if not a.startswith("_")})
+                    seen.setdefault("comm", {a for a in dir(step.comm) if not a.startswith("_")})
                     unit.acquire()
             return Peeking()
 
     fs.compose(awkward_loss, Peek())(_state(), next(iter(awkward_batches(2, 1))))
-    for name, proto in (("step", fs.StepView), ("unit", fs.UnitView)):
+    for name, proto in (("step", fs.StepView), ("unit", fs.UnitView), ("comm", fs.Collectives)):
         declared = set(proto.__annotations__) | {a for a in vars(proto) if not a.startswith("_")}
         assert seen[name] <= declared, f"{name} exposes undocumented {sorted(seen[name] - declared)}"
 
@@ -201,6 +227,14 @@ def test_state_mappings_are_read_only_and_name_the_fix():
     assert "params.<root>" in paths and "skipped" in paths
 
 
+def test_states_copy_and_pickle():
+    state = _state()
+    for back in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)), copy.copy(state)):
+        assert isinstance(back.params, fs.FrozenMap) and list(back.params) == list(state.params)
+        ft.check_unchanged(back, ft.snapshot(state))
+    assert dict(copy.copy(state.params)) == dict(state.params)
+
+
 def test_grads_are_frozen():
     g = fs.Grads({"a": torch.ones(3)})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -209,6 +243,9 @@ def test_grads_are_frozen():
         g.shards["b"] = torch.ones(1)
     h = g.replace(scale=0.5).with_metrics(x=1)
     assert (g.scale, dict(g.metrics), h.scale, dict(h.metrics)) == (1.0, {}, 0.5, {"x": 1})
+    normed = g.replace(sq_norm=3.0)
+    assert normed.replace(scale=2.0).sq_norm == 3.0  # the norm is of the shards, before any scale
+    assert normed.replace(shards={"a": torch.zeros(3)}).sq_norm is None  # new shards: the cached norm is stale
 
 
 def test_donation_is_a_field_shared_by_states_that_share_tensors():
@@ -271,6 +308,96 @@ def test_no_stored_version_outlives_the_states_after_recomposing_the_step(kind, 
     store.close()
 
 
+class _OneUser:
+    """A store wrapper that counts operations begun while another thread's is under way (the store is not locked:
+    it must have one user at a time), and fails the worker's first stream (a disk error in the first unit begun)."""
+
+    def __init__(self, inner):
+        self.inner, self.lock, self.overlaps, self.fail_next = inner, threading.Lock(), 0, False
+
+    def _op(self, name, *args, **kwargs):
+        if not self.lock.acquire(blocking=False):
+            self.overlaps += 1
+            self.lock.acquire()
+        try:
+            time.sleep(0.002)  # widen the window a race would need
+            return getattr(self.inner, name)(*args, **kwargs)
+        finally:
+            self.lock.release()
+
+    def put(self, key, t):
+        return self._op("put", key, t)
+
+    def get(self, key, out=None):
+        return self._op("get", key, out)
+
+    def delete(self, key):
+        return self._op("delete", key)
+
+    def collect(self):
+        return self._op("collect")
+
+    def keys(self):
+        return self._op("keys")
+
+    def stream(self, keys, depth=2, writeback=False, max_writes=None):
+        from fshard.store import Stream
+        if self.fail_next and threading.current_thread().name.startswith("fshard-offload"):
+            self.fail_next = False
+            raise OSError(5, "Input/output error (injected)")
+        return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_failed_update_begun_in_backward_waits_for_the_others_before_touching_the_store(tmp_path):
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layers=4)
+    state = fs.init(GPT(cfg), fs.Mesh.local(), fs.adamw())
+    bs = list(synthetic_batches(cfg, 2, 3, seed=1))
+    store = _OneUser(fs.NVMeStore(str(tmp_path)))
+    with fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.002, overlap_backward=True)) as step:
+        state, _ = step(state, bs[0])
+        state, m = step(state, bs[1])
+        assert m["update/overlapped_units"] >= 3
+        keys = set(store.keys())
+        store.fail_next = True  # the first unit begun in the next backward fails; the others go on writing
+        with pytest.raises(fs.OffloadError, match="Input/output error"):
+            step(state, bs[2])
+        assert store.overlaps == 0 and set(store.keys()) == keys  # one user at a time; nothing left behind
+        again, m = step(state, bs[2])  # the input state is intact
+        assert m["update/overlapped_units"] >= 3
+    store.inner.close()
+
+
+def test_work_begun_in_backward_is_dropped_when_the_update_is_skipped(tmp_path):
+    class Fickle(fs.Transform):  # wrongly says it changes nothing, then skips the step
+        name = "fickle"
+        stages = {"grads": "wrap"}
+
+        def wrap_grads(self, inner):
+            class Policy(fs.GradsPolicy):
+                changes_grads = False
+
+                def __call__(self, comm, grads):
+                    return inner(comm, grads).replace(skip=True)
+            return Policy()
+
+    state, bs = _state(), list(awkward_batches(2, 2))
+    with fs.NVMeStore(str(tmp_path)) as store:
+        with fs.compose(awkward_loss, fs.offload_state(store, chunk_mb=0.001, overlap_backward=True)) as step:
+            state, _ = step(state, bs[0])  # moves the moments into the store
+        keys = set(store.keys())
+        with fs.compose(awkward_loss, Fickle(), fs.offload_state(store, chunk_mb=0.001, overlap_backward=True)) \
+                as step:
+            new, m = step(state, bs[1])
+        assert int(new.skipped) == 1 and new.opt_state is state.opt_state
+        store.collect()
+        assert set(store.keys()) == keys  # what the worker began for the skipped step is gone
+
+
 def _fshard_threads(before=()) -> list[str]:
     """fshard's threads alive now that were not in ``before`` (earlier tests may leave steps unclosed)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("fshard") and t.is_alive() and t not in before]
@@ -300,12 +427,14 @@ def test_all_names_every_public_object_and_dir_shows_them():
     for name in fs.__all__:
         assert getattr(fs, name) is not None, name
     assert set(fs.__all__) <= set(dir(fs)) and "NVMeStore" in dir(fs)
+    assert {"ops", "testing", "store"} <= set(dir(fs))  # subpackages: shown, not star-imported
     public = {n for n, v in vars(fs).items() if not n.startswith("_") and not isinstance(v, type(sys))}
     assert public - {"annotations", "importlib"} <= set(fs.__all__)
 
 
 def test_import_loads_neither_the_native_ops_nor_the_test_helpers():
-    code = ("import sys, fshard as fs; heavy = ('fshard.ops', 'fshard.testing', 'hypothesis', 'tensornvme');"
+    code = ("import sys; from fshard import *; import fshard as fs;"
+            "heavy = ('fshard.ops', 'fshard.testing', 'hypothesis', 'tensornvme');"
             "print(sorted(m for m in sys.modules if m.startswith(heavy))); fs.ops; fs.testing;"
             "print(sorted(m for m in ('fshard.ops', 'fshard.testing') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
@@ -328,7 +457,7 @@ def test_every_error_fshard_raises_on_purpose_is_an_fshard_error():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and node.exc is not None:
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
-                name = exc.id if isinstance(exc, ast.Name) else None
+                name = exc.id if isinstance(exc, ast.Name) else exc.attr if isinstance(exc, ast.Attribute) else None
                 if name is None or name.lstrip("_")[0].islower() or (path.name, name) in _PROTOCOL_RAISES:
                     continue  # re-raising a caught exception (raise e) or a computed one (raise self._failed(...))
                 cls = namespace.get(name)

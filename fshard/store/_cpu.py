@@ -14,6 +14,7 @@ from ._protocol import DeferredDeletes, ItemMeta, as_bytes, meta_of
 
 
 class CPUStore(DeferredDeletes):
+    directory = None  # items live in host memory
     def __init__(self, *, pin: Optional[bool] = None, max_buffers: int = 16, max_buffer_bytes: int = 1 << 30,
                  events: Optional[EventLog] = None):
         self.pin = torch.cuda.is_available() if pin is None else pin

@@ -44,7 +44,13 @@ def from_bytes(u8: torch.Tensor, meta: ItemMeta) -> torch.Tensor:
 @runtime_checkable
 class Store(Protocol):
     """Asynchronous key -> tensor store. `put` and `get` return handles; `wait()` on a put means the caller may
-    reuse the tensor, `wait()` on a get returns a tensor equal to what was put (dtype, shape, bytes)."""
+    reuse the tensor, `wait()` on a get returns a tensor equal to what was put (dtype, shape, bytes).
+
+    `directory` is where the items live on disk, or None for a store in memory; `resident_bytes` is the host memory
+    the store holds. `delete_later` and `collect` give the store the lifetime of its items (`DeferredDeletes`)."""
+
+    directory: Optional[str]
+    resident_bytes: int
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> Handle: ...
 
@@ -84,8 +90,11 @@ class DeferredDeletes:
 
     def collect(self) -> None:
         """Delete now what ``delete_later`` was asked to (from the thread that uses the store)."""
-        while self._later:
-            key = self._later.popleft()
+        while True:
+            try:
+                key = self._later.popleft()
+            except IndexError:  # empty (also if another thread emptied it first)
+                return
             if self._closed:
                 continue
             try:
