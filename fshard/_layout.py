@@ -119,6 +119,20 @@ def shard(flat: torch.Tensor, layout: UnitLayout, rank: int) -> torch.Tensor:
     return flat[lo:hi].clone()
 
 
+def shard_of(layout: UnitLayout, tensors: dict[str, torch.Tensor], rank: int, device=None) -> torch.Tensor:
+    """``shard(flatten(layout, tensors), layout, rank)`` without the flat buffer: only rank ``rank``'s slice is
+    allocated, and each parameter's overlap with it copied in (so init holds one shard, not one unit, per unit)."""
+    lo, hi = layout.shard_range(rank)
+    first = next(iter(tensors.values()), None)
+    device = device if device is not None else (first.device if first is not None else "cpu")
+    out = torch.zeros(hi - lo, dtype=layout.dtype, device=device)
+    for s in layout.slots:
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a < b:
+            out[a - lo:b - lo].copy_(tensors[s.name].detach().reshape(-1)[a - s.offset:b - s.offset])
+    return out
+
+
 def unshard(shards: list[torch.Tensor]) -> torch.Tensor:
     """The flat buffer from all ranks' shards, in rank order."""
     return torch.cat([s.reshape(-1) for s in shards])

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import fshard as fs
 import fshard.testing as ft
-from fshard._layout import flatten, shard, unshard
+from fshard._layout import flatten, shard, shard_of, unshard
 
 
 @given(ft.param_trees(), ft.world_sizes())
@@ -65,3 +65,14 @@ def test_per_rank_bytes_within_total_over_n_plus_padding(module, n):
         p.requires_grad_(True)  # the bound is for models without frozen parameters (see check_memory_bound)
     for rank in range(n):
         ft.check_memory_bound(_model_state(module, n, rank))
+
+
+@given(ft.param_trees(), ft.world_sizes(), st.data())
+def test_shard_of_is_the_shard_of_the_flat_buffer(tree, n, data):
+    """fs.init cuts each rank's shard straight from the values (shard_of) instead of building the flat buffer."""
+    frozen = data.draw(st.sets(st.sampled_from(sorted(tree))))
+    layout = ft.layout_of(tree, n, frozen)
+    flat = flatten(layout, tree)
+    for r in range(n):
+        got, want = shard_of(layout, tree, r), shard(flat, layout, r)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
