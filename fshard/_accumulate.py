@@ -10,8 +10,8 @@ while the step runs (DDP and FSDP keep the same under ``no_sync``).
 from __future__ import annotations
 
 from ._base import BatchesPolicy
-from ._transforms import Transform
 from ._errors import ArgumentError, ArgumentTypeError
+from ._transforms import Transform
 
 
 class _MicroBatches(BatchesPolicy):

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._init import ROOT
 from ._base import ReducePolicy
-from ._transforms import Transform
 from ._errors import ArgumentError, ArgumentTypeError
+from ._init import ROOT
+from ._transforms import Transform
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ._errors import ScheduleError, ArgumentError, ArgumentTypeError
-from ._init import ROOT
 from ._base import GatherPolicy
+from ._errors import ArgumentError, ArgumentTypeError, ScheduleError
+from ._init import ROOT
 from ._transforms import Transform
 
 

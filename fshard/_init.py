@@ -2,7 +2,7 @@
 
 init never needs the whole model on one rank: a model built on the meta device is materialised one unit at a
 time (a copy of the unit's modules, initialised by ``reset_parameters`` or ``init_fn``), and each rank cuts its
-shard straight from it (``shard_of``) and drops the copy before the next unit; a model on the CPU is sharded the
+shard straight from it (``_layout.shard``) and drops the copy before the next unit; a model on the CPU is sharded the
 same way, unit by unit. tests/test_init_memory.py measures the peak.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ._collectives import HASH_BITS, Comm
 from ._errors import InitError
-from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard_of, views
+from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
 from ._state import ShardSpec, TrainState
 from ._unit import route_units
@@ -52,7 +52,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
 
     params, opt_state = {}, {}
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
-        params[u.name] = shard_of(u, full, mesh.rank, mesh.device)
+        params[u.name] = shard(u, full, mesh.rank, mesh.device)
         del full
         state = opt.init(u, mesh.rank, params[u.name])
         if state is not None:

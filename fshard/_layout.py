@@ -113,18 +113,11 @@ def flatten(layout: UnitLayout, tensors: dict[str, torch.Tensor], device=None) -
     return flat
 
 
-def shard(flat: torch.Tensor, layout: UnitLayout, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous slice of the flat buffer (a copy: a shard never aliases a full buffer)."""
+def shard(layout: UnitLayout, tensors: dict[str, torch.Tensor], rank: int, device=None) -> torch.Tensor:
+    """Rank ``rank``'s slice of the flat buffer ``flatten(layout, tensors)``, without making the flat buffer: only
+    the slice is allocated (a shard never aliases its inputs), and each parameter's overlap with it copied in, so
+    init holds one shard, not one unit, per unit."""
     lo, hi = layout.shard_range(rank)
-    return flat[lo:hi].clone()
-
-
-def shard_of(layout: UnitLayout, tensors: dict[str, torch.Tensor], rank: int, device=None) -> torch.Tensor:
-    """``shard(flatten(layout, tensors), layout, rank)`` without the flat buffer: only rank ``rank``'s slice is
-    allocated, and each parameter's overlap with it copied in (so init holds one shard, not one unit, per unit)."""
-    lo, hi = layout.shard_range(rank)
-    first = next(iter(tensors.values()), None)
-    device = device if device is not None else (first.device if first is not None else "cpu")
     out = torch.zeros(hi - lo, dtype=layout.dtype, device=device)
     for s in layout.slots:
         a, b = max(s.offset, lo), min(s.offset + s.numel, hi)

@@ -38,8 +38,7 @@ from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
 from ._transforms import Transform
-from .store._errors import StoreError
-from .store._protocol import Store
+from .store import Store, StoreError
 from .store._stream import check_depth
 
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)

@@ -240,14 +240,13 @@ class StepRun(StepView):
         return self._scratch.setdefault(id(owner), {})
 
     def grad_ready(self, unit: UnitRun, shard: torch.Tensor) -> None:
-        policy = type(self._policy.reduce).__name__
         if unit._grad is not None:
-            raise PolicyError(f"the reduce policy {policy} handed over unit {unit.name!r}'s gradient shard twice in "
-                              "one step; hand it over once.")
+            raise PolicyError(f"the reduce policy {type(self._policy.reduce).__name__} handed over unit "
+                              f"{unit.name!r}'s gradient shard twice in one step; hand it over once.")
         if shard.numel() != unit.layout.shard_numel or shard.dtype != unit.layout.dtype:
-            raise PolicyError(f"the reduce policy {policy} handed over {shard.numel()} elements of {shard.dtype} as "
-                              f"the gradient shard of unit {unit.name!r}, whose shard has {unit.layout.shard_numel} "
-                              f"of {unit.layout.dtype}.")
+            raise PolicyError(f"the reduce policy {type(self._policy.reduce).__name__} handed over {shard.numel()} "
+                              f"elements of {shard.dtype} as the gradient shard of unit {unit.name!r}, whose shard "
+                              f"has {unit.layout.shard_numel} of {unit.layout.dtype}.")
         unit._grad = shard
         if self.last:
             self._policy.update.overlap(self, unit)

@@ -118,7 +118,7 @@ def check_roundtrip(tree: dict[str, torch.Tensor], world_size: int) -> None:
     """unshard(shard(x)) == x, bit for bit, for every parameter, assembling all ranks' shards."""
     layout = layout_of(tree, world_size)
     flat = flatten(layout, tree)
-    back = unshard([shard(flat, layout, r) for r in range(world_size)])
+    back = unshard([shard(layout, tree, r) for r in range(world_size)])
     assert torch.equal(_bits(back), _bits(flat)), "unshard(shard(x)) differs from x"
     for s in layout.slots:
         got = back[s.offset:s.offset + s.numel].view(s.shape)

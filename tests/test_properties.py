@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import fshard as fs
 import fshard.testing as ft
-from fshard._layout import flatten, shard, shard_of, unshard
+from fshard._layout import flatten, shard, unshard
 
 
 @given(ft.param_trees(), ft.world_sizes())
@@ -21,7 +21,7 @@ def test_shards_tile_the_flat_buffer_and_padding_is_zero(tree, n, data):
     layout = ft.layout_of(tree, n, frozen)
     flat = flatten(layout, tree)
     ft.check_tiling(layout, flat)
-    assert all(shard(flat, layout, r).numel() == layout.shard_numel for r in range(n))
+    assert all(shard(layout, tree, r).numel() == layout.shard_numel for r in range(n))
     # trainable parameters form a prefix, so optimizer state is a prefix of each shard
     assert all(s.offset + s.numel <= layout.trainable_numel for s in layout.trainable)
     assert all(s.offset >= layout.trainable_numel for s in layout.slots if not s.requires_grad)
@@ -31,10 +31,11 @@ def test_shards_tile_the_flat_buffer_and_padding_is_zero(tree, n, data):
 @given(ft.param_trees(dtype=torch.float32), ft.world_sizes())
 def test_shards_own_their_memory(tree, n):
     layout = ft.layout_of(tree, n)
-    flat = flatten(layout, tree)
-    shards = [shard(flat, layout, r) for r in range(n)]
-    flat.fill_(1.0)  # a shard must never alias the full buffer it came from
-    assert torch.equal(unshard(shards), flatten(layout, tree))
+    want = flatten(layout, tree)
+    shards = [shard(layout, tree, r) for r in range(n)]
+    for t in tree.values():
+        t.fill_(1.0)  # a shard must never alias the tensors it came from
+    assert torch.equal(unshard(shards), want)
 
 
 def _model_state(module, n=1, rank=0):
@@ -68,11 +69,12 @@ def test_per_rank_bytes_within_total_over_n_plus_padding(module, n):
 
 
 @given(ft.param_trees(), ft.world_sizes(), st.data())
-def test_shard_of_is_the_shard_of_the_flat_buffer(tree, n, data):
-    """fs.init cuts each rank's shard straight from the values (shard_of) instead of building the flat buffer."""
+def test_a_shard_is_the_slice_of_the_flat_buffer(tree, n, data):
+    """fs.init cuts each rank's shard straight from the values instead of building the flat buffer."""
     frozen = data.draw(st.sets(st.sampled_from(sorted(tree))))
     layout = ft.layout_of(tree, n, frozen)
     flat = flatten(layout, tree)
     for r in range(n):
-        got, want = shard_of(layout, tree, r), shard(flat, layout, r)
+        lo, hi = layout.shard_range(r)
+        got, want = shard(layout, tree, r), flat[lo:hi]
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -90,10 +90,10 @@ class DeferredDeletes:
 
     def collect(self) -> None:
         """Delete now what ``delete_later`` was asked to (from the thread that uses the store)."""
-        while True:
+        while self._later:  # (a plain check first: collect() runs at every put, mostly with nothing to do)
             try:
                 key = self._later.popleft()
-            except IndexError:  # empty (also if another thread emptied it first)
+            except IndexError:  # another thread emptied it first
                 return
             if self._closed:
                 continue
