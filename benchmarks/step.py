@@ -6,6 +6,11 @@ Run it under the shared benchmark lock (other engineers time things on the same 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/step.py --configs ddp,fsdp2 --rounds 3
     flock /tmp/fshard-bench.lock .venv/bin/torchrun --nproc-per-node 2 benchmarks/step.py   # same, via torchrun
 
+The step-memory table of issue #18 (the 117M GPT, fshard from the meta device, DDP / FSDP2 / fshard with and
+without transforms and donation; peak RSS against FSDP2's and against DDP's minus 0.8 x the ZeRO-3 savings)::
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/step.py --memory --rounds 3
+
 Defaults (the setting of /work/shared/ANCHORS.md): world size 2 on gloo, 1 thread per rank, batch 4 per rank,
 ``GPTConfig()`` (27.4M params), fp32, AdamW(fused=True) / ``fs.adamw`` with betas (0.9, 0.95), weight decay 0.1.
 
@@ -94,6 +99,16 @@ class Ctx:
         torch.manual_seed(self.args.seed)
         return GPT(self.cfg)
 
+    def fshard_model(self) -> tuple[torch.nn.Module, dict]:
+        """The model fshard's configs build and fs.init's extra arguments: with --meta (implied by --memory) the
+        model is built on the meta device and each unit is materialised by fs.init (GPT-2 init, seeded), as a user
+        would build a model that does not fit one rank; otherwise the peers' CPU model."""
+        if not self.args.meta:
+            return self.fresh_model(), {}
+        from gpt import init_weights
+
+        return GPT(self.cfg, device="meta"), dict(init_fn=init_weights, seed=self.args.seed)
+
 
 @dataclasses.dataclass
 class Runner:
@@ -176,7 +191,9 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kw
     opt = fs.adamw(**{**_adamw_kwargs(ctx.args), **(opt_kwargs or {})})
     if ctx.rank == 0 and hasattr(opt, "resolved_impl"):
         print(f"[step.py] fs.adamw implementation: {opt.resolved_impl(mesh.device)}", flush=True)
-    state = fs.init(ctx.fresh_model(), mesh, opt, **(init_kwargs or {}))
+    model, meta_kwargs = ctx.fshard_model()
+    state = fs.init(model, mesh, opt, **{**meta_kwargs, **(init_kwargs or {})})
+    del model
     step_fn = fs.compose(loss_fn, *transforms, **compose_kwargs)
     holder = {"state": state}
 
@@ -212,6 +229,7 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 
 
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
+register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
 register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
 register("fshard+ahead+buckets+keep+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))
@@ -356,7 +374,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, port: int | Non
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
+    cfg = _model_config(args)
     ctx = Ctx(args, cfg, rank, world_size)
     n_total = args.warmup + args.steps
     batches = list(synthetic_batches(cfg, args.batch_size, n_total, args.seed, rank, world_size))
@@ -457,7 +475,7 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
         result["baseline"] = {"dir": args.baseline, "git": _git_head(args.baseline), "ratios": {}}
     w = max([28] + [len(n) for n in names])
     print("\n=== Training step, world size %d, gloo, %d thread(s)/rank, batch %d/rank, %s ==="
-          % (world_size, args.threads, args.batch_size, "tiny GPT" if args.tiny else "GPT 27.4M"))
+          % (world_size, args.threads, args.batch_size, _model_name(args, cfg)))
     print(f"{'config':{w}s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  {'per-round medians':28s} "
           f"{'last loss':>11s}  peak RSS per rank during the steps")
     med: dict[str, float] = {}
@@ -493,6 +511,9 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
     for n, e in failed.items():
         print(f"{n:{w}s} FAILED: {e.splitlines()[0]}")
         result["configs"][n] = {"error": e}
+
+    if args.memory:
+        _memory_table(args, cfg, world_size, ok, result)
 
     base_losses = {n: result["configs"][n]["loss_curve"] for n in ok}
     if "ddp" in base_losses:
@@ -557,6 +578,26 @@ def report(args, cfg, world_size, names, failed, everyone, rss_resettable) -> No
         print(f"\nwrote {args.json}")
 
 
+def _memory_table(args, cfg, world_size, ok, result) -> None:
+    """Peak RSS per rank (the larger rank's) against the targets of issue #18."""
+    n_params = GPT(cfg, device="meta").num_params()
+    saved = 16 * n_params * (1 - 1 / world_size)  # param + grad + 2 moments, fp32: what ZeRO-3 shards away per rank
+    peak = {n: max(result["configs"][n]["peak_rss_bytes"]) for n in ok}
+    mib = 2**20
+    print(f"\nstep memory, {n_params:,} parameters: peak RSS per rank during the steps (max over ranks); ZeRO-3 "
+          f"saves {saved / mib:.0f} MiB of state per rank at world size {world_size}")
+    target = peak["ddp"] - 0.8 * saved if "ddp" in peak else None
+    if target is not None:
+        print(f"target: <= fsdp2's peak, and <= ddp - 0.8 x saved = {target / mib:.0f} MiB")
+    print(f"  {'config':32s} {'peak MiB':>9s} {'/ fsdp2':>8s} {'ddp - peak':>11s} {'of saved':>9s} {'s/step':>7s}")
+    for n in ok:
+        vs_f = f"{peak[n] / peak['fsdp2']:8.3f}" if "fsdp2" in peak else f"{'':8s}"
+        less = f"{(peak['ddp'] - peak[n]) / mib:11.0f} {(peak['ddp'] - peak[n]) / saved:9.0%}" if "ddp" in peak else ""
+        print(f"  {n:32s} {peak[n] / mib:9.0f} {vs_f} {less} {result['configs'][n]['median_s']:7.3f}")
+        result["configs"][n]["peak_rss_max_bytes"] = peak[n]
+    result["memory"] = {"params": n_params, "zero3_saved_bytes": saved, "target_bytes": target}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -573,6 +614,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() instead of the 27.4M default (smoke test)")
+    p.add_argument("--meta", action="store_true",
+                   help="fshard's configs build the model on the meta device and fs.init materialises it unit by unit "
+                        "(init_fn=gpt.init_weights, seed=--seed); the peers build it on the CPU")
+    p.add_argument("--memory", action="store_true",
+                   help="the step-memory table of issue #18: the 117M GPT (dim 1024, 8 layers, 16 heads, vocab "
+                        "8192, seq 128), --meta, configs " + MEMORY_CONFIGS + " unless --configs is given, "
+                        "2 warmup + 4 timed steps, 1 round; prints peak RSS per rank against FSDP2's and against "
+                        "DDP's minus 0.8 x the state bytes ZeRO-3 saves (16 bytes/param x (1 - 1/world size))")
     p.add_argument("--in-process", action="store_true",
                    help="run all rounds and configs in one set of processes, as under torchrun (faster start). The "
                         "default spawns fresh processes per round and config, so that configs share no allocator "
@@ -582,12 +631,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a source tree of fshard to compare against (e.g. a git worktree of an earlier commit): a "
                         "config listed as base:X runs X with the package fshard imported from DIR (this file's "
                         "builders and model); the summary adds X / base:X")
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
     args = p.parse_args(argv)
+    if args.memory:
+        args.meta = True
+        for flag, value in (("--configs", MEMORY_CONFIGS), ("--warmup", 2), ("--steps", 4), ("--rounds", 1)):
+            if flag not in given:
+                setattr(args, flag[2:], value)
     if args.baseline:
         args.baseline = os.path.realpath(args.baseline)
         if not os.path.isfile(os.path.join(args.baseline, "fshard", "__init__.py")):
             p.error(f"--baseline {args.baseline}: no fshard/__init__.py there")
     return args
+
+
+MEMORY_CONFIGS = "ddp,fsdp2,fshard,fshard+ahead+buckets,fshard+donate,fshard+ahead+buckets+donate"
+
+
+def _model_config(args) -> GPTConfig:
+    if args.tiny:
+        return GPTConfig.tiny()
+    if args.memory:
+        return GPTConfig(dim=1024, n_layers=8, n_heads=16)  # 117,680,128 parameters
+    return GPTConfig()
+
+
+def _model_name(args, cfg) -> str:
+    n = GPT(cfg, device="meta").num_params()
+    return "tiny GPT" if args.tiny else f"GPT {n / 1e6:.1f}M" + (" (fshard from the meta device)" if args.meta else "")
 
 
 def _config_names(args) -> list[str]:
@@ -635,7 +706,7 @@ def run_isolated(args) -> None:
     import torch.multiprocessing as mp
 
     names = _config_names(args)
-    cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
+    cfg = _model_config(args)
     print(_header(args, cfg, args.world_size, "fresh processes for every round and config"), flush=True)
     merged: list[dict] | None = None
     failed: dict[str, str] = {}

@@ -3,6 +3,7 @@
     python examples/train_gpt.py --tiny --steps 50                       # world size 1
     torchrun --nproc-per-node 2 examples/train_gpt.py --tiny --steps 50   # any N; gloo on CPU, nccl on CUDA
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20          # the 27.4M-parameter default GPT
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 4 --timeline docs/timeline.png  # the last step, drawn
 
 The model is built on the meta device and materialised by ``fs.init`` unit by unit with the GPT-2 init
 (``init_fn=init_weights``). Each rank draws its own slice of a deterministic global batch (``synthetic_batches``),
@@ -41,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan", action="store_true", help="print step.plan(state, batch) (rank 0) before training")
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="record every step's timeline and draw the last step's as a PNG here (fs.timeline)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: CPUs / ranks on this node, at least 1)")
     return p.parse_args(argv)
@@ -75,7 +79,9 @@ def main(argv=None) -> dict:
     if args.nvme_dir:
         store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
         transforms.append(fs.offload_state(store, fraction=args.offload_fraction))
-    step = fs.compose(loss_fn, *transforms)
+    # donate=True: each step updates the state it is given in place (the loop never reuses an old state), so the
+    # step holds one state, not the input and the output (design/ARCHITECTURE.md, "What a step costs")
+    step = fs.compose(loss_fn, *transforms, donate=True, timeline=bool(args.timeline))
     log(f"transforms: {', '.join(map(repr, transforms)) or 'none (blocking)'}")
     log(f"GPT {n_params:,} params | world {world} | batch {args.batch_size}/rank "
         f"({args.batch_size * world} global) x seq {cfg.seq} | {args.steps} steps | "
@@ -89,6 +95,9 @@ def main(argv=None) -> dict:
         bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0.1 if sys.stdout.isatty() else 2.0)
 
+    batches = list(batches)
+    if args.plan and batches:  # what a step will hold and move on this rank, before it runs (no collective)
+        log(step.plan(state, batches[0]))
     metrics: dict = {}
     losses, times = [], []
     t_start = time.perf_counter()
@@ -115,6 +124,12 @@ def main(argv=None) -> dict:
     step.close()  # ends the offload worker thread; the store stays open until store.close()
     if bar is not None:
         bar.close()
+    if args.timeline and losses:  # a collective: every rank passes its metrics of the last step; rank 0 draws
+        tl = fs.timeline(metrics, args.timeline, mesh=mesh,
+                         title=f"examples/train_gpt.py: GPT {n_params / 1e6:.1f}M params, {world} ranks "
+                               f"({mesh.backend}), {' + '.join(t.name for t in transforms) or 'blocking'}, step "
+                               f"{len(losses)} of {len(losses)}")
+        log(f"timeline of step {len(losses)}: {tl.path} ({tl.step_seconds:.3f} s, overlap {tl.overlap:.0%})")
 
     full = fs.full_params(state)  # collective: every rank must call it
     norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in full.values()))
@@ -131,6 +146,8 @@ def main(argv=None) -> dict:
     }
     log("final metrics:")
     for k, v in metrics.items():
+        if k.startswith("trace/"):
+            continue
         log(f"  {k:24s} {v:.6g}" if isinstance(v, float) else f"  {k:24s} {v}")
     log("summary:")
     for k, v in summary.items():

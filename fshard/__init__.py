@@ -34,10 +34,12 @@ from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
 from ._offload import OffloadError, offload_state
 from ._optim import AdamW, AdamWState, adamw
+from ._plan import Plan
 from ._skip import skip_nonfinite
 from ._state import Donation, FrozenMap, ShardSpec, TrainState
 from ._step import Step, compose
 from ._stored import Stored
+from ._timeline import Timeline, timeline
 from ._transforms import Policy, Transform
 from .store import CPUStore, NVMeStore, Store, StoreError
 
@@ -52,6 +54,8 @@ __all__ = [
     # the step and its transforms
     "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
     "clip_by_global_norm", "skip_nonfinite", "offload_state",
+    # what a step costs: step.plan(state, batch) before it runs, fs.timeline(...) of one that ran
+    "Plan", "timeline", "Timeline",
     # the stage protocols (fshard/_base.py)
     "GatherPolicy", "ReducePolicy", "GradsPolicy", "UpdatePolicy", "BatchesPolicy", "StepView", "UnitView",
     "Collectives", "InFlight", "Grads",

@@ -138,6 +138,17 @@ class StepView(Protocol):
         ``PolicyError``). The reduce policy calls it exactly once per unit it was given, by the time its ``finish``
         returns; in the last micro-batch it also offers the unit to the update policy's ``overlap``."""
 
+    def record(self, lane: str, label: str, t0: float, t1: float) -> None:
+        """Add a span to this step's timeline when one is being recorded (``fs.compose(..., timeline=True)``); a
+        no-op otherwise. Policies that do timed work of their own (store I/O, an update in a worker thread) call
+        it; it may be called from any thread until the step returns.
+
+        Args:
+          lane: the kind of work, e.g. "store" or "update" (one lane per kind in ``fs.timeline``'s picture).
+          label: what ran, e.g. "write blocks.0".
+          t0, t1: its start and end, in ``time.perf_counter()`` seconds.
+        """
+
 
 @dataclass(frozen=True)
 class Grads:
@@ -311,6 +322,18 @@ class UpdatePolicy(Protocol):
         """Called at the end of every step that began a micro-batch: drop what ``overlap`` began and ``__call__``
         did not take (the step failed, ``__call__`` included, or skipped the update), losing nothing of the input
         state. After a successful ``__call__`` there is nothing left to drop."""
+
+    def plan(self, step: StepView, state: TrainState, donate: bool) -> Mapping[str, int] | None:
+        """What ``__call__`` will allocate and move, for ``step.plan`` (no work is done). ``step`` is a simulated
+        step: its layouts and mesh are real, its units hold no data.
+
+        Returns:
+          metric name -> bytes, for the names the update's metrics measure: ``mem/new_state_bytes`` (tensors the
+          new state holds that the input does not), ``io/read_bytes`` and ``io/write_bytes`` (store traffic),
+          assuming every trainable parameter gets a gradient. None (the default): unknown, and ``print(plan)``
+          says so.
+        """
+        return None
 
     def close(self) -> None:
         """Release the policy's resources, threads included (``step.close()``)."""

@@ -18,6 +18,11 @@ The step waits for all of them before the update.
 Landing: at each arrival, the flights that have already completed (checked without blocking, in launch order) are
 landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
 on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
+
+Memory: a bucket's buffer is one tensor per rank section, not one flat tensor. Only this rank's section holds a
+result; the others are the scratch its reduces read from, freed as the bucket lands. So what outlives backward
+is this rank's sections, which the gradient shards are views of (1/N of the gradients), not whole buckets (with
+one flat buffer per bucket, a shard view kept every bucket alive until the update: a whole model's gradient).
 """
 from __future__ import annotations
 
@@ -113,8 +118,8 @@ class _Plan:
             for name in sorted(b.units):
                 self.by_unit.setdefault(name, []).append((b, [p for p in b.pieces if p.unit == name]))
             for p in b.pieces:
-                if p.rank == rank:
-                    self.mine.setdefault(p.unit, []).append((b.index, p.at, p.hi - p.lo))
+                if p.rank == rank:  # offset in this rank's section
+                    self.mine.setdefault(p.unit, []).append((b.index, p.at - b.sections[rank][0], p.hi - p.lo))
         # units in the order their shards become complete: by the last bucket holding a piece of theirs
         self.complete_order = sorted(self.mine, key=lambda n: self.mine[n][-1][0])
 
@@ -124,7 +129,7 @@ class _Pending:
 
     def __init__(self, plan: _Plan):
         self.plan = plan
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, list] = {}  # bucket index -> one tensor per rank section (None once freed)
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
         self.next = 0  # the first bucket not launched yet
         self.flights = []  # flights[i] reduces bucket i
@@ -162,9 +167,9 @@ class BucketReduce(ReducePolicy):
         n = run.comm.mesh.world_size
         scale = 1.0 / n if (self.op == "avg" and n > 1) else None
         for b, pieces in st.plan.by_unit.get(name, ()):
-            buf = self._buffer(st, b, grad.device)
+            sections = self._buffer(st, b, grad.device)
             for p in pieces:
-                dst, src = buf[p.at:p.at + p.hi - p.lo], grad[p.lo:p.hi]
+                dst, src = _spot(sections, b, p), grad[p.lo:p.hi]
                 if scale is None:
                     dst.copy_(src)
                 elif dst.dtype == src.dtype:
@@ -177,23 +182,28 @@ class BucketReduce(ReducePolicy):
         # flights land only at the end there.)
         while (run.comm.mesh.device.type == "cpu" and st.landed < len(st.flights)
                and st.flights[st.landed].done()):
-            st.flights[st.landed].wait()
-            st.landed += 1
+            self._land(run, st)
         self._scatter(run, st)
 
     def finish(self, run) -> None:
         st = self._state(run)
         self._launch_ready(run, st, force=True)
-        for f in st.flights[st.landed:]:
-            f.wait()
-        st.landed = len(st.flights)
+        while st.landed < len(st.flights):
+            self._land(run, st)
         self._scatter(run, st)
         del run.scratch(self)["pending"]
 
-    def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> torch.Tensor:
+    def _land(self, run, st: _Pending) -> None:
+        """Wait for the next flight in launch order; free the sections of its bucket that other ranks own."""
+        st.flights[st.landed].wait()
+        sections, rank = st.buffers[st.landed], run.comm.mesh.rank
+        sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
+        st.landed += 1
+
+    def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> list:
         if b.index not in st.buffers:
-            dtype = self.reduce_dtype or b.dtype
-            st.buffers[b.index] = (torch.empty if fill is None else torch.zeros)(b.numel, dtype=dtype, device=device)
+            dtype, make = self.reduce_dtype or b.dtype, torch.empty if fill is None else torch.zeros
+            st.buffers[b.index] = [make(k, dtype=dtype, device=device) for _, k in b.sections]
         return st.buffers[b.index]
 
     def _launch_ready(self, run, st: _Pending, force: bool) -> None:
@@ -204,10 +214,9 @@ class BucketReduce(ReducePolicy):
             if b.index in st.buffers:
                 for p in b.pieces:  # pieces of units that never arrived hold zeros
                     if p.unit in st.waiting[b.index]:
-                        st.buffers[b.index][p.at:p.at + p.hi - p.lo].zero_()
-            buf = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
-            sections = [buf[o:o + k] for o, k in b.sections]
-            st.flights.append(run.comm.reduce_each(sections, f"bucket{b.index}"))
+                        _spot(st.buffers[b.index], b, p).zero_()
+            sections = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
+            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}"))
             st.next += 1
 
     def _scatter(self, run, st: _Pending) -> None:
@@ -219,10 +228,17 @@ class BucketReduce(ReducePolicy):
             name = order[st.given]
             st.given += 1
             spots = st.plan.mine[name]
-            parts = [st.buffers[i][at:at + k] for i, at, k in spots]
+            rank = run.comm.mesh.rank
+            parts = [st.buffers[i][rank][at:at + k] for i, at, k in spots]
             g = parts[0] if len(parts) == 1 else torch.cat(parts)
             unit = run.units[name]
             run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
+
+
+def _spot(sections: list, b: _Bucket, p: _Piece) -> torch.Tensor:
+    """Where piece ``p`` sits: its rank's section of bucket ``b``."""
+    at = p.at - b.sections[p.rank][0]
+    return sections[p.rank][at:at + p.hi - p.lo]
 
 
 class bucket_reduce(Transform):

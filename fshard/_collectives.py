@@ -2,7 +2,8 @@
 
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, (b) seconds spent
-per kind, for the step's profile, and (c) optionally the full list, which tests compare across ranks.
+per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
+optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
 Gathers are issued asynchronously and return a ``Flight``; the caller waits on it right before the data is used.
 Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy`` the wall time during which at
@@ -43,13 +44,14 @@ def gather_impl(mesh: Mesh) -> str:
 
 
 class Flight:
-    """One collective in flight (a gather or a reduction, ``phase``). ``wait()`` returns once its output is
-    complete (on CUDA: once the current stream is ordered after it)."""
+    """One collective in flight (a gather or a reduction, ``phase``, of the unit or bucket ``tag``). ``wait()``
+    returns once its output is complete (on CUDA: once the current stream is ordered after it)."""
 
-    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase")
+    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase", "tag")
 
-    def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather"):
+    def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather", tag: str = ""):
         self._comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
+        self.tag = tag
         self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
         if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
             try:
@@ -67,6 +69,9 @@ class Flight:
         if self.works is None:
             return
         t0 = time.perf_counter()
+        # timeline: a wait is exposed if the collective was still running when compute asked for it (issuing, in
+        # _flight, is exposed too)
+        blocked = self._comm.spans is not None and not all(w.is_completed() for w in self.works)
         for w in self.works:
             w.wait()
         if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
@@ -76,18 +81,38 @@ class Flight:
         stamps = self._stamps
         self.t_done = max(stamps) if stamps and all(t is not None for t in stamps) else t1
         self._comm.seconds[self.phase + "_exposed"] += t1 - t0
+        if blocked and self.t_done > t0:  # (gloo may run the completion callback before is_completed() says so)
+            self._comm.span("wait", f"{self.phase}:{self.tag}", t0, t1)
 
 
 class Comm:
-    def __init__(self, mesh: Mesh, trace: bool = False, stream=None):
+    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False):
         self.mesh = mesh
         self.trace: list[tuple] | None = [] if trace else None
+        # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
+        # is atomic); gathers and reductions are added from their flights by ``timeline()``; "wait" spans are
+        # compute's time on a collective: issuing it, and blocking in wait() while it still ran
+        self.spans: list[tuple] | None = [] if timeline else None
         self.seconds: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, int] = defaultdict(int)
         self.flights: dict[str, list[Flight]] = defaultdict(list)
+        self.reduce_buffer_bytes = 0  # the largest buffer one reduction read (a unit's gradient, or a bucket)
         self.impl = gather_impl(mesh)
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
+
+    def span(self, lane: str, label: str, t0: float, t1: float) -> None:
+        """Add a span to this step's timeline, if one is being recorded."""
+        if self.spans is not None:
+            self.spans.append((lane, label, t0, t1))
+
+    def timeline(self, origin: float) -> tuple:
+        """The recorded spans and one per gather and reduction (issue to completion), in seconds since
+        ``origin``, ordered by start."""
+        flights = [(p, f.tag, f.t_issue, f.t_done if f.t_done is not None else f.t_issue)
+                   for p in ("gather", "reduce") for f in self.flights[p]]
+        return tuple(sorted(((lane, label, a - origin, b - origin) for lane, label, a, b in self.spans + flights),
+                            key=lambda s: s[2]))
 
     @property
     def seq_hash(self) -> int:
@@ -135,12 +160,15 @@ class Comm:
             out.fill_(-0.0 if out.is_floating_point() else 0)
             out.chunk(n)[rank].copy_(shard)
             works = [dist.all_reduce(out, group=g, async_op=True)]
-        return self._flight(works, t0, "gather")
+        return self._flight(works, t0, "gather", tag)
 
-    def _flight(self, works: list, t0: float, phase: str) -> Flight:
-        f = Flight(self, works, t0, phase)
+    def _flight(self, works: list, t0: float, phase: str, tag: str) -> Flight:
+        f = Flight(self, works, t0, phase, tag)
         self.flights[phase].append(f)
-        self.seconds[phase + "_exposed"] += time.perf_counter() - t0  # issuing runs on the compute thread
+        t1 = time.perf_counter()
+        self.seconds[phase + "_exposed"] += t1 - t0  # issuing runs on the compute thread
+        if self.spans is not None:  # so the timeline counts it as exposed, as a wait that blocked
+            self.spans.append(("wait", f"{phase}:{tag}", t0, t1))
         return f
 
     def drain(self) -> None:
@@ -173,6 +201,7 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- this rank's slice of the sum over ranks of full``; wait on the returned flight."""
         self._note("reduce_scatter", tag, full)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
         if self.mesh.group is None:
             out.copy_(full)
@@ -180,18 +209,19 @@ class Comm:
         else:
             works = [dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
                                                 async_op=True)]
-        return self._flight(works, t0, "reduce")
+        return self._flight(works, t0, "reduce", tag)
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]`` (the
         others' are scratch). Sections may differ in size, so a bucket can end anywhere in a unit."""
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
         t0 = time.perf_counter()
         g = self.mesh.group
         works = [] if g is None else [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
                                       for r, t in enumerate(sections)]
-        return self._flight(works, t0, "reduce")
+        return self._flight(works, t0, "reduce", tag)
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""
@@ -199,8 +229,12 @@ class Comm:
             self.trace.append(("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel()))
         t0 = time.perf_counter()
         if self.mesh.group is not None:
+            self.bytes["control"] += t.nbytes
             dist.all_reduce(t, op=op, group=self.mesh.group)
-        self.seconds["control"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.seconds["control"] += t1 - t0
+        if self.spans is not None:
+            self.spans.append(("control", tag, t0, t1))
         return t
 
 

@@ -28,12 +28,13 @@ import os
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ._base import UpdatePolicy
+from ._early import _Early, _quiet_delete, _settle
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
@@ -50,41 +51,6 @@ class OffloadError(FshardError):
 
 def _chunks(n: int, chunk: int):
     return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
-
-
-class _Early:
-    """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
-    parameter), so the input state stays intact until the update takes the result, and nothing is lost if the
-    step fails first (``abandon``)."""
-
-    def __init__(self, owner, opt, name, param, grad, s, segs, count, key):
-        self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
-        self.count, self.key = count, key
-        self.created: list = []  # keys written so far (appended by the worker)
-        self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
-        self.started, self.seconds = float("inf"), 0.0
-        self.future = owner.worker.submit(self._run, owner, segs)
-
-    def _run(self, owner, segs):
-        t0 = self.started = time.perf_counter()
-        p = self.param.clone()
-        try:
-            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key)], 1.0, self.created, self.metrics,
-                          donate=False)
-        finally:
-            self.seconds = time.perf_counter() - t0
-        return p
-
-    def abandon(self) -> None:
-        """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let
-        the worker finish every other update first, so the store has one user at a time.)"""
-        try:
-            self.future.result()
-        except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
-            pass
-        for k in self.created:
-            _quiet_delete(self.store, k)
-        self.created = []
 
 
 class OffloadUpdate(UpdatePolicy):
@@ -117,7 +83,8 @@ class OffloadUpdate(UpdatePolicy):
         opt = step.spec.optimizer
         count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable))
         if segs:
-            early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name))
+            early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name),
+                                 step.record)
 
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
@@ -126,6 +93,30 @@ class OffloadUpdate(UpdatePolicy):
         _settle(early.values())  # the deletes below use the store: the worker must be done with it
         while early:
             early.popitem()[1].abandon()
+
+    def plan(self, step, state, donate):
+        """Store traffic, assuming every trainable parameter gets a gradient: a stored unit's chunks are read and
+        written once (both moments); a chosen unit still in memory is written once (the first step). New tensors:
+        each unit's step count; its parameter unless donated and updated in place (an update begun during
+        backward writes a clone); in-memory moments only for units that stay in memory, without donate."""
+        spec, f = step.spec, {"io/read_bytes": 0, "io/write_bytes": 0, "mem/new_state_bytes": 0}
+        chosen = self._choose(spec, state)
+        early = self.overlap_backward and step.grads_unchanged and spec.mesh.device.type == "cpu"
+        for u in spec.units:
+            s = state.opt_state.get(u.name)
+            if s is None or not any(u.trainable):
+                continue
+            stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
+            clone = not donate or (stored and early)
+            f["mem/new_state_bytes"] += s.count.nbytes + (state.params[u.name].nbytes if clone else 0)
+            if stored:
+                f["io/read_bytes"] += moments
+                f["io/write_bytes"] += moments
+            elif u.name in chosen:
+                f["io/write_bytes"] += moments
+            elif not donate:
+                f["mem/new_state_bytes"] += moments
+        return f
 
     def close(self) -> None:
         """End the worker thread (after the work it has)."""
@@ -179,7 +170,7 @@ class OffloadUpdate(UpdatePolicy):
             params, opt_state, inner_metrics = self.inner(step, state, grads, in_memory, donate)
             m.update(inner_metrics)
             for name in sorted(chosen - stored):
-                opt_state[name] = self._put(name, opt_state[name], created, m)
+                opt_state[name] = self._put(name, opt_state[name], created, m, step.record)
             streamed = []
             for u in spec.units:
                 if u.name not in stored:
@@ -203,7 +194,7 @@ class OffloadUpdate(UpdatePolicy):
                 opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
                                                   s.exp_avg.location)
             if streamed:
-                self._stream(spec.optimizer, streamed, grads.scale, created, m, donate)
+                self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record)
         except Exception as e:
             self._fail(e, created, donate)
         m["store/resident_bytes"] = int(self.store.resident_bytes)
@@ -229,15 +220,16 @@ class OffloadUpdate(UpdatePolicy):
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
-    def _stream(self, opt, work, scale, created, m, donate) -> None:
+    def _stream(self, opt, work, scale, created, m, donate, record) -> None:
         keys = [k for *_, s, _ in work for k in s.exp_avg.items.item_keys()]
         where = [(i, c) for i, (*_, s, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
-        t_wait = 0.0
+        t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
         stream = self.store.stream(keys, depth=self.depth, writeback=True)
         try:
             it = iter(stream)
             for i, c in where:
                 t0 = time.perf_counter()
+                spans.setdefault(i, [t0, t0])
                 item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
                 t_wait += time.perf_counter() - t0
                 p, g, segs, s, key = work[i]
@@ -250,19 +242,24 @@ class OffloadUpdate(UpdatePolicy):
                         _apply(opt, p, g, mv[0], mv[1], a, b, lo, step, scale)
                 t0 = time.perf_counter()
                 stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
-                t_wait += time.perf_counter() - t0
+                spans[i][1] = time.perf_counter()
+                t_wait += spans[i][1] - t0
                 if not donate:
                     created.append((key, c))
                 m["io/write_bytes"] += mv.numel() * mv.element_size()
         finally:
             t0 = time.perf_counter()
             stream.close()  # completes every write-back (raises the first error)
-            t_wait += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            t_wait += t1 - t0
+            for i, (a, b) in spans.items():
+                record("store", f"stream {work[i][4].rsplit('@', 1)[0]}", a, b)
+            record("store", "write-back", t0, t1)
         m["time/io_wait"] += t_wait
 
-    def _put(self, name: str, s: AdamWState, created, m) -> AdamWState:
+    def _put(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         """Move a unit's in-memory moments into the store as chunk items."""
-        n = s.exp_avg.numel()
+        n, t0 = s.exp_avg.numel(), time.perf_counter()
         chunks, key = _chunks(n, self.chunk), self._key(name)
         handles = []
         for i, (lo, hi) in enumerate(chunks):
@@ -271,6 +268,7 @@ class OffloadUpdate(UpdatePolicy):
             m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
         for h in handles:
             h.wait()
+        record("store", f"write {name}", t0, time.perf_counter())
         items = _Items(self.store, key, chunks)
         return _stored_state(items, s.count, n, s.exp_avg.dtype, _location(self.store))
 
@@ -305,11 +303,6 @@ def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) ->
     p[a:b].copy_(ph, non_blocking=True)
 
 
-def _settle(works) -> None:
-    """Wait until the worker has finished (or failed) every one of ``works``."""
-    wait([w.future for w in works])
-
-
 def _lower_priority(nice: int) -> None:
     """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
     their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
@@ -319,13 +312,6 @@ def _lower_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
         except OSError:
             pass
-
-
-def _quiet_delete(store, key) -> None:
-    try:
-        store.delete(key)
-    except Exception:  # noqa: BLE001 - already gone, or the store is closed: nothing left to free
-        pass
 
 
 class offload_state(Transform):

@@ -24,6 +24,7 @@ from ._collectives import HASH_BITS, Comm, agree
 from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError,
                       StepClosedError, UnboundParameterError)
 from ._init import ROOT
+from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
 from ._state import TrainState
 from ._transforms import fold
 from ._unit import Accumulator, StepRun
@@ -50,12 +51,13 @@ class Step:
     step:``, ends them; a closed step refuses further calls.
     """
 
-    def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None):
+    def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
+                 timeline: bool = False):
         if not callable(loss_fn):
             raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
                                     f"{loss_fn!r}.")
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
-        self.donate, self.trace, self.mesh = donate, trace, mesh
+        self.donate, self.trace, self.mesh, self.timeline = donate, trace, mesh, bool(timeline)
         self.policy = fold(self.transforms)
         self._streams: dict = {}
         self._closed = False
@@ -67,6 +69,13 @@ class Step:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
+
+    def plan(self, state: TrainState, batch) -> Plan:
+        """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
+        it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py); after
+        the step, its metrics carry the same figures, measured."""
+        self._check_state(state)
+        return plan(self, state, batch)
 
     @property
     def schedule(self):
@@ -93,10 +102,11 @@ class Step:
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
         spec = self._check_state(state)
-        comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device))
+        comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
+                    timeline=self.timeline)
         _check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
         micro = self.policy.batches(batch)
-        acc, scratch, runs, ok = Accumulator(len(micro)), {}, [], False
+        acc, scratch, runs, ok, accum = Accumulator(len(micro)), {}, [], False, 0
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
             t1 = time.perf_counter()
@@ -105,6 +115,7 @@ class Step:
                 runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
                 mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
                 losses.append(mb_loss)
+                accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches so far
             loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
             t2 = time.perf_counter()
             run = runs[-1]
@@ -119,9 +130,12 @@ class Step:
                 params, opt_state, update_metrics = self.policy.update(run, state, grads, active, self.donate)
                 new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped)
             t4 = time.perf_counter()
+            comm.span("update", "skipped" if grads.skip else "update", t3, t4)
             ok = True
-            return new, self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
-                                      t0, t1, t2, t3, t4)
+            m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
+                              t0, t1, t2, t3, t4)
+            return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
+                         **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
         finally:
             if not ok:
                 comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
@@ -149,8 +163,10 @@ class Step:
 
     def _forward_backward(self, run: StepRun, buffers, batch, k: int):
         with run._active():
+            tf = time.perf_counter()
             self.policy.gather.start(run)
             loss = self._forward(run, buffers, batch)
+            tb = time.perf_counter()
             run.phase = "backward"
             leaves = [u.shard for u in run.units.values() if u._flat is not None and u.trainable]
             if loss.requires_grad and leaves:
@@ -158,6 +174,9 @@ class Step:
                 torch.autograd.grad(loss if k == 1 else loss / k, leaves, allow_unused=True)
             run._end_backward()
             gather_metrics = self.policy.gather.finish(run)
+        if run._comm.spans is not None:
+            run._comm.span("compute", "forward", tf, tb)
+            run._comm.span("compute", "backward", tb, time.perf_counter())
         run._release_all()
         return loss.detach(), gather_metrics
 
@@ -222,7 +241,19 @@ class Step:
                                             for u in new.spec.units if u.trainable})), **grad_metrics}
         if comm.trace is not None:
             m["trace/collectives"] = tuple(comm.trace)
+        if comm.spans is not None:
+            m["trace/timeline"] = comm.timeline(t0)
         return m
+
+
+def _measured(comm, runs, state, new, accum: int, skipped: bool) -> dict:
+    """The figures of ``step.plan``, measured in this step."""
+    f = {"mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs), "mem/accum_bytes": accum,
+         "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes, "comm/control_bytes": comm.bytes.get("control", 0),
+         "mem/grad_shard_bytes": sum(g.nbytes for g in runs[-1]._grad_shards().values()),
+         "mem/new_state_bytes": 0 if skipped else new_state_bytes(state, new), **state_figures(state)}
+    f["mem/peak_bytes"] = peak_bytes({"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs), **f})
+    return f
 
 
 def _check_loss(loss) -> None:
@@ -261,11 +292,15 @@ def _check_ranks(comm: Comm, state: TrainState, batch) -> None:
                                   "batch) with the state returned by its previous step.")
 
 
-def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None) -> Step:
+def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
+            timeline: bool = False) -> Step:
     """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
 
     donate: update the input state's tensors in place instead of copies (the input state is then unusable).
     trace: add ``metrics["trace/collectives"]``, the collectives this rank issued, in order.
     mesh: if given, the state must have been made on this mesh.
+    timeline: add ``metrics["trace/timeline"]``, this rank's spans ``(lane, label, start_s, end_s)`` since the
+      step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
+      with ``fs.timeline(metrics, path)``.
     """
-    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh)
+    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline)

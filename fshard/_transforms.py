@@ -66,7 +66,9 @@ class BlockingReduce(ReducePolicy):
 
     def reduce(self, step, unit, grad: torch.Tensor) -> None:
         n = step.comm.mesh.world_size
-        full = grad.contiguous() if n == 1 else grad * (1.0 / n)
+        full = grad.contiguous()  # the unit's gradient is the step's own (autograd made it for this unit alone):
+        if n > 1:                 # scaled in place, not into a second unit-sized buffer
+            full.mul_(1.0 / n)
         out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
         step.comm.reduce_scatter(out, full, unit.name).wait()
         step.grad_ready(unit, out)
@@ -93,6 +95,13 @@ class DeviceUpdate(UpdatePolicy):
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
                     donate, grad_scale=grads.scale)
         return params, opt_state, {}
+
+    def plan(self, step, state, donate):
+        """Each unit with optimizer state gets a new step-count tensor; without ``donate`` also a new parameter
+        shard and new moments (the update writes into copies)."""
+        return {"mem/new_state_bytes": sum(
+            s.count.nbytes + (0 if donate else state.params[name].nbytes + s.exp_avg.nbytes + s.exp_avg_sq.nbytes)
+            for name, s in state.opt_state.items() if s is not None and any(step.spec.unit(name).trainable))}
 
 
 class OneBatch(BatchesPolicy):

@@ -80,6 +80,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
         run = unit._run
+        run._unit_grad_bytes = max(run._unit_grad_bytes, grad.nbytes)
         if run.last:
             run._reduce(unit, run._acc.take(unit.name, grad))
         else:  # more micro-batches follow: sum locally, reduce once in the last one (DDP's no_sync)
@@ -234,10 +235,14 @@ class StepRun(StepView):
         self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
         self._live: dict[int, UnitRun] = {}
         self._live_bytes = self._peak_bytes = 0
+        self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
         self._phase_peak = {"forward": 0, "backward": 0}
 
     def scratch(self, owner: object) -> dict:
         return self._scratch.setdefault(id(owner), {})
+
+    def record(self, lane: str, label: str, t0: float, t1: float) -> None:
+        self._comm.span(lane, label, t0, t1)
 
     def grad_ready(self, unit: UnitRun, shard: torch.Tensor) -> None:
         if unit._grad is not None:

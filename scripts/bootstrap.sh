@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_VERSION=2.13.0
+MATPLOTLIB_VERSION=3.11.2  # draws fs.timeline's PNG (imported only there); needs no torch
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV"
@@ -29,6 +30,11 @@ fi
 if ! "$VPY" -c "import optree, hypothesis, pytest, tqdm, numpy, ninja, xdist, pytest_timeout" 2>/dev/null; then
   echo "[bootstrap] installing python dependencies"
   pip_install packaging setuptools wheel click ninja numpy optree hypothesis pytest pytest-xdist pytest-timeout tqdm
+fi
+
+if ! "$VPY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLOTLIB_VERSION')" 2>/dev/null; then
+  echo "[bootstrap] installing matplotlib==$MATPLOTLIB_VERSION"
+  pip_install "matplotlib==$MATPLOTLIB_VERSION"
 fi
 
 have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

@@ -1,0 +1,53 @@
+"""offload_state's updates begun during backward (``overlap_backward``), run in its worker thread."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait
+
+
+class _Early:
+    """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
+    parameter), so the input state stays intact until the update takes the result, and nothing is lost if the
+    step fails first (``abandon``)."""
+
+    def __init__(self, owner, opt, name, param, grad, s, segs, count, key, record):
+        self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
+        self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
+        self.created: list = []  # keys written so far (appended by the worker)
+        self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        self.started, self.seconds = float("inf"), 0.0
+        self.future = owner.worker.submit(self._run, owner, segs)
+
+    def _run(self, owner, segs):
+        t0 = self.started = time.perf_counter()
+        p = self.param.clone()
+        try:
+            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key)], 1.0, self.created, self.metrics,
+                          donate=False, record=self.record)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
+        return p
+
+    def abandon(self) -> None:
+        """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let
+        the worker finish every other update first, so the store has one user at a time.)"""
+        try:
+            self.future.result()
+        except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
+            pass
+        for k in self.created:
+            _quiet_delete(self.store, k)
+        self.created = []
+
+
+def _settle(works) -> None:
+    """Wait until the worker has finished (or failed) every one of ``works``."""
+    wait([w.future for w in works])
+
+
+def _quiet_delete(store, key) -> None:
+    try:
+        store.delete(key)
+    except Exception:  # noqa: BLE001 - already gone, or the store is closed: nothing left to free
+        pass

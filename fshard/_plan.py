@@ -1,0 +1,254 @@
+"""step.plan(state, batch): what one step will cost on this rank, before it runs.
+
+The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
+gather, reduce and grads policies called in the order a step calls them, over the schedule the gather policy
+holds (or the layout's order before one is recorded), and a ``Comm`` that moves no data but counts what each
+collective would move. So a custom policy is planned by the same code that runs it, and no stage needs a cost
+model of another. The update stage, which touches state rather than layouts, says what it will write and read
+through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the plan (they are the
+model's, as in DDP or FSDP2), and neither are the framework's own allocations.
+
+Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py
+checks they agree within 5%). Policies are copied before the simulation, so planning changes no schedule or
+bucket plan of the real step.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import optree
+import torch
+
+from ._base import Grads, UpdatePolicy
+from ._collectives import Comm, CollectivesView, agree
+from ._init import ROOT
+from ._state import NAMESPACE
+from ._unit import Accumulator, StepRun
+
+# (metric, what it is): the rows of print(plan), in order
+MEMORY = (
+    ("mem/params_bytes", "parameter shards"),
+    ("mem/opt_state_bytes", "optimizer state in memory"),
+    ("mem/buffers_bytes", "buffers (replicated)"),
+    ("mem/new_state_bytes", "new state the update writes (0 with donate)"),
+    ("mem/peak_gathered_bytes", "gathered units, at most at once"),
+    ("mem/unit_grad_bytes", "one unit's gradient before reduction, largest"),
+    ("mem/reduce_buffer_bytes", "one reduction's buffer, largest"),
+    ("mem/grad_shard_bytes", "gradient shards (held until the update)"),
+    ("mem/accum_bytes", "gradients summed over micro-batches"),
+)
+TRAFFIC = (
+    ("comm/gather_bytes", "all-gathers (gathered bytes)"),
+    ("comm/reduce_bytes", "reductions (bytes reduced)"),
+    ("comm/control_bytes", "control all-reduces"),
+    ("io/read_bytes", "store reads"),
+    ("io/write_bytes", "store writes"),
+)
+FIGURES = tuple(k for k, _ in MEMORY + TRAFFIC) + ("mem/store_bytes", "mem/state_bytes", "mem/peak_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one step will hold and move on this rank (``step.plan(state, batch)``); ``print(plan)`` is a table.
+
+    Attributes:
+      figures: metric name -> bytes. ``mem/peak_bytes`` is the peak of fshard-owned memory: the state, plus the
+        sum of the peaks of what the step adds (new state, gathered units, gradients and reduction buffers); the
+        model's activations and the framework's own memory come on top.
+      rank, world_size, micro_batches, donate, params: the setting it was made for (params: parameters in the
+        model, for the DDP comparison line).
+      unknown: stages whose policy says nothing of its cost (their figures count as 0).
+    """
+
+    figures: dict
+    rank: int
+    world_size: int
+    micro_batches: int
+    donate: bool
+    params: int
+    unknown: tuple = ()
+
+    def __getitem__(self, key: str) -> int:
+        return self.figures[key]
+
+    def __str__(self) -> str:
+        f = self.figures
+        lines = [f"fshard step plan: rank {self.rank} of {self.world_size}, {self.micro_batches} micro-batch(es), "
+                 f"donate={self.donate}", "memory on this rank"]
+        lines += [f"  {what:48s}{_size(f[k])}" for k, what in MEMORY]
+        lines += [f"  {'optimizer state in a store':48s}{_size(f['mem/store_bytes'])}",
+                  f"  {'peak of fshard-owned memory':48s}{_size(f['mem/peak_bytes'])}  (+ activations)",
+                  "moved per step by this rank"]
+        lines += [f"  {what:48s}{_size(f[k])}" for k, what in TRAFFIC]
+        ddp = 16 * self.params  # fp32 param + grad + two moments, replicated
+        lines.append(f"DDP with fp32 AdamW would hold {_size(ddp).strip()} of parameters, gradients and moments per "
+                     f"rank; this step holds {_size(f['mem/state_bytes'] + f['mem/grad_shard_bytes']).strip()}")
+        if self.unknown:
+            lines.append(f"(not planned: {', '.join(self.unknown)}: its policy has no plan)")
+        return "\n".join(lines)
+
+
+def _size(b: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:9.1f} {unit}"
+    return f"{b:9d} B  "
+
+
+def state_figures(state) -> dict:
+    """Bytes of ``state`` on this rank (``TrainState.nbytes``): parameter shards, optimizer tensors in memory,
+    buffers, and optimizer state held in a store."""
+    nb = state.nbytes()
+    f = {"mem/params_bytes": nb["params"], "mem/opt_state_bytes": nb["opt_state"],
+         "mem/buffers_bytes": nb["buffers"], "mem/store_bytes": nb["stored"]}
+    f["mem/state_bytes"] = nb["params"] + nb["opt_state"] + nb["buffers"]
+    return f
+
+
+def new_state_bytes(old, new) -> int:
+    """Bytes of tensors in ``new`` (params and optimizer state) that ``old`` does not hold: what the update
+    allocated."""
+    def tensors(s):
+        leaves = optree.tree_leaves((s.params, s.opt_state), namespace=NAMESPACE)
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+    have = {t.untyped_storage().data_ptr() for t in tensors(old)}
+    return sum(t.nbytes for t in tensors(new) if t.untyped_storage().data_ptr() not in have)
+
+
+def peak_bytes(f: dict) -> int:
+    """The peak of fshard-owned memory, from the figures (planned or measured): state plus the peaks of what a
+    step adds, summed (a bound: those peaks need not coincide)."""
+    return f["mem/state_bytes"] + sum(f.get(k, 0) for k in (
+        "mem/new_state_bytes", "mem/peak_gathered_bytes", "mem/unit_grad_bytes", "mem/reduce_buffer_bytes",
+        "mem/grad_shard_bytes", "mem/accum_bytes"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanMesh:
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device = torch.device("cpu")  # control messages are real (tiny); unit data is on meta
+    group: None = None
+
+
+class _PlanComm(Comm):
+    """A Comm that moves nothing: each collective is recorded (bytes, sequence) and complete at once."""
+
+    def gather(self, out, shard, tag):
+        self._note("all_gather", tag, out)
+        return self._flight([], time.perf_counter(), "gather", tag)
+
+    def reduce_scatter(self, out, full, tag):
+        self._note("reduce_scatter", tag, full)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
+        return self._flight([], time.perf_counter(), "reduce", tag)
+
+    def reduce_each(self, sections, tag):
+        for r, t in enumerate(sections):
+            self._note("reduce", f"{tag}/r{r}", t)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
+        return self._flight([], time.perf_counter(), "reduce", tag)
+
+    def all_reduce(self, t, tag, op=None):
+        if self.mesh.world_size > 1:
+            self.bytes["control"] += t.nbytes
+        return t
+
+
+class _NoUpdate(UpdatePolicy):
+    """The simulated step begins no update during backward."""
+
+
+def plan(step, state, batch) -> Plan:
+    """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective."""
+    spec, mesh = state.spec, state.spec.mesh
+    pol = step.policy
+    sim = dataclasses.replace(pol, gather=copy.copy(pol.gather), reduce=copy.copy(pol.reduce),
+                              update=_NoUpdate())  # copies: planning must not change the real policies
+    comm = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend))
+    if mesh.world_size > 1:  # the rank check before any gather (_check_ranks): three hashes
+        agree(comm, [], [0, 0, 0])
+    k = len(pol.batches(batch))
+    fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
+                                              for u in spec.units})
+    acc, scratch, runs, accum = Accumulator(k), {}, [], 0
+    for i in range(k):
+        run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1)
+        runs.append(run)
+        _simulate(sim, run)
+        accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
+    run = runs[-1]
+    agree(comm, [0.0] + [0.0] * sum(len(u._got) for u in run.units.values()), [0])  # the step's agreement
+    shards = run._grad_shards()
+    ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
+    pol.grads(CollectivesView(comm), Grads(ones))
+    f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
+         "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
+         "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
+         "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
+         "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+         "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+         "comm/control_bytes": comm.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
+         "mem/new_state_bytes": 0, **state_figures(state)}
+    for r in runs:
+        r._close()
+    unknown = ()
+    update = pol.update.plan(run, state, step.donate)
+    if update is None:
+        unknown = ("update",)
+    else:
+        f.update(update)
+    f["mem/peak_bytes"] = peak_bytes(f)
+    params = sum(s.numel for u in spec.units for s in u.slots)
+    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown)
+
+
+def _simulate(pol, run: StepRun) -> None:
+    """One micro-batch's gather and reduce events, in the order a step makes them: the root bound around the
+    whole forward, each unit called in the schedule's order; in backward each unit read, its use finished, its
+    gradient handed to the reduce policy (the root's at the end), then the reduce policy's finish."""
+    gather, units = pol.gather, run.units
+    schedule = getattr(gather, "schedule", None)
+    layout_order = [n for n in units if n != ROOT]
+    forward = [n for n in schedule.forward if n != ROOT] if schedule is not None else layout_order
+    backward = list(schedule.backward) if schedule is not None else (
+        ([ROOT] if ROOT in units else []) + layout_order[::-1])
+    gather.start(run)
+    root = units.get(ROOT)
+    if root is not None:
+        gather.before_forward(run, root)
+    for name in forward:
+        run.order.append(name)
+        gather.before_forward(run, units[name])
+        gather.after_forward(run, units[name])
+    if root is not None:
+        gather.after_forward(run, root)
+    run.phase = "backward"
+    last = {n: i for i, n in enumerate(backward)}
+    for i, name in enumerate(backward):
+        gather.before_backward(run, units[name])
+        if name != ROOT:  # the root's use lasts to the end of backward (the embedding is the first layer)
+            _finish_use(run, gather, units[name], i == last[name])
+    for name in dict.fromkeys(forward):  # units whose parameters backward never reads: their gradient still comes
+        if name not in last:
+            _finish_use(run, gather, units[name], True)
+    if root is not None:
+        _finish_use(run, gather, root, True)
+    run._end_backward()
+    gather.finish(run)
+    run._release_all()
+
+
+def _finish_use(run, gather, unit, last_use: bool) -> None:
+    gather.after_backward(run, unit)
+    if last_use and unit.trainable:
+        grad = torch.empty(unit.layout.numel, dtype=unit.layout.dtype, device="meta")
+        run._unit_grad_bytes = max(run._unit_grad_bytes, grad.nbytes)
+        if run.last:
+            run._reduce(unit, run._acc.take(unit.name, grad))
+        else:
+            run._acc.add(unit.name, grad)
