@@ -32,8 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train the example GPT with fshard.")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="cosine: linear warmup over --warmup-steps, then cosine decay to lr/10 at the last step")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--decay-all", action="store_true",
+                   help="decay every parameter (default: only matrices, p.ndim >= 2, not biases and norms)")
     p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() (vocab 97, dim 32, 2 layers)")
     p.add_argument("--tie-weights", action="store_true", help="tie lm_head.weight to the token embedding")
     p.add_argument("--nvme-dir", default=None, help="keep the AdamW moments in an NVMe store in this directory")
@@ -65,7 +70,12 @@ def main(argv=None) -> dict:
         model = GPT(cfg)
     n_params = model.num_params()
 
-    opt = fs.adamw(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    lr = args.lr
+    if args.schedule == "cosine" and args.steps > 1:
+        warmup = min(args.steps - 1, args.warmup_steps if args.warmup_steps is not None else args.steps // 10)
+        lr = fs.schedules.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+    opt = fs.adamw(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
+                   weight_decay_mask=None if args.decay_all else (lambda name, p: p.ndim >= 2))
     torch.manual_seed(args.seed)
     state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed)
     del model  # the state owns the (sharded) parameters now

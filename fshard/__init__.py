@@ -11,7 +11,8 @@ State is data (an immutable, sharded pytree) and the step is a pure function::
 
 Public names are re-exported here over private modules (``fshard._*``), as optax does; ``__all__`` lists them.
 The subpackages are modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *`` loads none of
-them): ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on
+them): ``fs.schedules`` (learning-rate schedules), ``fs.store`` (plain Python until an ``NVMeStore`` is opened,
+when tensornvme loads), and two that load on
 first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
 ``fs.testing`` (hypothesis).
 """
@@ -41,6 +42,7 @@ from ._step import Step, compose
 from ._stored import Stored
 from ._timeline import Timeline, timeline
 from ._transforms import Policy, Transform
+from . import schedules
 from .store import CPUStore, NVMeStore, Store, StoreError
 
 __version__ = "0.1.0"
@@ -76,4 +78,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(_LAZY) | {"store", "__version__"})
+    return sorted(set(__all__) | set(_LAZY) | {"store", "schedules", "__version__"})

@@ -38,6 +38,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
     unit's index, so the initial weights do not depend on the world size.
     """
     device = _check_devices(model, mesh)
+    opt = opt.bind(model)  # evaluates the optimizer's per-parameter choices (a weight-decay mask) once
     unit_mods = _find_units(model, units)
     owners, aliases = _assign(model, unit_mods)
     layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)

@@ -81,7 +81,8 @@ class OffloadUpdate(UpdatePolicy):
                 or not unit.got_all() or name in early):
             return
         opt = step.spec.optimizer
-        count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable))
+        count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable),
+                               int(step.state.step))
         if segs:
             early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name),
                                  step.record)
@@ -182,7 +183,7 @@ class OffloadUpdate(UpdatePolicy):
                     opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
                                                       s.exp_avg.location)
                     continue
-                count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on)
+                count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on, int(state.step))
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
@@ -236,10 +237,10 @@ class OffloadUpdate(UpdatePolicy):
                 lo, hi = s.exp_avg.items.chunks[c]
                 mv = item.tensor
                 m["io/read_bytes"] += mv.numel() * mv.element_size()
-                for a, b, step in segs:
+                for a, b, step, lr, wd in segs:
                     a, b = max(a, lo), min(b, hi)
                     if a < b:
-                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, step, scale)
+                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, (step, scale, lr, wd))
                 t0 = time.perf_counter()
                 stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
                 spans[i][1] = time.perf_counter()
@@ -292,14 +293,16 @@ class OffloadUpdate(UpdatePolicy):
         return self._chosen[1]
 
 
-def _apply(opt, p, g, m, v, a: int, b: int, lo: int, step: int, scale: float) -> None:
-    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows."""
+def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple) -> None:
+    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:
+    (step, grad scale, lr, weight decay)."""
+    step, scale, lr, wd = run
     if p.device.type == "cpu":
-        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
         return
     # CUDA: update on the host copy, then send the parameter back (not run on a GPU yet)
     ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
-    opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale)
+    opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
     p[a:b].copy_(ph, non_blocking=True)
 
 

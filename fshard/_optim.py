@@ -9,13 +9,16 @@ no weight decay, no moment update and no step count.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ._layout import UnitLayout
 from ._state import register_node
-from ._errors import ArgumentError
+from ._errors import ArgumentError, ArgumentTypeError
 
 _IMPLS = ("auto", "torch", "fused", "native")
 
@@ -39,21 +42,66 @@ class AdamW:
     ``torch.optim.AdamW()`` on CPU; "fused" calls ``torch._fused_adamw_``, bitwise equal to
     ``torch.optim.AdamW(fused=True)``; "native" calls fshard.ops (one fused pass, SIMD/CUDA); "auto" picks
     native for fp32 state where it is built, else fused.
+
+    ``lr``: a float, or a schedule ``lr(count) -> float`` where ``count`` is the number of updates already
+    applied (``state.step``: 0 for the first update, as torch's ``LambdaLR`` counts; a skipped step applies none), so
+    a resumed state continues its schedule (``fs.schedules`` has the usual ones).
+    ``weight_decay_mask``: ``mask(name, param) -> bool`` decides which parameters decay (canonical names as
+    ``model.named_parameters()`` gives them, and the template's parameter), as torch's param groups do;
+    ``fs.init`` evaluates it once into ``decay`` (the names that decay; None: all of them).
     """
 
-    lr: float = 1e-3
+    lr: float | Callable[[int], float] = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
     impl: str = "auto"
+    weight_decay_mask: Callable | None = None
+    decay: frozenset | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ArgumentError(f"fs.adamw(impl={self.impl!r}) is not one of {_IMPLS}.")
         if not 0.0 <= self.betas[0] < 1.0 or not 0.0 <= self.betas[1] < 1.0:
             raise ArgumentError(f"fs.adamw(betas={self.betas}): each beta must be in [0, 1).")
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
+        if not callable(self.lr) and not isinstance(self.lr, (int, float)):
+            raise ArgumentTypeError(f"fs.adamw(lr={self.lr!r}): lr must be a number or a schedule lr(count) -> "
+                                    "float, e.g. fs.schedules.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000).")
+        if (not callable(self.lr) and self.lr < 0) or self.eps < 0 or self.weight_decay < 0:
             raise ArgumentError(f"fs.adamw: lr, eps and weight_decay must be >= 0, got {self}.")
+        if self.weight_decay_mask is not None and not callable(self.weight_decay_mask):
+            raise ArgumentTypeError(f"fs.adamw(weight_decay_mask={self.weight_decay_mask!r}) must be a callable "
+                                    "mask(name, param) -> bool, e.g. lambda name, p: p.ndim >= 2.")
+
+    def lr_at(self, count: int) -> float:
+        """The learning rate of the update that follows ``count`` applied updates."""
+        if not callable(self.lr):
+            return float(self.lr)
+        lr = self.lr(count)
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise ArgumentError(f"fs.adamw: the learning-rate schedule {self.lr!r} returned {lr!r} for count "
+                                f"{count}; a schedule must return a finite number >= 0.")
+        return float(lr)
+
+    def bind(self, model: torch.nn.Module) -> "AdamW":
+        """This optimizer with ``weight_decay_mask`` evaluated on ``model``'s parameters (``fs.init`` calls it)."""
+        if self.weight_decay_mask is None:
+            return self
+        decay = []
+        for name, p in model.named_parameters():
+            on = self.weight_decay_mask(name, p)
+            if not isinstance(on, bool):
+                raise ArgumentTypeError(f"fs.adamw: weight_decay_mask({name!r}, param) returned {on!r}; it must "
+                                        "return True (decay this parameter) or False.")
+            if on:
+                decay.append(name)
+        return dataclasses.replace(self, decay=frozenset(decay))
+
+    def decays(self, layout: UnitLayout) -> list[float]:
+        """The weight decay of each trainable slot of ``layout``."""
+        return [self.weight_decay if self.decay is None or s.name in self.decay else 0.0 for s in layout.trainable]
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> AdamWState | None:
         n = layout.opt_numel(rank)
@@ -64,36 +112,45 @@ class AdamW:
 
     def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
                state: AdamWState, active: list[bool], donate: bool,
-               grad_scale: float = 1.0) -> tuple[torch.Tensor, AdamWState]:
+               grad_scale: float = 1.0, updates: int = 0) -> tuple[torch.Tensor, AdamWState]:
         """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank.
-        The gradient is multiplied by ``grad_scale`` first (clipping), inside the kernel where it can be."""
-        count, segments = self.plan(layout, rank, state.count, active)
+        The gradient is multiplied by ``grad_scale`` first (clipping), inside the kernel where it can be.
+        ``updates``: the updates applied so far (``state.step``), for a learning-rate schedule."""
+        count, segments = self.plan(layout, rank, state.count, active, updates)
         if not segments:
             return param, AdamWState(count, state.exp_avg, state.exp_avg_sq)
         if not donate:  # purity: the input state stays valid, so the update writes into copies
             param, m, v = param.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
         else:
             m, v = state.exp_avg, state.exp_avg_sq
-        for lo, hi, step in segments:
-            self.apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale)
+        for lo, hi, step, lr, wd in segments:
+            self.apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale, lr=lr, weight_decay=wd)
         return param, AdamWState(count, m, v)
 
-    def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor,
-             active: list[bool]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """The new per-parameter step counts, and the ``(lo, hi, step)`` runs of this rank's shard that one update
-        touches: the ranges of the parameters that got a gradient, adjacent ones with the same count merged."""
+    def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor, active: list[bool],
+             updates: int = 0) -> tuple[torch.Tensor, list[tuple[int, int, int, float, float]]]:
+        """The new per-parameter step counts, and the ``(lo, hi, step, lr, weight_decay)`` runs of this rank's shard
+        that one update touches: the ranges of the parameters that got a gradient, adjacent ones with the same count
+        and decay merged (a decay mask splits runs, not passes: each run is one kernel call). ``updates``: the
+        updates applied so far (``state.step``), which a learning-rate schedule reads."""
         count = count + torch.tensor(active, dtype=torch.int64)
-        return count, _segments(layout.trainable_ranges(rank), active, count.tolist())
+        lr = self.lr_at(updates)
+        runs = _segments(layout.trainable_ranges(rank), active, count.tolist(), self.decays(layout))
+        return count, [(lo, hi, c, lr, wd) for lo, hi, c, wd in runs]
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs for state of ``dtype`` on ``device`` ("auto": native for fp32 where it is
         built, else fused)."""
         return _resolve(self.impl, torch.device(device), dtype)
 
-    def apply(self, p, g, m, v, step: int, grad_scale: float = 1.0) -> None:
+    def apply(self, p, g, m, v, step: int, grad_scale: float = 1.0, *, lr: float | None = None,
+              weight_decay: float | None = None) -> None:
         """One AdamW step, in place, on one run: parameter ``p``, gradient ``g`` (times ``grad_scale``), moments
-        ``m`` and ``v``, all of the same length; ``step`` is the run's new step count."""
-        lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
+        ``m`` and ``v``, all of the same length; ``step`` is the run's new step count. ``lr`` and ``weight_decay``
+        (a run's, from ``lr_at`` and ``plan``) default to the optimizer's own (``lr`` must then be a float)."""
+        (b1, b2), eps = self.betas, self.eps
+        lr = self.lr_at(0) if lr is None else lr
+        wd = self.weight_decay if weight_decay is None else weight_decay
         impl = _resolve(self.impl, p.device, p.dtype)
         if grad_scale != 1.0 and impl != "native":
             g = g * grad_scale  # what clip_grad_norm_ does to .grad; the native kernel fuses it
@@ -130,20 +187,21 @@ def _resolve(impl: str, device: torch.device, dtype: torch.dtype = torch.float32
     return "fused"  # no native build (no compiler): torch's fused kernel, still one pass; ops says why once
 
 
-def _segments(ranges, active, counts) -> list[tuple[int, int, int]]:
-    """Merge adjacent active slots with the same step count into (lo, hi, step) runs of the shard."""
-    out: list[list[int]] = []
-    for (lo, hi), on, c in zip(ranges, active, counts):
+def _segments(ranges, active, counts, decays) -> list[tuple[int, int, int, float]]:
+    """Merge adjacent active slots with the same step count and weight decay into (lo, hi, step, wd) runs."""
+    out: list[list] = []
+    for (lo, hi), on, c, wd in zip(ranges, active, counts, decays):
         if not on or hi <= lo:
             continue
-        if out and out[-1][1] == lo and out[-1][2] == c:
+        if out and out[-1][1] == lo and out[-1][2] == c and out[-1][3] == wd:
             out[-1][1] = hi
         else:
-            out.append([lo, hi, c])
+            out.append([lo, hi, c, wd])
     return [tuple(s) for s in out]
 
 
-def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01, impl: str = "auto") -> AdamW:
-    """AdamW with the same math (and defaults) as ``torch.optim.AdamW``."""
-    return AdamW(lr, tuple(betas), eps, weight_decay, impl)
+def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 0.01, impl: str = "auto", weight_decay_mask: Callable | None = None) -> AdamW:
+    """AdamW with the same math (and defaults) as ``torch.optim.AdamW``; ``lr`` may be a schedule and
+    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay (see ``AdamW``)."""
+    return AdamW(lr, tuple(betas), eps, weight_decay, impl, weight_decay_mask)

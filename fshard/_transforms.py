@@ -93,7 +93,7 @@ class DeviceUpdate(UpdatePolicy):
                         "with the same fs.offload_state(store) to update it.")
                 params[u.name], opt_state[u.name] = step.spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
-                    donate, grad_scale=grads.scale)
+                    donate, grad_scale=grads.scale, updates=int(state.step))
         return params, opt_state, {}
 
     def plan(self, step, state, donate):

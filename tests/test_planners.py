@@ -133,28 +133,29 @@ def test_an_empty_last_parameter_opens_no_bucket():
 
 
 @given(st.one_of(st.just(1), ft.world_sizes()), st.data())  # often one rank: all slots in one shard, to merge
-def test_segments_cover_the_active_slots_with_their_step(n, data):
+def test_segments_cover_the_active_slots_with_their_step_and_decay(n, data):
     layout = data.draw(layouts(n, min_params=3))  # enough slots for runs to merge, or to skip one
-    k = len(layout.trainable)  # active flags and step counts are per parameter, the same on every rank
+    k = len(layout.trainable)  # active flags, step counts and decays are per parameter, the same on every rank
     active = data.draw(st.lists(st.sampled_from([True, True, False]), min_size=k, max_size=k))
     counts = data.draw(st.lists(st.integers(1, 2), min_size=k, max_size=k))  # equal steps are common
+    decays = data.draw(st.lists(st.sampled_from([0.1, 0.1, 0.0]), min_size=k, max_size=k))  # a mask's two values
 
-    def step_at(intervals, x):
-        hits = [c for lo, hi, c in intervals if lo <= x < hi]
+    def key_at(intervals, x):
+        hits = [key for lo, hi, *key in intervals if lo <= x < hi]
         assert len(hits) <= 1, (intervals, x)
         return hits[0] if hits else None
 
     for r in range(n):
         ranges = layout.trainable_ranges(r)
-        runs = _segments(ranges, active, counts)
-        # sorted, disjoint, non-empty; touching neighbours have different steps (else they would be one run)
-        assert all(lo < hi for lo, hi, _ in runs)
-        for (_, h0, s0), (l1, _, s1) in zip(runs, runs[1:]):
-            assert h0 <= l1 and not (h0 == l1 and s0 == s1), runs
-        # the same step function as "each active slot's range at its count", on every elementary interval
-        want = [(lo, hi, c) for (lo, hi), on, c in zip(ranges, active, counts) if on and hi > lo]
-        points = sorted({x for lo, hi, _ in runs + want for x in (lo, hi)})
-        assert all(step_at(runs, x) == step_at(want, x) for x in points), (ranges, active, counts, runs)
+        runs = _segments(ranges, active, counts, decays)
+        # sorted, disjoint, non-empty; touching neighbours differ in step or decay (else they would be one run)
+        assert all(lo < hi for lo, hi, _, _ in runs)
+        for (_, h0, s0, w0), (l1, _, s1, w1) in zip(runs, runs[1:]):
+            assert h0 <= l1 and not (h0 == l1 and (s0, w0) == (s1, w1)), runs
+        # the same function as "each active slot's range at its count and decay", on every elementary interval
+        want = [(lo, hi, c, w) for (lo, hi), on, c, w in zip(ranges, active, counts, decays) if on and hi > lo]
+        points = sorted({x for lo, hi, *_ in runs + want for x in (lo, hi)})
+        assert all(key_at(runs, x) == key_at(want, x) for x in points), (ranges, active, counts, decays, runs)
 
 
 # ---------------------------------------------------------------- 3. trainable_ranges
