@@ -207,9 +207,13 @@ class GatherPolicy(Protocol):
     Attributes:
       schedule: the order in which the step acquires units (an ``fs.Schedule``), for policies that follow one;
         None otherwise. ``step.schedule`` shows it.
+      param_dtype: the dtype units are gathered and computed in (None: each unit's own, its master dtype). The
+        step casts the shard to it for each gather, and the floating-point tensors passed to a unit's call (as
+        FSDP2's ``cast_forward_inputs``); gradients then arrive in it (``fs.mixed_precision`` sets it).
     """
 
     schedule: Any = None
+    param_dtype: torch.dtype | None = None
 
     def start(self, step: StepView) -> None:
         """Before each micro-batch's forward."""

@@ -159,6 +159,15 @@ class _PlanComm(Comm):
         return t
 
 
+def _copy(policy):
+    """A copy that shares nothing the simulation changes (a wrapper's inner policy included); a policy that
+    cannot be deep-copied (it holds a lock or a thread) is copied shallowly."""
+    try:
+        return copy.deepcopy(policy)
+    except Exception:  # noqa: BLE001
+        return copy.copy(policy)
+
+
 class _NoUpdate(UpdatePolicy):
     """The simulated step begins no update during backward."""
 
@@ -167,7 +176,7 @@ def plan(step, state, batch) -> Plan:
     """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective."""
     spec, mesh = state.spec, state.spec.mesh
     pol = step.policy
-    sim = dataclasses.replace(pol, gather=copy.copy(pol.gather), reduce=copy.copy(pol.reduce),
+    sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce),
                               update=_NoUpdate())  # copies: planning must not change the real policies
     comm = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend))
     if mesh.world_size > 1:  # the rank check before any gather (_check_ranks): three hashes
@@ -246,7 +255,7 @@ def _simulate(pol, run: StepRun) -> None:
 def _finish_use(run, gather, unit, last_use: bool) -> None:
     gather.after_backward(run, unit)
     if last_use and unit.trainable:
-        grad = torch.empty(unit.layout.numel, dtype=unit.layout.dtype, device="meta")
+        grad = torch.empty(unit.layout.numel, dtype=run._param_dtype or unit.layout.dtype, device="meta")
         run._unit_grad_bytes = max(run._unit_grad_bytes, grad.nbytes)
         if run.last:
             run._reduce(unit, run._acc.take(unit.name, grad))

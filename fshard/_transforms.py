@@ -71,7 +71,7 @@ class BlockingReduce(ReducePolicy):
             full.mul_(1.0 / n)
         out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
         step.comm.reduce_scatter(out, full, unit.name).wait()
-        step.grad_ready(unit, out)
+        step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
 
 
 class IdentityGrads(GradsPolicy):

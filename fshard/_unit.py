@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import optree
 import torch
 import torch.nn as nn
 from torch.func import functional_call
@@ -149,19 +150,20 @@ class UnitRun(UnitView):
 
     def _alias(self) -> torch.Tensor:
         """A new tensor object on the gathered buffer's storage (its own version counter)."""
-        return torch.empty(0, dtype=self.layout.dtype, device=self._buf.device).set_(
+        return torch.empty(0, dtype=self._buf.dtype, device=self._buf.device).set_(
             self._buf.untyped_storage(), 0, (self.layout.numel,))
 
     def launch(self) -> None:
         if self.alive:
             return
-        comm = self._run._comm
+        comm, dtype = self._run._comm, self._run._param_dtype or self.layout.dtype
         with comm.gather_scope():
             if self._buf is None:
-                self._buf = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.shard.device)
+                self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
-                self._buf.untyped_storage().resize_(self.layout.nbytes)
-            self._pending = comm.gather(self._alias(), self.shard.detach(), self.name)
+                self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
+            shard = self.shard.detach()
+            self._pending = comm.gather(self._alias(), shard if shard.dtype == dtype else shard.to(dtype), self.name)
         self.alive = True
         self._run._on_alive(self, +1)
 
@@ -228,6 +230,7 @@ class StepRun(StepView):
         self.spec, self.state, self.last = state.spec, state, last
         self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
         self.grads_unchanged = policy.grads_unchanged
+        self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
         self._policy, self._acc, self._scratch = policy, acc, scratch
@@ -266,7 +269,7 @@ class StepRun(StepView):
             self._live[ptr] = unit
         else:
             self._live.pop(ptr, None)
-        self._live_bytes += sign * unit.layout.nbytes
+        self._live_bytes += sign * unit.layout.numel * unit._buf.element_size()
         self._peak_bytes = max(self._peak_bytes, self._live_bytes)
         self._phase_peak[self.phase] = max(self._phase_peak[self.phase], self._live_bytes)
 
@@ -274,9 +277,16 @@ class StepRun(StepView):
         unit, gather = self.units[route.name], self._policy.gather
         self.order.append(route.name)
         gather.before_forward(self, unit)
+        if self._param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
+            args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
         out = functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
         gather.after_forward(self, unit)
         return out
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self._param_dtype:
+            return x.to(self._param_dtype)
+        return x
 
     @contextlib.contextmanager
     def _active(self):

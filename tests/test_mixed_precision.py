@@ -1,0 +1,125 @@
+"""fs.mixed_precision against FSDP2's MixedPrecisionPolicy, and with the other transforms.
+
+The oracle: ``fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32))`` on every block and the root, ``torch.optim.AdamW`` (the same single-tensor arithmetic
+as ``fs.adamw(impl="torch")``), same weights and batches. The arithmetic is the same (fp32 shards cast to bf16 and
+gathered, bf16 forward and backward, the bf16 gradient cast to fp32 and averaged over 2 ranks, fp32 update), so the
+losses and the final parameters are bitwise equal over 20 steps.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+STEPS = 20
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _setup():
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    mesh = fs.Mesh.from_env()
+    cfg = GPTConfig.tiny(n_layers=3)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    return fs, mesh, model, loss_fn, list(synthetic_batches(cfg, 4, STEPS, 0, mesh.rank, mesh.world_size))
+
+
+def _against_fsdp2(transforms: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    fs, mesh, model, loss_fn, batches = _setup()
+    ref = copy.deepcopy(model)
+    ts = (fs.gather_ahead(2), fs.bucket_reduce(0.01)) if transforms == "ahead+buckets" else ()
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    step = fs.compose(loss_fn, *ts, fs.mixed_precision())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dm = init_device_mesh("cpu", (mesh.world_size,))
+    for block in ref.blocks:
+        fully_shard(block, mesh=dm, mp_policy=policy)
+    fully_shard(ref, mesh=dm, mp_policy=policy)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ours, theirs = [], []
+    for b in batches:
+        state, m = step(state, b)
+        ours.append(m["loss"])
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ref, b)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().double()
+        dist.all_reduce(mean)
+        theirs.append(mean.item() / mesh.world_size)
+    full = fs.full_params(state)
+    equal = all(torch.equal(full[n], (p.full_tensor() if isinstance(p, DTensor) else p).detach())
+                for n, p in ref.named_parameters())
+    dtypes = {str(t.dtype) for t in state.params.values()} | {str(s.exp_avg.dtype) for s in state.opt_state.values()}
+    return ours, theirs, equal, dtypes
+
+
+@pytest.mark.parametrize("transforms", ["blocking", "ahead+buckets"])
+def test_bf16_is_bitwise_fsdp2_mixed_precision(transforms):
+    for ours, theirs, equal, dtypes in run_ranks(_against_fsdp2, 2, transforms):
+        assert ours == theirs, (ours, theirs)
+        assert equal
+        assert dtypes == {"torch.float32"}  # master parameters and moments stay fp32
+        assert ours[-1] < ours[0]
+
+
+def _with_others():
+    fs, mesh, model, loss_fn, batches = _setup()
+    out = {}
+    configs = {
+        "fp32": (),
+        "bf16": (fs.mixed_precision(),),
+        "bf16+ahead+buckets": (fs.gather_ahead(1), fs.bucket_reduce(0.004), fs.mixed_precision()),
+        "bf16+offload": (fs.mixed_precision(), fs.offload_state(fs.CPUStore(), chunk_mb=0.01)),
+        "bf16+clip+skip": (fs.mixed_precision(), fs.clip_by_global_norm(0.5), fs.skip_nonfinite()),
+        "bf16+accumulate": (fs.accumulate(2), fs.mixed_precision()),
+        "bf16 reduced in bf16": (fs.mixed_precision(reduce_dtype=None),),
+    }
+    for name, ts in configs.items():
+        state = fs.init(copy.deepcopy(model), mesh, fs.adamw(**HP, impl="torch"))
+        with fs.compose(loss_fn, *ts) as step:
+            losses = []
+            for b in batches[:6]:
+                plan = step.plan(state, [b, b] if "accumulate" in name else b)
+                state, m = step(state, [b, b] if "accumulate" in name else b)
+                losses.append(m["loss"])
+                assert all(abs(plan[k] - m[k]) <= 0.05 * max(plan[k], m[k]) for k in plan.figures), name
+        full = fs.full_params(state)
+        out[name] = (losses, {n: (str(t.dtype), t.detach().numpy().tobytes()) for n, t in full.items()},
+                     m["comm/gather_bytes"], m["comm/reduce_bytes"], m.get("grad_norm"))
+    return out
+
+
+def test_bf16_composes_with_the_other_transforms():
+    for out in run_ranks(_with_others, 2):
+        base_losses, base_params, _, _, _ = out["bf16"]
+        # scheduling and where the moments live never change a result
+        for name in ("bf16+ahead+buckets", "bf16+offload"):
+            assert out[name][0] == base_losses, name
+            assert out[name][1] == base_params, name
+        # half the gathered bytes of fp32; gradients reduced in fp32 (the same bytes), or in bf16 (half)
+        assert out["bf16"][2] <= 0.55 * out["fp32"][2]
+        assert out["bf16"][3] == out["fp32"][3] and out["bf16 reduced in bf16"][3] <= 0.55 * out["fp32"][3]
+        assert out["bf16+clip+skip"][4] is not None
+        for name, (losses, params, *_) in out.items():
+            assert all(l == l for l in losses) and losses[-1] < losses[0], name  # finite and training
+            assert all(dtype == "torch.float32" for dtype, _ in params.values()), name
+
+
+def test_mixed_precision_wraps_so_it_comes_after_the_setters():
+    import fshard as fs
+    from gpt import loss_fn
+    with pytest.raises(fs.TransformConflictError):
+        fs.compose(loss_fn, fs.mixed_precision(), fs.gather_ahead(2))
+    with pytest.raises(fs.ArgumentTypeError, match="param_dtype"):
+        fs.mixed_precision(param_dtype=torch.int8)
