@@ -327,9 +327,11 @@ class UpdatePolicy(Protocol):
         did not take (the step failed, ``__call__`` included, or skipped the update), losing nothing of the input
         state. After a successful ``__call__`` there is nothing left to drop."""
 
-    def plan(self, step: StepView, state: TrainState, donate: bool) -> Mapping[str, int] | None:
+    def plan(self, step: StepView, state: TrainState, active: Mapping[str, Sequence[bool]],
+             donate: bool) -> Mapping[str, int] | None:
         """What ``__call__`` will allocate and move, for ``step.plan`` (no work is done). ``step`` is a simulated
-        step: its layouts and mesh are real, its units hold no data.
+        step: its layouts and mesh are real, its units hold no data (a unit's ``grad`` is set, as a meta tensor,
+        where the real step's would be); ``active`` is what ``__call__`` would be given.
 
         Returns:
           metric name -> bytes, for the names the update's metrics measure: ``mem/new_state_bytes`` (tensors the

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from ._base import GatherPolicy
 from ._errors import ArgumentError, ArgumentTypeError, ScheduleError
-from ._init import ROOT
 from ._transforms import Transform
 
 
@@ -59,7 +58,6 @@ class _Walk:
         self.on_plan = schedule is not None  # False once an event did not match: blocking from then on
         self.forward: list[str] = []
         self.backward: list[str] = []
-        self.in_backward = False
         self.active: set[str] = set()  # units with a backward use under way
         self.uses: dict[str, int] = {}  # forward uses per unit, for reshard_after_forward=False
         self.done_uses: dict[str, int] = {}
@@ -88,22 +86,19 @@ class GatherAhead(GatherPolicy):
 
     def before_forward(self, run, unit) -> None:
         w = run.scratch(self)["walk"]
-        if w.in_backward:  # forward code called from backward (activation checkpointing): not in the plan
+        if run.phase == "backward":  # forward code called from backward (activation checkpointing): not in the plan
             return unit.acquire()
         w.uses[unit.name] = w.uses.get(unit.name, 0) + 1
         self._event(run, w.forward, unit)
 
     def after_forward(self, run, unit) -> None:
-        w = run.scratch(self)["walk"]
-        if unit.name == ROOT:  # the root's forward ends the forward pass
-            w.in_backward = True
         if not self._keep(run, unit, forward=True):
             unit.release()
 
     def before_backward(self, run, unit) -> None:
         w = run.scratch(self)["walk"]
         name = unit.name
-        if not w.in_backward:  # a saved tensor read during forward (e.g. by a custom autograd.Function)
+        if run.phase != "backward":  # a saved tensor read during forward (e.g. by a custom autograd.Function)
             return unit.acquire()
         if name in w.active:  # the same backward use, still under way
             return unit.acquire()

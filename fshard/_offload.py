@@ -95,7 +95,7 @@ class OffloadUpdate(UpdatePolicy):
         while early:
             early.popitem()[1].abandon()
 
-    def plan(self, step, state, donate):
+    def plan(self, step, state, active, donate):
         """Store traffic, assuming every trainable parameter gets a gradient: a stored unit's chunks are read and
         written once (both moments); a chosen unit still in memory is written once (the first step). New tensors:
         each unit's step count; its parameter unless donated and updated in place (an update begun during
@@ -104,12 +104,15 @@ class OffloadUpdate(UpdatePolicy):
         chosen = self._choose(spec, state)
         early = self.overlap_backward and step.grads_unchanged and spec.mesh.device.type == "cpu"
         for u in spec.units:
-            s = state.opt_state.get(u.name)
-            if s is None or not any(u.trainable):
+            s, on = state.opt_state.get(u.name), any(active.get(u.name, ()))
+            if s is None:
                 continue
             stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
-            clone = not donate or (stored and early)
-            f["mem/new_state_bytes"] += s.count.nbytes + (state.params[u.name].nbytes if clone else 0)
+            f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
+            if not on:
+                continue
+            clone = not donate or (stored and early and step.units[u.name].got_all())
+            f["mem/new_state_bytes"] += state.params[u.name].nbytes if clone else 0
             if stored:
                 f["io/read_bytes"] += moments
                 f["io/write_bytes"] += moments

@@ -1,9 +1,10 @@
 """step.plan(state, batch): what one step will cost on this rank, before it runs.
 
 The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
-gather, reduce and grads policies called in the order a step calls them, over the schedule the gather policy
-holds (or the layout's order before one is recorded), and a ``Comm`` that moves no data but counts what each
-collective would move. So a custom policy is planned by the same code that runs it, and no stage needs a cost
+gather, reduce and grads policies called in the order a step calls them, and a ``Comm`` that moves no data but
+counts what each collective would move. The order is the schedule the gather policy holds, else the one the last
+step of this step function observed (which units forward called and backward read, and which parameters got a
+gradient), else, before any step, the layout's order with every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and no stage needs a cost
 model of another. The update stage, which touches state rather than layouts, says what it will write and read
 through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the plan (they are the
 model's, as in DDP or FSDP2), and neither are the framework's own allocations.
@@ -23,7 +24,7 @@ import optree
 import torch
 
 from ._base import Grads, UpdatePolicy
-from ._collectives import Comm, CollectivesView, agree
+from ._collectives import Comm, CollectivesView
 from ._init import ROOT
 from ._state import NAMESPACE
 from ._unit import Accumulator, StepRun
@@ -131,7 +132,7 @@ class _PlanMesh:
     rank: int
     world_size: int
     backend: str
-    device: torch.device = torch.device("cpu")  # control messages are real (tiny); unit data is on meta
+    device: torch.device = torch.device("meta")  # unit data, and buffers a policy makes on the mesh's device
     group: None = None
 
 
@@ -168,19 +169,24 @@ def _copy(policy):
         return copy.copy(policy)
 
 
+_AGREE_BYTES = 8  # agree() sends float64: each value, and each hash with its square
+
+
 class _NoUpdate(UpdatePolicy):
     """The simulated step begins no update during backward."""
 
 
-def plan(step, state, batch) -> Plan:
-    """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective."""
+def plan(step, state, batch, observed=None) -> Plan:
+    """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective.
+    ``observed``: ``(forward, backward, active)`` of the last step this step function ran (the units forward called
+    and backward read, in order, and which parameters got a gradient): the order used when the gather policy holds
+    no schedule; before any step, the layout's order, reversed in backward, every parameter getting a gradient."""
     spec, mesh = state.spec, state.spec.mesh
     pol = step.policy
     sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce),
                               update=_NoUpdate())  # copies: planning must not change the real policies
     comm = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend))
-    if mesh.world_size > 1:  # the rank check before any gather (_check_ranks): three hashes
-        agree(comm, [], [0, 0, 0])
+    control = 0 if mesh.world_size == 1 else _AGREE_BYTES * (2 * 3)  # the rank check: three hashes
     k = len(pol.batches(batch))
     fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
                                               for u in spec.units})
@@ -188,25 +194,28 @@ def plan(step, state, batch) -> Plan:
     for i in range(k):
         run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1)
         runs.append(run)
-        _simulate(sim, run)
+        _simulate(sim, run, observed)
         accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
     run = runs[-1]
-    agree(comm, [0.0] + [0.0] * sum(len(u._got) for u in run.units.values()), [0])  # the step's agreement
+    if mesh.world_size > 1:  # the step's agreement: the loss, a got-a-gradient mark per parameter, one hash
+        control += _AGREE_BYTES * (1 + sum(len(u._got) for u in run.units.values()) + 2)
     shards = run._grad_shards()
+    ctrl = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device("cpu")))
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
-    pol.grads(CollectivesView(comm), Grads(ones))
+    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones))
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
          "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/control_bytes": comm.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
+         "comm/control_bytes": control + ctrl.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
          "mem/new_state_bytes": 0, **state_figures(state)}
+    unknown = ()
+    active = {name: list(u._got) for name, u in run.units.items()}
+    update = pol.update.plan(run, state, active, step.donate)  # while the simulated units still hold their grads
     for r in runs:
         r._close()
-    unknown = ()
-    update = pol.update.plan(run, state, step.donate)
     if update is None:
         unknown = ("update",)
     else:
@@ -216,16 +225,26 @@ def plan(step, state, batch) -> Plan:
     return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown)
 
 
-def _simulate(pol, run: StepRun) -> None:
+def _simulate(pol, run: StepRun, observed) -> None:
     """One micro-batch's gather and reduce events, in the order a step makes them: the root bound around the
     whole forward, each unit called in the schedule's order; in backward each unit read, its use finished, its
     gradient handed to the reduce policy (the root's at the end), then the reduce policy's finish."""
     gather, units = pol.gather, run.units
-    schedule = getattr(gather, "schedule", None)
-    layout_order = [n for n in units if n != ROOT]
-    forward = [n for n in schedule.forward if n != ROOT] if schedule is not None else layout_order
-    backward = list(schedule.backward) if schedule is not None else (
-        ([ROOT] if ROOT in units else []) + layout_order[::-1])
+    schedule = gather.schedule
+    if schedule is not None:
+        forward, backward = [n for n in schedule.forward if n != ROOT], list(schedule.backward)
+    elif observed is not None:
+        forward, backward = list(observed[0]), list(observed[1])
+    else:
+        forward = [n for n in units if n != ROOT]
+        backward = ([ROOT] if ROOT in units else []) + forward[::-1]
+    if observed is not None:  # which parameters got a gradient, as in the last step
+        for name, got in observed[2].items():
+            if name in units:
+                units[name]._got = list(got)
+    else:
+        for u in units.values():
+            u._got = [True] * len(u._got)
     gather.start(run)
     root = units.get(ROOT)
     if root is not None:

@@ -61,6 +61,7 @@ class Step:
         self.policy = fold(self.transforms)
         self._streams: dict = {}
         self._closed = False
+        self._observed = None  # (unit order, active) of the last step that got through backward
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -75,7 +76,7 @@ class Step:
         it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py); after
         the step, its metrics carry the same figures, measured."""
         self._check_state(state)
-        return plan(self, state, batch)
+        return plan(self, state, batch, self._observed)
 
     @property
     def schedule(self):
@@ -120,6 +121,7 @@ class Step:
             t2 = time.perf_counter()
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
+            self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
             grads = self.policy.grads(run.comm, Grads(run._grad_shards()))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)

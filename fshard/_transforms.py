@@ -96,12 +96,12 @@ class DeviceUpdate(UpdatePolicy):
                     donate, grad_scale=grads.scale, updates=int(state.step))
         return params, opt_state, {}
 
-    def plan(self, step, state, donate):
-        """Each unit with optimizer state gets a new step-count tensor; without ``donate`` also a new parameter
-        shard and new moments (the update writes into copies)."""
+    def plan(self, step, state, active, donate):
+        """Each unit it updates (a parameter active) gets a new step-count tensor; without ``donate`` also a new
+        parameter shard and new moments (the update writes into copies)."""
         return {"mem/new_state_bytes": sum(
             s.count.nbytes + (0 if donate else state.params[name].nbytes + s.exp_avg.nbytes + s.exp_avg_sq.nbytes)
-            for name, s in state.opt_state.items() if s is not None and any(step.spec.unit(name).trainable))}
+            for name, s in state.opt_state.items() if s is not None and any(active.get(name, ())))}
 
 
 class OneBatch(BatchesPolicy):

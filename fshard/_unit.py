@@ -214,6 +214,7 @@ class UnitRun(UnitView):
         return out
 
     def _use_done(self, _grad):
+        self._run._reading.discard(self.name)
         self._run._policy.gather.after_backward(self._run, self)
 
     def _marker(self, k: int):
@@ -233,6 +234,8 @@ class StepRun(StepView):
         self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
+        self._backward_order: list[str] = []  # units in the order backward began reading them (one entry per use)
+        self._reading: set[str] = set()  # units whose current backward use has begun and not finished
         self._policy, self._acc, self._scratch = policy, acc, scratch
         self.units = {u.name: UnitRun(self, u, state.params[u.name]) for u in self.spec.units}
         self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
@@ -306,6 +309,9 @@ class StepRun(StepView):
 
     def _unpack(self, x):
         if isinstance(x, _Saved):
+            if x.unit.name not in self._reading:
+                self._reading.add(x.unit.name)
+                self._backward_order.append(x.unit.name)
             self._policy.gather.before_backward(self, x.unit)
             return x.tensor
         return x

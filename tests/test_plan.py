@@ -130,3 +130,56 @@ def test_bucketed_gradient_shards_keep_only_this_ranks_sections():
     buckets (1/N of the gradients), not whole buckets: measured as the bytes of the storages they hold."""
     for seen, bucket in run_ranks(_shard_storage, 2):
         assert seen["shards"] <= seen["kept"] <= seen["shards"] * 1.05 + bucket, seen
+
+
+class _NoRoot(torch.nn.Module):
+    """No parameter outside the units; blocks.0 called three times, blocks.1 never, blocks.2 frozen and first."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 200), torch.nn.Linear(8, 8)])
+        self.blocks[2].requires_grad_(False)
+
+    def forward(self, x):
+        h = self.blocks[2](x)
+        for _ in range(3):
+            h = torch.tanh(self.blocks[0](h))
+        return h
+
+
+def _awkward_plans(model_name):
+    import fshard as fs
+    from fshard._plan import FIGURES
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    if model_name == "awkward":
+        make, loss_fn = Awkward, awkward_loss
+        batches = list(awkward_batches(2, 3, mesh.rank, mesh.world_size))
+    else:
+        make, loss_fn = _NoRoot, (lambda m, x: m(x).pow(2).mean())
+        batches = [torch.randn(4 * mesh.world_size, 8, generator=torch.Generator().manual_seed(s))[
+            4 * mesh.rank:4 * mesh.rank + 4] for s in range(3)]
+    off = []
+    configs = {"blocking": ((), {}), "buckets": ((fs.bucket_reduce(0.001),), {}),
+               "ahead+buckets": ((fs.gather_ahead(1), fs.bucket_reduce(0.0065)), {}),
+               "offload+donate": ((fs.offload_state(fs.CPUStore(), overlap_backward=True),), dict(donate=True))}
+    for name, (ts, kw) in configs.items():
+        torch.manual_seed(0)
+        state = fs.init(make(), mesh, fs.adamw())
+        with fs.compose(loss_fn, *ts, **kw) as step:
+            for i, b in enumerate(batches):
+                plan = step.plan(state, b)
+                state, m = step(state, b)
+                if i > 0:  # from the second step on, the plan follows the order the last step observed
+                    off += [(name, i, k, plan[k], m[k]) for k in FIGURES
+                            if abs(plan[k] - m[k]) > 0.05 * max(plan[k], m[k])]
+    return off
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("model_name", ["awkward", "no_root"])
+def test_plan_follows_the_observed_order_on_awkward_models(model_name, world_size):
+    """Units called twice or never, frozen and tied parameters, no root unit, a bucket no unit reaches: from the
+    second step on, the plan uses the units' order and gradients of the step before, and matches the measurement."""
+    for off in run_ranks(_awkward_plans, world_size, model_name):
+        assert not off, off
