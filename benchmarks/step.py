@@ -174,6 +174,15 @@ def fsdp2_runner(ctx: Ctx, prefetch: int = 0, **fully_shard_kwargs) -> Runner:
 register("fsdp2+prefetch(2)")(lambda ctx: fsdp2_runner(ctx, prefetch=2))
 
 
+def _fsdp2_bf16(ctx):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return fsdp2_runner(ctx, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+
+
+register("fsdp2+bf16")(_fsdp2_bf16)  # FSDP2's mixed precision: bf16 gathers and compute, fp32 reduce
+
+
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
                   env: dict | None = None, **compose_kwargs) -> Runner:
     """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``);
@@ -230,6 +239,15 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
+def _bf16():
+    import fshard as fs
+    return fs.mixed_precision(torch.bfloat16, torch.float32)
+
+
+register("fshard+bf16")(lambda ctx: fshard_runner(ctx, _bf16()))
+register("fshard+bf16+donate")(lambda ctx: fshard_runner(ctx, _bf16(), donate=True))
+register("fshard+ahead+buckets+bf16")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16()))
+register("fshard+ahead+buckets+bf16+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(), donate=True))
 register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
 register("fshard+ahead+buckets+keep+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))

@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="gather_ahead depth (0: blocking gathers)")
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: no clipping)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: fs.mixed_precision() (bf16 gathers and compute, fp32 reduce and master state)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print step.plan(state, batch) (rank 0) before training")
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
@@ -83,6 +85,8 @@ def main(argv=None) -> dict:
     transforms = [fs.gather_ahead(args.depth)] if args.depth else []
     if args.bucket_mb:
         transforms.append(fs.bucket_reduce(args.bucket_mb))
+    if args.precision == "bf16":  # wraps the gather and reduce stages: after the transforms that set them
+        transforms.append(fs.mixed_precision(torch.bfloat16, torch.float32))
     if args.clip:
         transforms += [fs.clip_by_global_norm(args.clip), fs.skip_nonfinite()]
     store = None
