@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from models import oracle_step
 
 STEPS = 20
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -30,7 +31,6 @@ def _setup():
 
 
 def _against_fsdp2(transforms: str):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -50,13 +50,7 @@ def _against_fsdp2(transforms: str):
     for b in batches:
         state, m = step(state, b)
         ours.append(m["loss"])
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ref, b)
-        loss.backward()
-        opt.step()
-        mean = loss.detach().double()
-        dist.all_reduce(mean)
-        theirs.append(mean.item() / mesh.world_size)
+        theirs.append(oracle_step(ref, opt, loss_fn, b, mesh.world_size))
     full = fs.full_params(state)
     equal = all(torch.equal(full[n], (p.full_tensor() if isinstance(p, DTensor) else p).detach())
                 for n, p in ref.named_parameters())
