@@ -61,7 +61,7 @@ class Step:
         self.policy = fold(self.transforms)
         self._streams: dict = {}
         self._closed = False
-        self._observed = None  # (unit order, active) of the last step that got through backward
+        self._observed = None  # (forward order, backward order, active) of the last step past its agreement
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
