@@ -86,8 +86,9 @@ class Flight:
 
 
 class Comm:
-    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False):
+    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False, dry: bool = False):
         self.mesh = mesh
+        self.dry = dry  # step.plan: every collective is recorded and counted as usual, but moves nothing
         self.trace: list[tuple] | None = [] if trace else None
         # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
         # is atomic); gathers and reductions are added from their flights by ``timeline()``; "wait" spans are
@@ -147,7 +148,9 @@ class Comm:
         self._note("all_gather", tag, out)
         t0 = time.perf_counter()
         g, n, rank = self.mesh.group, self.mesh.world_size, self.mesh.rank
-        if g is None:
+        if self.dry:
+            works = []
+        elif g is None:
             out.copy_(shard)
             works = []
         elif self.impl == "all_gather":
@@ -203,7 +206,9 @@ class Comm:
         self._note("reduce_scatter", tag, full)
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
-        if self.mesh.group is None:
+        if self.dry:
+            works = []
+        elif self.mesh.group is None:
             out.copy_(full)
             works = []
         else:
@@ -219,8 +224,8 @@ class Comm:
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
         t0 = time.perf_counter()
         g = self.mesh.group
-        works = [] if g is None else [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
-                                      for r, t in enumerate(sections)]
+        works = [] if g is None or self.dry else [
+            dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True) for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -230,7 +235,8 @@ class Comm:
         t0 = time.perf_counter()
         if self.mesh.group is not None:
             self.bytes["control"] += t.nbytes
-            dist.all_reduce(t, op=op, group=self.mesh.group)
+            if not self.dry:
+                dist.all_reduce(t, op=op, group=self.mesh.group)
         t1 = time.perf_counter()
         self.seconds["control"] += t1 - t0
         if self.spans is not None:

@@ -149,7 +149,10 @@ class AdamW:
         ``m`` and ``v``, all of the same length; ``step`` is the run's new step count. ``lr`` and ``weight_decay``
         (a run's, from ``lr_at`` and ``plan``) default to the optimizer's own (``lr`` must then be a float)."""
         (b1, b2), eps = self.betas, self.eps
-        lr = self.lr_at(0) if lr is None else lr
+        if lr is None and callable(self.lr):
+            raise ArgumentError("AdamW.apply: this optimizer's lr is a schedule; pass the run's lr (from plan(), "
+                                "which reads the schedule at the state's step count).")
+        lr = float(self.lr) if lr is None else lr
         wd = self.weight_decay if weight_decay is None else weight_decay
         impl = _resolve(self.impl, p.device, p.dtype)
         if grad_scale != 1.0 and impl != "native":

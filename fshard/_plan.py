@@ -1,13 +1,14 @@
 """step.plan(state, batch): what one step will cost on this rank, before it runs.
 
 The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
-gather, reduce and grads policies called in the order a step calls them, and a ``Comm`` that moves no data but
-counts what each collective would move. The order is the schedule the gather policy holds, else the one the last
-step of this step function observed (which units forward called and backward read, and which parameters got a
-gradient), else, before any step, the layout's order with every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and no stage needs a cost
-model of another. The update stage, which touches state rather than layouts, says what it will write and read
-through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the plan (they are the
-model's, as in DDP or FSDP2), and neither are the framework's own allocations.
+gather, reduce and grads policies called in the order a step calls them, and a dry ``Comm`` (``dry=True``: the
+step's own bookkeeping of every collective, with no transport) that counts what each would move. The order is the
+schedule the gather policy holds, else the one the last step of this step function observed (which units forward
+called and backward read, and which parameters got a gradient), else, before any step, the layout's order with
+every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and
+no stage needs a cost model of another. The update stage, which touches state rather than layouts, says what it
+will write and read through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the
+plan (they are the model's, as in DDP or FSDP2), and neither are the framework's own allocations.
 
 Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py
 checks they agree within 5%). Policies are copied before the simulation, so planning changes no schedule or
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from types import SimpleNamespace
 
 import optree
 import torch
 
 from ._base import Grads, UpdatePolicy
-from ._collectives import Comm, CollectivesView
+from ._collectives import Comm, CollectivesView, agree
 from ._init import ROOT
 from ._state import NAMESPACE
 from ._unit import Accumulator, StepRun
@@ -129,35 +129,20 @@ def peak_bytes(f: dict) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _PlanMesh:
+    """The mesh a simulated step sees: the real rank and world size; unit data on meta. ``group`` is a stand-in
+    (never used: the Comm is dry) that is set where the real mesh has a process group, so that the dry Comm counts
+    exactly what the real one would."""
+
     rank: int
     world_size: int
     backend: str
-    device: torch.device = torch.device("meta")  # unit data, and buffers a policy makes on the mesh's device
-    group: None = None
+    device: torch.device = torch.device("meta")
+    group: object = None
 
 
-class _PlanComm(Comm):
-    """A Comm that moves nothing: each collective is recorded (bytes, sequence) and complete at once."""
-
-    def gather(self, out, shard, tag):
-        self._note("all_gather", tag, out)
-        return self._flight([], time.perf_counter(), "gather", tag)
-
-    def reduce_scatter(self, out, full, tag):
-        self._note("reduce_scatter", tag, full)
-        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
-        return self._flight([], time.perf_counter(), "reduce", tag)
-
-    def reduce_each(self, sections, tag):
-        for r, t in enumerate(sections):
-            self._note("reduce", f"{tag}/r{r}", t)
-        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
-        return self._flight([], time.perf_counter(), "reduce", tag)
-
-    def all_reduce(self, t, tag, op=None):
-        if self.mesh.world_size > 1:
-            self.bytes["control"] += t.nbytes
-        return t
+def _dry_comm(mesh, device: str) -> Comm:
+    group = "simulated" if mesh.group is not None else None
+    return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), group), dry=True)
 
 
 def _copy(policy):
@@ -167,9 +152,6 @@ def _copy(policy):
         return copy.deepcopy(policy)
     except Exception:  # noqa: BLE001
         return copy.copy(policy)
-
-
-_AGREE_BYTES = 8  # agree() sends float64: each value, and each hash with its square
 
 
 class _NoUpdate(UpdatePolicy):
@@ -185,8 +167,10 @@ def plan(step, state, batch, observed=None) -> Plan:
     pol = step.policy
     sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce),
                               update=_NoUpdate())  # copies: planning must not change the real policies
-    comm = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend))
-    control = 0 if mesh.world_size == 1 else _AGREE_BYTES * (2 * 3)  # the rank check: three hashes
+    comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
+    ctrl = _dry_comm(mesh, "cpu")  # control messages: tiny real tensors, as agree() and the grads stage make them
+    if mesh.world_size > 1:  # the rank check before any gather (_check_ranks): three hashes
+        agree(ctrl, [], [0, 0, 0])
     k = len(pol.batches(batch))
     fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
                                               for u in spec.units})
@@ -197,10 +181,8 @@ def plan(step, state, batch, observed=None) -> Plan:
         _simulate(sim, run, observed)
         accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
     run = runs[-1]
-    if mesh.world_size > 1:  # the step's agreement: the loss, a got-a-gradient mark per parameter, one hash
-        control += _AGREE_BYTES * (1 + sum(len(u._got) for u in run.units.values()) + 2)
+    agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
     shards = run._grad_shards()
-    ctrl = _PlanComm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device("cpu")))
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
     _copy(pol.grads)(CollectivesView(ctrl), Grads(ones))
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
@@ -209,7 +191,7 @@ def plan(step, state, batch, observed=None) -> Plan:
          "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/control_bytes": control + ctrl.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
+         "comm/control_bytes": ctrl.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
          "mem/new_state_bytes": 0, **state_figures(state)}
     unknown = ()
     active = {name: list(u._got) for name, u in run.units.items()}
@@ -274,9 +256,5 @@ def _simulate(pol, run: StepRun, observed) -> None:
 def _finish_use(run, gather, unit, last_use: bool) -> None:
     gather.after_backward(run, unit)
     if last_use and unit.trainable:
-        grad = torch.empty(unit.layout.numel, dtype=run._param_dtype or unit.layout.dtype, device="meta")
-        run._unit_grad_bytes = max(run._unit_grad_bytes, grad.nbytes)
-        if run.last:
-            run._reduce(unit, run._acc.take(unit.name, grad))
-        else:
-            run._acc.add(unit.name, grad)
+        run._grad_arrived(unit, torch.empty(unit.layout.numel, dtype=run._param_dtype or unit.layout.dtype,
+                                            device="meta"))

@@ -80,12 +80,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
-        run = unit._run
-        run._unit_grad_bytes = max(run._unit_grad_bytes, grad.nbytes)
-        if run.last:
-            run._reduce(unit, run._acc.take(unit.name, grad))
-        else:  # more micro-batches follow: sum locally, reduce once in the last one (DDP's no_sync)
-            run._acc.add(unit.name, grad)
+        unit._run._grad_arrived(unit, grad)
         return None, None
 
 
@@ -261,6 +256,15 @@ class StepRun(StepView):
         unit._grad = shard
         if self.last:
             self._policy.update.overlap(self, unit)
+
+    def _grad_arrived(self, unit: UnitRun, grad: torch.Tensor) -> None:
+        """A unit's whole gradient, once every use of it has contributed: reduced now in the last micro-batch;
+        otherwise summed locally, to be reduced once in the last one (DDP's no_sync)."""
+        self._unit_grad_bytes = max(self._unit_grad_bytes, grad.nbytes)
+        if self.last:
+            self._reduce(unit, self._acc.take(unit.name, grad))
+        else:
+            self._acc.add(unit.name, grad)
 
     def _reduce(self, unit: UnitRun, grad: torch.Tensor) -> None:
         self._reduced.append(unit)
