@@ -46,8 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="gather_ahead depth (0: blocking gathers)")
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: no clipping)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: fs.mixed_precision() (bf16 gathers and compute, fp32 reduce and master state)")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="bf16: fs.mixed_precision() (bf16 gathers and compute, fp32 reduce and master state); "
+                        "fp16: the same in fp16, with dynamic loss scaling (the scale lives in the state)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print step.plan(state, batch) (rank 0) before training")
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
@@ -85,10 +86,11 @@ def main(argv=None) -> dict:
     transforms = [fs.gather_ahead(args.depth)] if args.depth else []
     if args.bucket_mb:
         transforms.append(fs.bucket_reduce(args.bucket_mb))
-    if args.precision == "bf16":  # wraps the gather and reduce stages: after the transforms that set them
-        transforms.append(fs.mixed_precision(torch.bfloat16, torch.float32))
-    if args.clip:
-        transforms += [fs.clip_by_global_norm(args.clip), fs.skip_nonfinite()]
+    if args.precision != "fp32":  # wraps the gather and reduce stages: after the transforms that set them
+        transforms.append(fs.mixed_precision(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.precision]),
+                                             torch.float32))
+    if args.clip:  # fp16's loss scaling skips overflowing steps itself (and backs the scale off)
+        transforms += [fs.clip_by_global_norm(args.clip)] + ([fs.skip_nonfinite()] if args.precision != "fp16" else [])
     store = None
     if args.nvme_dir:
         store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
@@ -128,6 +130,8 @@ def main(argv=None) -> dict:
             post = dict(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
             if "grad_norm" in metrics:
                 post["gnorm"] = f"{metrics['grad_norm']:.3f}"
+            if "loss_scale" in metrics:
+                post["scale"] = f"{metrics['loss_scale']:g}"
             if "io/read_bytes" in metrics:
                 post["io_MB"] = f"{(metrics['io/read_bytes'] + metrics['io/write_bytes']) / 1e6:.1f}"
             bar.set_postfix(**post, refresh=False)

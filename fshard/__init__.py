@@ -33,7 +33,8 @@ from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
 from ._mesh import Mesh
-from ._mixed_precision import mixed_precision
+from ._loss_scale import LossScaleState
+from ._mixed_precision import MixedPrecisionState, mixed_precision
 from ._offload import OffloadError, offload_state
 from ._optim import AdamW, AdamWState, adamw
 from ._plan import Plan
@@ -56,7 +57,8 @@ __all__ = [
     "adamw", "AdamW", "AdamWState", "Stored",
     # the step and its transforms
     "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
-    "clip_by_global_norm", "skip_nonfinite", "offload_state", "mixed_precision",
+    "clip_by_global_norm", "skip_nonfinite", "offload_state", "mixed_precision", "MixedPrecisionState",
+    "LossScaleState",
     # what a step costs: step.plan(state, batch) before it runs, fs.timeline(...) of one that ran
     "Plan", "timeline", "Timeline",
     # the stage protocols (fshard/_base.py)

@@ -158,10 +158,17 @@ class Grads:
     Attributes:
       shards: unit name -> this rank's reduced gradient shard (units that got a gradient).
       scale: a factor the update multiplies every gradient by (fused into the optimizer kernel where it can be).
-      skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1.
-      sq_norm: the global sum of squares of all gradients, once a policy asked for it (``with_sq_norm``), so that
-        policies that need it share one all-reduce.
+        The step starts it at ``1 / loss_scale`` when a grads policy scales the loss (fp16), so the shards hold the
+        scaled gradients and ``shards * scale`` is always what the update applies: a policy that reads gradient
+        values (a norm) multiplies by it.
+      skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1 and the
+        ``transform_state`` below.
+      sq_norm: the global sum of squares of all shards (as they are, not times ``scale``), once a policy asked for
+        it (``with_sq_norm``), so that policies that need it share one all-reduce.
       metrics: added to the step's metrics.
+      transform_state: the input state's ``TrainState.transform_state``; a policy that keeps state across steps
+        returns its new entry here (``grads.replace(transform_state={**grads.transform_state, key: new})``), and
+        the step puts it in the new state, also when the update is skipped.
     """
 
     shards: Mapping[str, torch.Tensor]
@@ -169,9 +176,10 @@ class Grads:
     skip: bool = False
     sq_norm: float | None = None
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    transform_state: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        for f in ("shards", "metrics"):
+        for f in ("shards", "metrics", "transform_state"):
             object.__setattr__(self, f, types.MappingProxyType(dict(getattr(self, f))))
 
     def replace(self, **changes) -> Grads:
@@ -278,9 +286,18 @@ class GradsPolicy(Protocol):
       changes_grads: whether this policy (not the ones it wraps) may change what the update does with the shards:
         their values, ``scale`` or ``skip``. A policy that only reads them and adds metrics says False, and
         updates may then begin during backward (``StepView.grads_unchanged``).
+      scales_loss: whether this policy (not the ones it wraps) scales the loss before backward (``loss_scale``);
+        at most one policy of a step's chain does.
     """
 
     changes_grads: bool = True
+    scales_loss: bool = False
+
+    def loss_scale(self, state: TrainState) -> float:
+        """The factor backward multiplies the loss by, in the step on ``state`` (read only when ``scales_loss``).
+        The gradients then arrive multiplied by it, and the step starts ``Grads.scale`` at its reciprocal, so
+        the update applies the unscaled gradients with no extra pass (fp16 loss scaling)."""
+        return 1.0
 
     def __call__(self, comm: Collectives, grads: Grads) -> Grads:
         """Args:

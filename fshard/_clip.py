@@ -2,8 +2,9 @@
 
 Each rank sums the squares of its gradient shards (in float64: no overflow, and inf or NaN survive), one small
 all-reduce adds the ranks' sums, and every rank gets the same global norm (``Grads.with_sq_norm``, shared with any
-other policy that needs it). The clip factor ``min(1, max_norm / (norm + 1e-6))`` is
-torch.nn.utils.clip_grad_norm_'s; it is not applied to the shards here but handed to the update: the native AdamW
+other policy that needs it); times ``Grads.scale`` so far, it is the norm of the gradients the update applies (with
+fp16 loss scaling, the unscaled ones, as torch clips after ``GradScaler.unscale_``). The clip factor
+``min(1, max_norm / (norm + 1e-6))`` is torch.nn.utils.clip_grad_norm_'s; it is not applied to the shards here but handed to the update: the native AdamW
 kernel multiplies each gradient by it as it reads it (no extra pass); the torch and fused arithmetics multiply
 first, as clip_grad_norm_ does.
 """
@@ -24,7 +25,7 @@ class _Clip(GradsPolicy):
 
     def __call__(self, comm, grads: Grads) -> Grads:
         grads = self.inner(comm, grads).with_sq_norm(comm)
-        norm = math.sqrt(grads.sq_norm)
+        norm = math.sqrt(grads.sq_norm) * abs(grads.scale)  # of what the update applies (fp16: unscaled)
         coef = self.max_norm / (norm + 1e-6)  # an inf norm gives 0, a NaN norm NaN, as in torch
         scale = grads.scale * coef if (coef < 1.0 or math.isnan(coef)) else grads.scale  # (skip_nonfinite skips)
         return grads.replace(scale=scale, metrics={

@@ -11,18 +11,49 @@ step moves and computes with, through two declared seams:
   default, as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); the shard it hands over is cast to the
   master dtype, and the update runs there.
 
+- grads (fp16): dynamic loss scaling, as ``torch.amp.GradScaler`` (fshard/_loss_scale.py), with the scale in
+  the state.
+
 Code that runs outside unit calls (the root unit's layers, the loss) sees the root's parameters in
 ``param_dtype`` and its inputs as the batch gives them. Buffers keep their dtype.
+
+Its entry in ``TrainState.transform_state`` (``MixedPrecisionState``) records the dtypes, so ``print(state)``
+shows each unit's compute dtype beside its master dtype, and holds the loss scale.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+import optree
 import torch
 
-from ._base import GatherPolicy, ReducePolicy
+from ._base import GatherPolicy, GradsPolicy, ReducePolicy
 from ._errors import ArgumentTypeError
+from ._loss_scale import LossScale, LossScaleState, LossScaling
+from ._state import NAMESPACE, _frozen_setattr
 from ._transforms import Transform
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionState:
+    """``fs.mixed_precision``'s state: the dtypes units compute and reduce in (static: pytree metadata) and, with
+    loss scaling, the ``LossScaleState`` (its leaves)."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    loss_scale: LossScaleState | None = None
+
+    def replace(self, **changes) -> "MixedPrecisionState":
+        return dataclasses.replace(self, **changes)
+
+
+MixedPrecisionState.__setattr__ = _frozen_setattr
+optree.register_pytree_node(
+    MixedPrecisionState, lambda s: ((s.loss_scale,), (s.param_dtype, s.reduce_dtype), ("loss_scale",)),
+    lambda meta, children: MixedPrecisionState(*meta, *children), namespace=NAMESPACE)
 
 
 class _Precision(GatherPolicy):
@@ -75,19 +106,37 @@ class _ReduceIn(ReducePolicy):
 
 class mixed_precision(Transform):
     """Gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype`` (None: in ``param_dtype``), and
-    update the master state in its own dtype (see the module docstring). Wraps the gather and reduce stages, so it
-    comes after the transforms that set them: ``fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25),
-    fs.mixed_precision())``.
+    update the master state in its own dtype (see the module docstring). Wraps the gather and reduce stages (and
+    the grads stage, with loss scaling), so it comes after the transforms that set them:
+    ``fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), fs.mixed_precision())``.
+
+    ``loss_scale``: "auto" (dynamic for fp16, none otherwise), "dynamic", a number (a static scale; a step whose
+    gradients overflow is still skipped), or None. The dynamic scale follows ``torch.amp.GradScaler(init_scale,
+    growth_factor, backoff_factor, growth_interval)``; a skipped step adds one to ``state.skipped`` and applies no
+    update, so a learning-rate schedule does not advance (as DeepSpeed's fp16 engine).
     """
 
     name = "mixed_precision"
-    stages = {"gather": "wrap", "reduce": "wrap"}
+    stages = {"gather": "wrap", "reduce": "wrap", "grads": "wrap"}
 
-    def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = torch.float32):
+    def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = torch.float32,
+                 *, loss_scale: str | float | None = "auto", init_scale: float = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if not (dt is None and what == "reduce_dtype") and dt not in _FLOATS:
                 raise ArgumentTypeError(f"fs.mixed_precision: {what} must be one of {_FLOATS}, got {dt!r}.")
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
+        if loss_scale == "auto":
+            loss_scale = "dynamic" if param_dtype == torch.float16 else None
+        if loss_scale is None:
+            self.scaling = None
+        elif loss_scale == "dynamic":
+            self.scaling = LossScaling(init_scale, growth_factor, backoff_factor, growth_interval)
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            self.scaling = LossScaling(float(loss_scale), growth_interval=growth_interval, dynamic=False)
+        else:
+            raise ArgumentTypeError(f"fs.mixed_precision(loss_scale={loss_scale!r}): use 'auto', 'dynamic', a "
+                                    "number (a static scale) or None.")
 
     def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
         return _Precision(gather, self.param_dtype)
@@ -95,5 +144,23 @@ class mixed_precision(Transform):
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return _ReduceIn(reduce, self.reduce_dtype)
 
+    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
+        return grads if self.scaling is None else LossScale(grads, self.scaling, self.name)
+
+    def init_state(self, spec, old):
+        if old is not None and not isinstance(old, MixedPrecisionState):
+            raise ArgumentTypeError(f"state.transform_state[{self.name!r}] holds {old!r}, not fs.mixed_precision's "
+                                    "state; the state was made by another transform of that name.")
+        kept = old.loss_scale if old is not None else None
+        scale = None
+        if self.scaling is not None:  # a dynamic scale goes on from the state's; a static one is the configured
+            fresh = kept is None or (not self.scaling.dynamic and float(kept.scale) != self.scaling.init_scale)
+            scale = LossScaleState.initial(self.scaling.init_scale) if fresh else kept
+        if old is not None and (old.param_dtype, old.reduce_dtype) == (self.param_dtype, self.reduce_dtype) \
+                and old.loss_scale is scale:
+            return old
+        return MixedPrecisionState(self.param_dtype, self.reduce_dtype, scale)
+
     def __repr__(self) -> str:
-        return (f"fs.mixed_precision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})")
+        scaling = "" if self.scaling is None else f", loss_scale={self.scaling}"
+        return f"fs.mixed_precision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{scaling})"

@@ -8,7 +8,9 @@ called and backward read, and which parameters got a gradient), else, before any
 every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and
 no stage needs a cost model of another. The update stage, which touches state rather than layouts, says what it
 will write and read through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the
-plan (they are the model's, as in DDP or FSDP2), and neither are the framework's own allocations.
+plan (they are the model's, as in DDP or FSDP2), and neither are the framework's own allocations. The plan
+assumes the update runs: a step that skips it (non-finite gradients, an fp16 overflow) makes no new state and
+writes nothing to a store.
 
 Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py
 checks they agree within 5%). Policies are copied before the simulation, so planning changes no schedule or
@@ -184,7 +186,7 @@ def plan(step, state, batch, observed=None) -> Plan:
     agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
     shards = run._grad_shards()
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
-    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones))
+    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, transform_state=state.transform_state))
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,

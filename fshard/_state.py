@@ -127,8 +127,11 @@ class Donation:
 class TrainState:
     """params: unit name -> this rank's shard. opt_state: unit name -> optimizer state of that shard (units with
     no trainable parameter have none). step: number of updates taken. buffers: name -> replicated buffer.
-    skipped: number of steps skipped (fs.skip_nonfinite), a 0-dim int64 tensor like ``step``. donation: see
-    ``Donation``. The three mappings are read-only (``FrozenMap``)."""
+    skipped: number of steps skipped (fs.skip_nonfinite, an fp16 overflow), a 0-dim int64 tensor like ``step``.
+    transform_state: transform name -> the state a transform keeps across steps (a pytree: fp16's loss scale), the
+    way optax keeps a transform's state with the parameters; a state from ``fs.init`` has none, and a step adds
+    its transforms' initial states (``step.init(state)`` adds them without a step). donation: see ``Donation``.
+    The four mappings are read-only (``FrozenMap``)."""
 
     params: Mapping[str, torch.Tensor]
     opt_state: Mapping[str, Any]
@@ -136,10 +139,11 @@ class TrainState:
     buffers: Mapping[str, torch.Tensor]
     spec: ShardSpec
     skipped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    transform_state: Mapping[str, Any] = field(default_factory=dict)
     donation: Donation = field(default_factory=Donation, repr=False)
 
     def __post_init__(self):
-        for f in ("params", "opt_state", "buffers"):
+        for f in ("params", "opt_state", "buffers", "transform_state"):
             v = getattr(self, f)
             if not isinstance(v, FrozenMap):
                 object.__setattr__(self, f, FrozenMap(v, f))
@@ -176,12 +180,14 @@ class TrainState:
         m = self.spec.mesh
         rows = [f"TrainState(step={int(self.step)}, skipped={int(self.skipped)}, {m}, optimizer={self.spec.optimizer}"
                 f"{', ' + repr(self.donation) if self.donation.done else ''})",
-                f"  {'unit':<24}{'params':>7}{'numel':>12}{'padded':>12}{'shard':>11}{'dtype':>10}{'bytes/rank':>12}"]
+                f"  {'unit':<24}{'params':>7}{'numel':>12}{'padded':>12}{'shard':>11}{'master':>10}{'compute':>10}"
+                f"{'bytes/rank':>12}"]
+        dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         for u in self.spec.units:
             opt = optree.tree_leaves(self.opt_state.get(u.name), namespace=NAMESPACE)
             per_rank = self.params[u.name].nbytes + sum(t.nbytes for t in opt)
             rows.append(f"  {u.name:<24}{len(u.slots):>7}{u.used_numel:>12,}{u.numel:>12,}{u.shard_numel:>11,}"
-                        f"{str(u.dtype).removeprefix('torch.'):>10}{per_rank:>12,}")
+                        f"{dt(u.dtype):>10}{dt(self.compute_dtype(u.name)):>10}{per_rank:>12,}")
         nb = self.nbytes()
         rows.append(f"  per rank: params {nb['params']:,} B, opt_state {nb['opt_state']:,} B, "
                     f"grads (in step) {nb['grads']:,} B, buffers {nb['buffers']:,} B ({len(self.buffers)} replicated)"
@@ -190,10 +196,20 @@ class TrainState:
             stored = [(f, getattr(s, f)) for f in getattr(s, "__dataclass_fields__", {})
                       if not isinstance(getattr(s, f), torch.Tensor)]
             rows += [f"  {name}.{f}: {v!r}" for f, v in stored]
+        rows += [f"  transform_state[{k!r}]: {v!r}" for k, v in self.transform_state.items()]
         return "\n".join(rows)
 
+    def compute_dtype(self, unit: str) -> torch.dtype:
+        """The dtype a step computes ``unit`` in, as this state records it: the ``param_dtype`` of a transform
+        state that has one (``fs.mixed_precision``'s, once a step or ``step.init`` put it there), else the unit's
+        master dtype."""
+        for entry in self.transform_state.values():
+            if isinstance(getattr(entry, "param_dtype", None), torch.dtype):
+                return entry.param_dtype
+        return self.spec.unit(unit).dtype
 
-_CHILDREN = ("params", "opt_state", "step", "skipped", "buffers")
+
+_CHILDREN = ("params", "opt_state", "step", "skipped", "buffers", "transform_state")
 optree.register_pytree_node(
     TrainState, lambda s: (tuple(getattr(s, f) for f in _CHILDREN), s.spec, _CHILDREN),
     lambda spec, children: TrainState(spec=spec, **dict(zip(_CHILDREN, children))), namespace=NAMESPACE)

@@ -22,7 +22,7 @@ from torch.func import functional_call
 from ._base import Grads
 from ._collectives import HASH_BITS, Comm, agree
 from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError,
-                      StepClosedError, UnboundParameterError)
+                      StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
 from ._state import TrainState
@@ -76,7 +76,26 @@ class Step:
         it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py); after
         the step, its metrics carry the same figures, measured."""
         self._check_state(state)
-        return plan(self, state, batch, self._observed)
+        return plan(self, self.init(state), batch, self._observed)
+
+    def init(self, state: TrainState) -> TrainState:
+        """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
+        where the state holds none (a state from ``fs.init``), else the state's own, carried on. A step does this
+        itself; call it to checkpoint or print a state as its first step will see it. Returns ``state`` itself
+        when nothing changes."""
+        entries, owners, changed = dict(state.transform_state), {}, False
+        for t in self.transforms:
+            old = entries.get(t.name)
+            new = t.init_state(state.spec, old)
+            if new is None:
+                continue
+            if t.name in owners:
+                raise TransformConflictError(f"fs.compose: {owners[t.name]!r} and {t!r} both keep state under "
+                                             f"{t.name!r} in state.transform_state; pass one of them.")
+            owners[t.name] = t
+            if new is not old:
+                entries[t.name], changed = new, True
+        return state.replace(transform_state=entries) if changed else state
 
     @property
     def schedule(self):
@@ -103,6 +122,7 @@ class Step:
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
         spec = self._check_state(state)
+        state = self.init(state)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
                     timeline=self.timeline)
         _check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
@@ -110,11 +130,12 @@ class Step:
         acc, scratch, runs, ok, accum = Accumulator(len(micro)), {}, [], False, 0
         try:
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+            loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
             t1 = time.perf_counter()
             losses = []
             for i, mb in enumerate(micro):
                 runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
-                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro))
+                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                 losses.append(mb_loss)
                 accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches so far
             loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
@@ -122,15 +143,18 @@ class Step:
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
             self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
-            grads = self.policy.grads(run.comm, Grads(run._grad_shards()))
+            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale,
+                                                      transform_state=state.transform_state))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
-                new, update_metrics = state.replace(skipped=state.skipped + 1), {}
+                new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state)
+                update_metrics = {}
             else:
                 if self.donate:
                     state.donation.take(int(state.step))  # from here on the input's tensors change in place
                 params, opt_state, update_metrics = self.policy.update(run, state, grads, active, self.donate)
-                new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped)
+                new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
+                                 transform_state=grads.transform_state)
             t4 = time.perf_counter()
             comm.span("update", "skipped" if grads.skip else "update", t3, t4)
             ok = True
@@ -163,7 +187,7 @@ class Step:
         spec.mesh.check_alive()
         return spec
 
-    def _forward_backward(self, run: StepRun, buffers, batch, k: int):
+    def _forward_backward(self, run: StepRun, buffers, batch, k: int, loss_scale: float):
         with run._active():
             tf = time.perf_counter()
             self.policy.gather.start(run)
@@ -173,7 +197,10 @@ class Step:
             leaves = [u.shard for u in run.units.values() if u._flat is not None and u.trainable]
             if loss.requires_grad and leaves:
                 # gradients land in the units (reduce policy); k micro-batches: the average, as loss / k would
-                torch.autograd.grad(loss if k == 1 else loss / k, leaves, allow_unused=True)
+                out = loss if k == 1 else loss / k
+                if loss_scale != 1.0:  # as torch.amp.GradScaler.scale: times a 1-element fp32 tensor
+                    out = out * torch.full((1,), loss_scale, dtype=torch.float32, device=loss.device)
+                torch.autograd.grad(out, leaves, allow_unused=True)
             run._end_backward()
             gather_metrics = self.policy.gather.finish(run)
         if run._comm.spans is not None:

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._base import BatchesPolicy, GatherPolicy, Grads, GradsPolicy, ReducePolicy, UpdatePolicy
 from ._errors import ArgumentTypeError, TransformConflictError
+
+if TYPE_CHECKING:
+    from ._state import ShardSpec, TrainState
 
 STAGES = ("gather", "reduce", "grads", "update", "batches")
 PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "grads": GradsPolicy, "update": UpdatePolicy,
@@ -48,6 +52,13 @@ class Transform:
 
     def wrap_batches(self, batches: BatchesPolicy) -> BatchesPolicy:
         return batches
+
+    def init_state(self, spec: ShardSpec, old: Any) -> Any:
+        """This transform's entry in ``TrainState.transform_state`` (under its ``name``) for a step on a state of
+        ``spec``, given the entry the state holds (``old``; None if none): the initial state, or ``old`` carried
+        on (return it itself when nothing changes). None (the default): the transform keeps no state. A step
+        calls it for each of its transforms before it runs (``Step.init``)."""
+        return None
 
     def __repr__(self) -> str:
         return f"fs.{self.name}()"
@@ -111,7 +122,8 @@ class OneBatch(BatchesPolicy):
 @dataclass(frozen=True)
 class Policy:
     """A composed step's five policies, and what ``fold`` derived from them: ``grads_unchanged`` is True when
-    every policy of the grads chain declares ``changes_grads = False``."""
+    every policy of the grads chain declares ``changes_grads = False``; ``loss_scaler`` is the one policy of the
+    grads chain that declares ``scales_loss`` (None: the loss is not scaled)."""
 
     gather: GatherPolicy
     reduce: ReducePolicy
@@ -119,6 +131,11 @@ class Policy:
     update: UpdatePolicy
     batches: BatchesPolicy
     grads_unchanged: bool
+    loss_scaler: GradsPolicy | None = None
+
+    def loss_scale(self, state: TrainState) -> float:
+        """The factor backward multiplies the loss by in a step on ``state`` (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.loss_scale(state))
 
     def close(self) -> None:
         for stage in STAGES:
@@ -130,7 +147,7 @@ def fold(transforms) -> Policy:
     policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "grads": IdentityGrads(),
                 "update": DeviceUpdate(), "batches": OneBatch()}
     changed: dict[str, list[tuple[Transform, str]]] = {s: [] for s in STAGES}  # stage -> [(transform, how)]
-    unchanged = True
+    unchanged, scaler = True, None
     for t in transforms:
         if not isinstance(t, Transform):
             raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
@@ -154,8 +171,13 @@ def fold(transforms) -> Policy:
             changed[stage].append((t, how))
             if stage == "grads":
                 unchanged = unchanged and not new.changes_grads
+                if new.scales_loss and scaler is not None:
+                    raise TransformConflictError(
+                        f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
+                        "scales it once; pass one of them.")
+                scaler = (t, new) if new.scales_loss else scaler
             policies[stage] = new
-    return Policy(**policies, grads_unchanged=unchanged)
+    return Policy(**policies, grads_unchanged=unchanged, loss_scaler=scaler and scaler[1])
 
 
 def _check_conflict(t: Transform, stage: str, how: str, before: list[tuple[Transform, str]]) -> None:

@@ -71,18 +71,20 @@ def oracle_model(name: str, steps: int, seed: int = 3):
     return Awkward(), awkward_loss, lambda r, n: awkward_batches(2, steps, rank=r, world_size=n)
 
 
-def param_diffs(full: dict, ref: nn.Module) -> tuple[dict, bool]:
+def param_diffs(full: dict, ref: nn.Module | dict) -> tuple[dict, bool]:
     """Largest |fshard - reference| per parameter (an attention qkv bias's key third apart, as ``name[key]``: its
     gradient is exactly zero, so it holds rounding noise; see test_ddp_equivalence.py), and whether all are equal."""
     diffs = {}
-    for n, p in ref.named_parameters():
+    named = ref.items() if isinstance(ref, dict) else ref.named_parameters()
+    for n, p in named:
         d = (full[n] - p.detach()).abs()
         if n.endswith("attn.qkv.bias"):
             dim = d.numel() // 3
             diffs[n + "[key]"] = d[dim:2 * dim].max().item()
             d = torch.cat([d[:dim], d[2 * dim:]])
         diffs[n] = d.max().item() if d.numel() else 0.0
-    return diffs, all(torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
+    named = ref.items() if isinstance(ref, dict) else ref.named_parameters()
+    return diffs, all(torch.equal(full[n], p.detach()) for n, p in named)
 
 
 KEY_BIAS_BOUND = 1e-4  # what a key bias may differ by at world size 3 (test_ddp_equivalence.py says why)
@@ -102,14 +104,24 @@ def check_oracle(label: str, world_size: int, impl: str, ours, theirs, diffs: di
         assert bitwise, f"{label} at world size {world_size} is within 1e-6 but not bitwise"
 
 
-def oracle_step(model: nn.Module, opt, loss_fn, batch, world_size: int) -> float:
+def oracle_step(model: nn.Module, opt, loss_fn, batch, world_size: int, scaler=None,
+                max_norm: float | None = None) -> float:
     """One step of the torch oracle (DDP or FSDP2 and a torch optimizer): the mean loss over ranks, averaged in
-    float64 as fshard averages its ranks' losses."""
+    float64 as fshard averages its ranks' losses. ``scaler``: a ``torch.amp.GradScaler`` (scale, unscale_, step,
+    update, in the order its documentation gives); ``max_norm``: ``clip_grad_norm_`` after unscaling."""
     import torch.distributed as dist
     opt.zero_grad(set_to_none=True)
     loss = loss_fn(model, batch)
-    loss.backward()
-    opt.step()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is not None:
+        scaler.unscale_(opt)
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
     mean = loss.detach().double()
     if world_size > 1:
         dist.all_reduce(mean)

@@ -117,3 +117,4 @@ def test_mixed_precision_wraps_so_it_comes_after_the_setters():
         fs.compose(loss_fn, fs.mixed_precision(), fs.gather_ahead(2))
     with pytest.raises(fs.ArgumentTypeError, match="param_dtype"):
         fs.mixed_precision(param_dtype=torch.int8)
+
