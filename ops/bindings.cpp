@@ -53,16 +53,16 @@ int copy_type(const at::Tensor& c, size_t i) {
   return 0;
 }
 
-// "auto" -> the best kernel the CPU runs; a named one must be one the CPU runs.
-int parse_isa(const std::string& isa) {
+// "auto" -> the best kernel the CPU runs; a named one must be one the CPU runs. `op` names the caller in errors.
+int parse_isa(const std::string& isa, const char* op = "adamw_") {
   const int best = best_cpu_isa();
   if (isa == "auto") return best;
   int level = -1;
   for (int l : {kIsaScalar, kIsaAvx2, kIsaAvx512})
     if (isa == isa_name(l)) level = l;
-  TORCH_CHECK_VALUE(level >= 0, "fshard.ops.adamw_: unknown CPU kernel isa='", isa,
+  TORCH_CHECK_VALUE(level >= 0, "fshard.ops.", op, ": unknown CPU kernel isa='", isa,
                     "'; use 'auto', 'avx512', 'avx2' or 'scalar'");
-  TORCH_CHECK_VALUE(level <= best, "fshard.ops.adamw_: isa='", isa, "' asked for, but this CPU runs at most '",
+  TORCH_CHECK_VALUE(level <= best, "fshard.ops.", op, ": isa='", isa, "' asked for, but this CPU runs at most '",
                     isa_name(best), "'; ask for that, a lower one, or 'auto'");
   return level;
 }
@@ -160,6 +160,31 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
   return found;
 }
 
+// Sum of squares over CPU tensors, in double; the Python wrapper sends tensors on other devices to torch.
+double sq_norm(const TList& tensors, const std::string& isa) {
+  const int level = parse_isa(isa, "sq_norm");
+  std::vector<SqSegment> segs;
+  segs.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    int xtype = kGradF32;
+    switch (t.scalar_type()) {
+      case at::kFloat: break;
+      case at::kBFloat16: xtype = kGradBF16; break;
+      case at::kHalf: xtype = kGradF16; break;
+      default:
+        TORCH_CHECK_TYPE(false, "fshard.ops.sq_norm: ", arg("tensors", i), " has dtype ", t.scalar_type(),
+                         "; it takes float32, bfloat16 or float16 tensors");
+    }
+    TORCH_CHECK_VALUE(t.is_cpu(), "fshard.ops.sq_norm: ", arg("tensors", i), " is on ", t.device(),
+                      "; the native kernel takes CPU tensors (fshard.ops.sq_norm sends others to torch)");
+    TORCH_CHECK_VALUE(t.is_contiguous(), "fshard.ops.sq_norm: ", arg("tensors", i),
+                      " is not contiguous; pass .contiguous() storage or a 1-D slice of a flat shard");
+    if (t.numel() > 0) segs.push_back({t.data_ptr(), t.numel(), xtype});
+  }
+  return sq_norm_cpu(segs, level);
+}
+
 bool built_with_cuda() {
 #ifdef FSHARD_WITH_CUDA
   return true;
@@ -172,12 +197,14 @@ bool built_with_cuda() {
 }  // namespace fshard
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fshard native AdamW kernels";
+  m.doc() = "fshard native AdamW and sum-of-squares kernels";
   m.def("adamw", &fshard::adamw, py::call_guard<py::gil_scoped_release>(),
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("param_copies"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adam_w_mode"),
         py::arg("check_finite"), py::arg("isa"));
+  m.def("sq_norm", &fshard::sq_norm, py::call_guard<py::gil_scoped_release>(), py::arg("tensors"), py::arg("isa"),
+        "sum of x*x over all elements, in float64; bit-identical for every CPU kernel and thread count");
   m.def("cpu_isas", &fshard::cpu_isas, "every CPU kernel this CPU runs, lowest first");
   m.def("built_with_cuda", &fshard::built_with_cuda);
 }

@@ -1,6 +1,7 @@
-"""fshard.ops.adamw_ against torch's AdamW: shapes, dtypes, modes, non-finite grads, slices, errors."""
+"""fshard.ops.adamw_ against torch's AdamW (shapes, dtypes, modes, non-finite grads, slices, errors), and sq_norm."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -347,3 +348,155 @@ def test_cuda_matches_cpu_reference(native, gdtype):
     before = [t.clone() for t in dev[0]]
     assert ops.adamw_(*dev[:4], step=4, **HP) is True
     assert all(torch.equal(a, b) for a, b in zip(dev[0], before))
+
+
+# ---- fshard.ops.sq_norm: the sum of squares over gradient shards --------------------------------------------------
+
+def sq_ref(ts) -> float:
+    """float64 reference: each element widened exactly, squared exactly, summed by torch in float64."""
+    ts = [ts] if isinstance(ts, torch.Tensor) else ts
+    return float(sum((t.double().reshape(-1) ** 2).sum().item() for t in ts))
+
+
+def sq_bits(x: float) -> int:
+    return torch.tensor(x, dtype=torch.float64).view(torch.int64).item()
+
+
+def sq_every_way(native, ts) -> dict:
+    """sq_norm of ts with every CPU kernel, under 1 and 2 torch threads (the count is restored)."""
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for name in native.cpu_isas():
+                out[name, n] = ops.sq_norm(ts, isa=name)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("sizes", [[0], [1], [7], [63], [1_000_003], [5, 0, 63, 131_073, 1, 70_000]],
+                         ids=["0", "1", "7", "63", "1000003", "several"])
+def test_sq_norm_matches_float64_reference(native, isa, sizes, dtype):
+    gen = torch.Generator().manual_seed(sum(sizes) + 1)
+    ts = [(torch.randn(n, generator=gen) * 3).to(dtype) for n in sizes]
+    got = ops.sq_norm(ts, isa=isa)
+    assert isinstance(got, float)
+    want = sq_ref(ts)
+    assert got == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert ops.sq_norm_reference(ts) == pytest.approx(want, rel=1e-12, abs=0.0)
+    if len(ts) == 1:  # one tensor is a 1-list
+        assert ops.sq_norm(ts[0], isa=isa) == got
+
+
+def test_sq_norm_empty(native):
+    assert ops.sq_norm([]) == 0.0
+    assert ops.sq_norm(torch.empty(0)) == 0.0
+    assert ops.sq_norm([torch.empty(0), torch.empty(0, 3, dtype=torch.bfloat16)]) == 0.0
+    assert ops.sq_norm_reference([]) == 0.0
+
+
+def test_sq_norm_same_bits_for_every_kernel_and_thread_count_large(native):
+    """Several tasks per tensor and tensors that end mid-task, so both threads take part."""
+    gen = torch.Generator().manual_seed(11)
+    ts = [torch.randn(n, generator=gen) for n in (200_003, 1, 65_536, 65_537, 131_071)]
+    ts.append(torch.randn(99_999, generator=gen).bfloat16())
+    ts.append(torch.randn(77_777, generator=gen).half())
+    got = sq_every_way(native, ts)
+    assert len({sq_bits(v) for v in got.values()}) == 1, got
+    assert next(iter(got.values())) == pytest.approx(sq_ref(ts), rel=1e-12, abs=0.0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.one_of(st.sampled_from(EDGE), st.integers(0, 3000), st.integers(60_000, 140_000)),
+                      min_size=1, max_size=4),
+       seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1.0, 1e-20, 1e20]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       offset=st.integers(0, 5))
+def test_sq_norm_bit_identical_across_kernels_and_threads(native, sizes, seed, scale, dtype, offset):
+    """Every CPU kernel and 1 or 2 threads give the same bits, for any lengths, tails and (unaligned) slices."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(sizes) + offset
+    # Magnitudes over several decades, so that adding in another order or grouping changes the rounding.
+    x = torch.randn(n, generator=gen) * torch.exp(2 * torch.randn(n, generator=gen))
+    flat = (x * (scale if dtype == torch.float32 else 1.0)).to(dtype)
+    ts, off = [], offset
+    for n in sizes:
+        ts.append(flat[off:off + n])
+        off += n
+    got = sq_every_way(native, ts)
+    assert len({sq_bits(v) for v in got.values()}) == 1, got
+    want = sq_ref(ts)
+    assert next(iter(got.values())) == pytest.approx(want, rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_sq_norm_nonfinite_element_makes_it_nonfinite(native, isa, dtype, where, bad):
+    gen = torch.Generator().manual_seed(5)
+    ts = [torch.randn(n, generator=gen).to(dtype) for n in (1000, 131_075, 33)]
+    t, i = {"first": (0, 0), "middle": (1, 70_001), "last": (2, 32)}[where]
+    ts[t][i] = bad
+    got = ops.sq_norm(ts, isa=isa)
+    assert not math.isfinite(got)
+    assert math.isnan(got) if math.isnan(bad) else got == float("inf")
+    assert not math.isfinite(ops.sq_norm_reference(ts))
+    ts[t][i] = 0.0
+    assert math.isfinite(ops.sq_norm(ts, isa=isa))
+
+
+def test_sq_norm_large_finite_values_stay_finite(native, isa):
+    t = torch.full((1001,), 1e30)
+    t[7] = torch.finfo(torch.float32).max
+    got = ops.sq_norm(t, isa=isa)
+    assert math.isfinite(got)
+    assert got == pytest.approx(1000 * 1e60 + torch.finfo(torch.float32).max ** 2, rel=1e-6)
+
+
+def test_sq_norm_errors_and_isa(native, monkeypatch):
+    with pytest.raises(TypeError, match=r"tensors\[1\] has dtype torch.float64"):
+        ops.sq_norm([torch.ones(3), torch.ones(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is not contiguous"):
+        ops.sq_norm([torch.ones(8)[::2]])
+    with pytest.raises(ValueError, match="sq_norm: unknown CPU kernel isa='sse4'"):
+        ops.sq_norm(torch.ones(3), isa="sse4")
+    with pytest.raises(TypeError, match="tensors must be a Tensor or a list"):
+        ops.sq_norm(3.0)
+    calls = []
+    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "scalar")
+    monkeypatch.setattr(ops, "_lib", type("Spy", (), {
+        "cpu_isas": native.cpu_isas, "sq_norm": staticmethod(lambda ts, isa: calls.append(isa) or 0.0)})())
+    ops.sq_norm(torch.ones(3))
+    ops.sq_norm(torch.ones(3), isa="avx2")  # an explicit choice is not capped
+    assert calls == ["scalar", "avx2"]
+
+
+def test_sq_norm_falls_back_to_torch_without_a_build(monkeypatch):
+    from fshard.ops import _build
+
+    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(ops, "_error", _build.BuildError("fshard.ops: C++ compiler 'no-such-cxx' not found"))
+    monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.delenv("FSHARD_OPS_REQUIRE_NATIVE", raising=False)
+    ts = [torch.randn(100), torch.randn(7).bfloat16()]
+    before = ops.metrics()["sq_norm_fallback_calls"]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert ops.sq_norm(ts) == pytest.approx(sq_ref(ts), rel=1e-12)
+        ops.sq_norm(ts)
+    assert len([x for x in w if issubclass(x.category, RuntimeWarning)]) == 1
+    assert ops.metrics()["sq_norm_fallback_calls"] == before + 2
+    monkeypatch.setenv("FSHARD_OPS_REQUIRE_NATIVE", "1")
+    with pytest.raises(_build.BuildError, match="no-such-cxx"):
+        ops.sq_norm(ts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_sq_norm_cuda_goes_to_torch():
+    ts = [torch.randn(1000).cuda(), torch.randn(33).cuda().bfloat16()]
+    assert ops.sq_norm(ts) == pytest.approx(sq_ref([t.cpu() for t in ts]), rel=1e-12)
+    ts[0][5] = float("inf")
+    assert ops.sq_norm(ts) == float("inf")

@@ -1,4 +1,4 @@
-"""fshard.ops: native optimizer kernels.
+"""fshard.ops: native optimizer kernels (the fused AdamW update, and the gradient sum of squares).
 
 ``adamw_`` runs the whole AdamW update in one pass over memory: grad scaling (unscale or
 clip coefficient), bf16/fp16 grad input, the update of fp32 params and moments, and an
@@ -10,6 +10,10 @@ per-user cache (see ``fshard.ops._build``); ``load()`` builds eagerly. Without a
 compiler, ``adamw_`` falls back to ``adamw_reference_`` (torch ops, several passes): it
 warns once and counts the calls in ``metrics()["fallback_calls"]``. Set
 ``FSHARD_OPS_REQUIRE_NATIVE=1`` to make that an error instead.
+
+``sq_norm`` sums x*x over gradient shards in float64 in one read pass, with the same result bits for
+every CPU kernel and thread count; it has the same fallback (``sq_norm_reference``), and tensors on
+other devices go to torch.
 
 On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
 bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
@@ -24,17 +28,18 @@ import warnings
 import torch
 
 from ._build import BuildError, cache_root
-from ._reference import adamw_reference_, as_list
+from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
 from .._errors import ArgumentError
 
-__all__ = ["adamw_", "adamw_reference_", "load", "native_available", "backend_info", "metrics",
-           "cpu_isas", "BuildError", "cache_root"]
+__all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "load", "native_available",
+           "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
 _lib = None
 _error: BaseException | None = None
 _warned = False
-_metrics = {"native_calls": 0, "fallback_calls": 0, "found_inf": 0}
+_metrics = {"native_calls": 0, "fallback_calls": 0, "found_inf": 0, "sq_norm_native_calls": 0,
+            "sq_norm_fallback_calls": 0}
 
 
 def load(verbose: bool = False):
@@ -79,7 +84,8 @@ def backend_info() -> dict:
 
 
 def metrics() -> dict:
-    """Call counters: native_calls, fallback_calls (torch reference), found_inf."""
+    """Call counters: native_calls, fallback_calls (torch reference), found_inf (adamw_), and
+    sq_norm_native_calls, sq_norm_fallback_calls (sq_norm on CPU tensors without a native build)."""
     return dict(_metrics)
 
 
@@ -92,7 +98,7 @@ def _native():
             raise
         if not _warned:
             _warned = True
-            warnings.warn(f"{e}\nfshard.ops: falling back to the torch reference AdamW (several passes, "
+            warnings.warn(f"{e}\nfshard.ops: falling back to the torch references (AdamW: several passes, "
                           "much slower); see fshard.ops.backend_info()", RuntimeWarning, stacklevel=3)
         return None
 
@@ -153,3 +159,28 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
     if found:
         _metrics["found_inf"] += 1
     return found
+
+
+def sq_norm(tensors, *, isa: str | None = None) -> float:
+    """The sum over every element of every tensor of x*x, accumulated in float64, as a Python float.
+
+    ``tensors``: a list of tensors, or one tensor; float32, bfloat16 or float16, contiguous (any shape; a 1-D
+    slice of a flat shard is fine). Empty lists and tensors count 0.0. Any inf or NaN element makes the result
+    inf or NaN; no finite element overflows (the square of the largest fp32 is about 1e77), so a finite result
+    proves every element finite. On the CPU it is one read pass at memory speed, and the result is
+    bit-identical for every CPU kernel and every ``torch.set_num_threads`` (design/OPS.md, "Sum of squares").
+    ``isa`` as for ``adamw_``. Tensors on another device (CUDA) go to torch's
+    ``vector_norm(t, dtype=float64) ** 2``, as does everything when the native build is unavailable (with the
+    one-time warning; counted in ``metrics()["sq_norm_fallback_calls"]``). The GIL is released while the kernel
+    runs.
+    """
+    ts = as_list(tensors, "tensors", "sq_norm")
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in ts):
+        return sq_norm_reference(ts)  # CUDA (or a mix): torch's own reduction, no fallback warning
+    lib = _native()
+    if lib is None:
+        _metrics["sq_norm_fallback_calls"] += 1
+        return sq_norm_reference(ts)
+    check_sq_norm_dtypes(ts)
+    _metrics["sq_norm_native_calls"] += 1
+    return lib.sq_norm(ts, _capped_isa(lib) if isa in (None, "auto") else isa)

@@ -1,7 +1,7 @@
-"""Torch reference for fshard.ops.adamw_: the same contract, built from torch ops.
+"""Torch references for fshard.ops.adamw_ and fshard.ops.sq_norm: the same contracts, built from torch ops.
 
-It is the fallback when the native build is unavailable, and the spec the native
-kernels are tested against. The update itself is torch._fused_adamw_ (or
+They are the fallbacks when the native build is unavailable, and the specs the native
+kernels are tested against. The AdamW update itself is torch._fused_adamw_ (or
 torch._fused_adam_ for the L2 mode), so its arithmetic is ATen's; the extra
 passes around it (grad cast and scale, the non-finite check, the low-precision
 copy) are the passes the native kernel fuses away.
@@ -14,14 +14,40 @@ from .._errors import ArgumentError, ArgumentTypeError
 Tensors = list[torch.Tensor]
 
 
-def as_list(x, name: str) -> Tensors:
+def as_list(x, name: str, op: str = "adamw_") -> Tensors:
     if x is None:
         return []
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
         return list(x)
-    raise ArgumentTypeError(f"fshard.ops.adamw_: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
+    raise ArgumentTypeError(f"fshard.ops.{op}: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
+
+
+SQ_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sq_norm_dtypes(tensors: Tensors) -> None:
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"fshard.ops.sq_norm: tensors[{i}] is a {type(t).__name__}, not a Tensor")
+        if t.dtype not in SQ_NORM_DTYPES:
+            raise ArgumentTypeError(f"fshard.ops.sq_norm: tensors[{i}] has dtype {t.dtype}; it takes float32, "
+                                    "bfloat16 or float16 tensors")
+
+
+@torch.no_grad()
+def sq_norm_reference(tensors) -> float:
+    """The sum over every element of every tensor of x*x, in float64, from torch ops (any device); see
+    fshard.ops.sq_norm. One sync per device. Its rounding differs from the native kernel's (and torch's own
+    reduction order depends on the thread count), by about 1e-15 relative."""
+    ts = as_list(tensors, "tensors", "sq_norm")
+    check_sq_norm_dtypes(ts)
+    per_device: dict[torch.device, Tensors] = {}
+    for t in ts:
+        if t.numel():
+            per_device.setdefault(t.device, []).append(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2)
+    return float(sum(torch.stack(v).sum().item() for v in per_device.values()))
 
 
 @torch.no_grad()
