@@ -132,15 +132,21 @@ def _adamw_kwargs(args) -> dict:
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _torch_runner(ctx: Ctx, model: torch.nn.Module) -> Runner:
-    """The peers' step: the wrapped model and torch.optim.AdamW(fused=True)."""
+def _torch_runner(ctx: Ctx, model: torch.nn.Module, scaler=None) -> Runner:
+    """The peers' step: the wrapped model and torch.optim.AdamW(fused=True); with ``scaler`` (a GradScaler),
+    fp16's scale, unscale_, step and update."""
     opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         return loss.item(), {}
 
     return Runner(step)
@@ -154,7 +160,7 @@ def ddp_runner(ctx: Ctx) -> Runner:
 
 
 @register("fsdp2")
-def fsdp2_runner(ctx: Ctx, prefetch: int = 0, **fully_shard_kwargs) -> Runner:
+def fsdp2_runner(ctx: Ctx, prefetch: int = 0, scaler=None, **fully_shard_kwargs) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -168,7 +174,7 @@ def fsdp2_runner(ctx: Ctx, prefetch: int = 0, **fully_shard_kwargs) -> Runner:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
-    return _torch_runner(ctx, model)
+    return _torch_runner(ctx, model, scaler)
 
 
 register("fsdp2+prefetch(2)")(lambda ctx: fsdp2_runner(ctx, prefetch=2))
@@ -181,6 +187,15 @@ def _fsdp2_bf16(ctx):
 
 
 register("fsdp2+bf16")(_fsdp2_bf16)  # FSDP2's mixed precision: bf16 gathers and compute, fp32 reduce
+
+
+@register("fsdp2+fp16")
+def _fsdp2_fp16(ctx):  # fp16 gathers and compute, fp32 reduce, and ShardedGradScaler (GradScaler for shards)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return fsdp2_runner(ctx, scaler=ShardedGradScaler(device="cpu"),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
 
 
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
@@ -244,10 +259,24 @@ def _bf16():
     return fs.mixed_precision(torch.bfloat16, torch.float32)
 
 
+def _fp16():
+    import fshard as fs
+    return fs.mixed_precision(torch.float16, torch.float32)
+
+
+def _clip():
+    import fshard as fs
+    return fs.clip_by_global_norm(1.0)
+
+
 register("fshard+bf16")(lambda ctx: fshard_runner(ctx, _bf16()))
 register("fshard+bf16+donate")(lambda ctx: fshard_runner(ctx, _bf16(), donate=True))
 register("fshard+ahead+buckets+bf16")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16()))
 register("fshard+ahead+buckets+bf16+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(), donate=True))
+register("fshard+ahead+buckets+fp16+donate")(  # dynamic loss scaling, the scale in the state
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _fp16(), donate=True))
+register("fshard+ahead+buckets+bf16+clip+donate")(  # the global norm: fshard.ops.sq_norm and one all-reduce
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(), _clip(), donate=True))
 register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
 register("fshard+ahead+buckets+keep+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 
 import optree
 import torch
@@ -158,7 +159,12 @@ class UnitRun(UnitView):
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
                 self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
             shard = self.shard.detach()
-            self._pending = comm.gather(self._alias(), shard if shard.dtype == dtype else shard.to(dtype), self.name)
+            if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
+                t0 = time.perf_counter()
+                shard = shard.to(dtype)
+                if comm.spans is not None:
+                    comm.span("cast", f"cast {self.name}", t0, time.perf_counter())
+            self._pending = comm.gather(self._alias(), shard, self.name)
         self.alive = True
         self._run._on_alive(self, +1)
 
