@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from _dist import run_ranks
 from models import oracle_step, param_diffs
-from test_mixed_precision import HP, _setup
+from test_mixed_precision import HP, _setup, fsdp2_mixed
 
 
 FP16_STEPS = 14
@@ -26,24 +26,16 @@ def _fp16_against_fsdp2(max_norm):
     subclass for sharded gradients: it all-reduces the overflow flag, which a plain GradScaler would leave local
     to each rank). growth_interval=3 makes the scale grow back to 2**16 every few steps, where the fp16 gradient
     of the loss itself (2**16 > fp16's largest, 65504) overflows: the run skips a step every fourth."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.tensor import DTensor
 
     fs, mesh, model, loss_fn, _ = _setup()
     from gpt import GPTConfig, synthetic_batches
     batches = list(synthetic_batches(GPTConfig.tiny(n_layers=3), 4, FP16_STEPS, 0, mesh.rank, mesh.world_size))
-    ref = copy.deepcopy(model)
+    ref, opt = fsdp2_mixed(model, mesh.world_size, torch.float16)
     state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
     clip = () if max_norm is None else (fs.clip_by_global_norm(max_norm),)
     step = fs.compose(loss_fn, fs.mixed_precision(torch.float16, growth_interval=3), *clip)
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    dm = init_device_mesh("cpu", (mesh.world_size,))
-    for block in ref.blocks:
-        fully_shard(block, mesh=dm, mp_policy=policy)
-    fully_shard(ref, mesh=dm, mp_policy=policy)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
     scaler = ShardedGradScaler(device="cpu", growth_interval=3)
     ours, theirs = [], []
     for b in batches:

@@ -30,22 +30,29 @@ def _setup():
     return fs, mesh, model, loss_fn, list(synthetic_batches(cfg, 4, STEPS, 0, mesh.rank, mesh.world_size))
 
 
-def _against_fsdp2(transforms: str):
+def fsdp2_mixed(model, world_size: int, param_dtype: torch.dtype):
+    """The oracle: a copy of ``model`` with ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype,
+    float32))`` on every block and the root, and its ``torch.optim.AdamW``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
 
-    fs, mesh, model, loss_fn, batches = _setup()
     ref = copy.deepcopy(model)
-    ts = (fs.gather_ahead(2), fs.bucket_reduce(0.01)) if transforms == "ahead+buckets" else ()
-    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
-    step = fs.compose(loss_fn, *ts, fs.mixed_precision())
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    dm = init_device_mesh("cpu", (mesh.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    dm = init_device_mesh("cpu", (world_size,))
     for block in ref.blocks:
         fully_shard(block, mesh=dm, mp_policy=policy)
     fully_shard(ref, mesh=dm, mp_policy=policy)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    return ref, torch.optim.AdamW(ref.parameters(), **HP)
+
+
+def _against_fsdp2(transforms: str):
+    from torch.distributed.tensor import DTensor
+
+    fs, mesh, model, loss_fn, batches = _setup()
+    ref, opt = fsdp2_mixed(model, mesh.world_size, torch.bfloat16)
+    ts = (fs.gather_ahead(2), fs.bucket_reduce(0.01)) if transforms == "ahead+buckets" else ()
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    step = fs.compose(loss_fn, *ts, fs.mixed_precision())
     ours, theirs = [], []
     for b in batches:
         state, m = step(state, b)
