@@ -4,9 +4,9 @@ Each rank sums the squares of its gradient shards (in float64: no overflow, and 
 all-reduce adds the ranks' sums, and every rank gets the same global norm (``Grads.with_sq_norm``, shared with any
 other policy that needs it); times ``Grads.scale`` so far, it is the norm of the gradients the update applies (with
 fp16 loss scaling, the unscaled ones, as torch clips after ``GradScaler.unscale_``). The clip factor
-``min(1, max_norm / (norm + 1e-6))`` is torch.nn.utils.clip_grad_norm_'s; it is not applied to the shards here but handed to the update: the native AdamW
-kernel multiplies each gradient by it as it reads it (no extra pass); the torch and fused arithmetics multiply
-first, as clip_grad_norm_ does.
+``min(1, max_norm / (norm + 1e-6))`` is torch.nn.utils.clip_grad_norm_'s; it is not applied to the shards here but
+handed to the update: the native AdamW kernel multiplies each gradient by it as it reads it (no extra pass); the
+torch and fused arithmetics multiply first, as clip_grad_norm_ does.
 """
 from __future__ import annotations
 
