@@ -99,8 +99,9 @@ def _composed():
     # the same run in two halves, the second by a new step function on the first's state, with donate=True
     state = fs.init(copy.deepcopy(model), mesh, fs.adamw(**HP, impl="torch"))
     rows = []
-    for half in (batches[:4], batches[4:8]):
-        with fs.compose(loss_fn, fp16(), donate=half is not batches[:4]) as step:
+    first = batches[:5]  # split where the growth tracker is 1, so dropping it would show
+    for half in (first, batches[5:8]):
+        with fs.compose(loss_fn, fp16(), donate=half is not first) as step:
             for b in half:
                 state, m = step(state, b)
                 rows.append((m["loss"], m["loss_scale"], m["skipped"]))
@@ -159,3 +160,14 @@ def test_scale_rules_equal_torch_amp_update_scale(found, interval, growth, backo
         ours = rules.next(ours, f)
         torch._amp_update_scale_(scale, tracker, torch.full((1,), float(f)), growth, backoff, interval)
         assert float(ours.scale) == float(scale) and int(ours.growth_tracker) == int(tracker)
+
+
+def test_clipping_a_float64_model():
+    """The global norm of float64 shards (which fshard.ops.sq_norm does not take) comes from torch's float64 norm."""
+    import fshard as fs
+    from models import awkward_batches, awkward_loss, Awkward
+    torch.manual_seed(0)
+    state = fs.init(Awkward().double(), fs.Mesh.local(), fs.adamw())
+    with fs.compose(awkward_loss, fs.clip_by_global_norm(0.1), fs.skip_nonfinite()) as step:
+        state, m = step(state, next(awkward_batches(2, 1)))
+    assert m["grad_norm"] > 0.1 and m["grad_clip_scale"] < 1.0 and m["skipped"] == 0
