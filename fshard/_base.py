@@ -199,10 +199,11 @@ class Grads:
         if self.sq_norm is not None:
             return self
         from . import ops  # loaded on first use, as everywhere (it may build the native kernels)
-        native = [g for g in self.shards.values() if g.dtype in (torch.float32, torch.bfloat16, torch.float16)]
-        rest = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)  # float64 models: torch's norm
-                   for g in self.shards.values() if g.dtype not in (torch.float32, torch.bfloat16, torch.float16))
-        local = torch.tensor([ops.sq_norm(native) + rest], dtype=torch.float64, device=comm.mesh.device)
+        from .ops._reference import SQ_NORM_DTYPES
+        native = [g for g in self.shards.values() if g.dtype in SQ_NORM_DTYPES]
+        wide = [g for g in self.shards.values() if g.dtype not in SQ_NORM_DTYPES]  # float64 models: torch's norm
+        total = ops.sq_norm(native) + sum(float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in wide)
+        local = torch.tensor([total], dtype=torch.float64, device=comm.mesh.device)
         return replace(self, sq_norm=float(comm.all_reduce(local, "grad_norm")[0]))
 
 
