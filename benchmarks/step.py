@@ -254,14 +254,14 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
-def _bf16():
+def _bf16(copies=False):  # copies: persistent bf16 copies written by the update, instead of a cast per gather
     import fshard as fs
-    return fs.mixed_precision(torch.bfloat16, torch.float32)
+    return fs.mixed_precision(torch.bfloat16, torch.float32, param_copies=copies)
 
 
-def _fp16():
+def _fp16(copies=False):
     import fshard as fs
-    return fs.mixed_precision(torch.float16, torch.float32)
+    return fs.mixed_precision(torch.float16, torch.float32, param_copies=copies)
 
 
 def _clip():
@@ -273,6 +273,10 @@ register("fshard+bf16")(lambda ctx: fshard_runner(ctx, _bf16()))
 register("fshard+bf16+donate")(lambda ctx: fshard_runner(ctx, _bf16(), donate=True))
 register("fshard+ahead+buckets+bf16")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16()))
 register("fshard+ahead+buckets+bf16+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(), donate=True))
+register("fshard+ahead+buckets+bf16+copies+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(copies=True), donate=True))
+register("fshard+ahead+buckets+fp16+copies+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _fp16(copies=True), donate=True))
 register("fshard+ahead+buckets+fp16+donate")(  # dynamic loss scaling, the scale in the state
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _fp16(), donate=True))
 register("fshard+ahead+buckets+bf16+clip+donate")(  # the global norm: fshard.ops.sq_norm and one all-reduce

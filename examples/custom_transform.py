@@ -8,7 +8,8 @@ protocol, and declares how in ``stages``. This one wraps the grads stage (``stag
 ``fs.GradsPolicy`` calls the policy it was given, then reads the value it returned, an ``fs.Grads`` whose
 ``shards`` map each unit that got a gradient to this rank's 1/N slice of the reduced gradient. The slices tile the
 unit, so a unit's global squared norm is the sum over ranks of the squares of its slices: one
-``fs.Collectives.all_reduce`` of a float64 vector with one entry per unit gives every norm on every rank. ``Grads``
+``fs.Collectives.all_reduce`` of a float64 vector with one entry per unit gives every norm on every rank; times
+``grads.scale``, since the update applies ``shards * scale`` (fp16 loss scaling starts it at 1/scale). ``Grads``
 is frozen; ``with_metrics`` returns a copy whose metrics the step adds to its own.
 
 The policy only reads the gradients, so it says ``changes_grads = False``: composed without clip or skip, the grads
@@ -30,16 +31,19 @@ class _UnitGradNorms(fs.GradsPolicy):
         self.inner = inner
 
     def __call__(self, comm: fs.Collectives, grads: fs.Grads) -> fs.Grads:
-        grads = self.inner(comm, grads)
-        # Every rank must issue the same collective with the same size. It does: before the grads stage runs, the
-        # step checks that all ranks issued the same reductions (RankDivergenceError otherwise), so the units in
-        # grads.shards, the ones that got a reduced gradient, are the same on every rank; sorting fixes the order.
+        # Read the shards before the policies this one wraps change what the update does with them (a clip before
+        # this transform scales them): the norms are those of the gradients backward produced. Every rank must
+        # issue the same collective with the same size. It does: before the grads stage runs, the step checks that
+        # all ranks issued the same reductions (RankDivergenceError otherwise), so the units in grads.shards, the
+        # ones that got a reduced gradient, are the same on every rank; sorting fixes the order.
         names = sorted(grads.shards)
-        if not names:
-            return grads
-        sq = torch.stack([torch.linalg.vector_norm(grads.shards[n], dtype=torch.float64) ** 2 for n in names])
-        comm.all_reduce(sq, "unit_grad_norms")  # in place: sum over ranks
-        return grads.with_metrics(**{f"grad_norm/{n}": math.sqrt(v) for n, v in zip(names, sq.tolist())})
+        norms = {}
+        if names:
+            sq = torch.stack([torch.linalg.vector_norm(grads.shards[n], dtype=torch.float64) ** 2 for n in names])
+            comm.all_reduce(sq, "unit_grad_norms")  # in place: sum over ranks
+            # the update applies shards * grads.scale: here 1/loss_scale with fp16 loss scaling, else 1
+            norms = {f"grad_norm/{n}": math.sqrt(v) * abs(grads.scale) for n, v in zip(names, sq.tolist())}
+        return self.inner(comm, grads).with_metrics(**norms)
 
     def close(self) -> None:
         self.inner.close()

@@ -161,8 +161,9 @@ class Grads:
         The step starts it at ``1 / loss_scale`` when a grads policy scales the loss (fp16), so the shards hold the
         scaled gradients and ``shards * scale`` is always what the update applies: a policy that reads gradient
         values (a norm) multiplies by it.
-      skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1 and the
-        ``transform_state`` below.
+      skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1, the
+        ``transform_state`` below, and the buffers forward updated (BatchNorm's running statistics, as in torch,
+        where a step whose optimizer is skipped has still run forward).
       sq_norm: the global sum of squares of all shards (as they are, not times ``scale``), once a policy asked for
         it (``with_sq_norm``), so that policies that need it share one all-reduce.
       metrics: added to the step's metrics.
@@ -222,10 +223,14 @@ class GatherPolicy(Protocol):
       param_dtype: the dtype units are gathered and computed in (None: each unit's own, its master dtype). The
         step casts the shard to it for each gather, and the floating-point tensors passed to a unit's call (as
         FSDP2's ``cast_forward_inputs``); gradients then arrive in it (``fs.mixed_precision`` sets it).
+      param_copies: whether units are gathered from persistent copies in ``param_dtype`` (``TrainState.copies``)
+        instead of a cast of the shard per gather. The step makes the copies the state lacks (``Step.init``: one
+        cast each) and drops them when this is False; the update keeps them equal to the new shards.
     """
 
     schedule: Any = None
     param_dtype: torch.dtype | None = None
+    param_copies: bool = False
 
     def start(self, step: StepView) -> None:
         """Before each micro-batch's forward."""
@@ -261,7 +266,15 @@ class GatherPolicy(Protocol):
 
 
 class ReducePolicy(Protocol):
-    """How the gradient of a unit's flat buffer becomes this rank's reduced gradient shard (last micro-batch)."""
+    """How the gradient of a unit's flat buffer becomes this rank's reduced gradient shard (last micro-batch).
+
+    Attributes:
+      reduce_dtype: the dtype it reduces in (None: the gradient's own). With micro-batches (``fs.accumulate``)
+        the step sums each unit's gradient in it before the one reduction, as FSDP2 accumulates unsharded
+        gradients in its ``reduce_dtype``, so fp16/bf16 gradients are not summed in their own precision.
+    """
+
+    reduce_dtype: torch.dtype | None = None
 
     def reduce(self, step: StepView, unit: UnitView, grad: torch.Tensor) -> None:
         """Start reducing ``grad`` (the unit's whole flat gradient, summed over the step's micro-batches).
@@ -321,7 +334,7 @@ class UpdatePolicy(Protocol):
     """Where and how the optimizer runs on the shards."""
 
     def __call__(self, step: StepView, state: TrainState, grads: Grads, active: Mapping[str, Sequence[bool]],
-                 donate: bool) -> tuple[dict, dict, dict]:
+                 donate: bool) -> tuple[dict, dict, dict, dict]:
         """Apply one optimizer step.
 
         Args:
@@ -332,8 +345,11 @@ class UpdatePolicy(Protocol):
           donate: whether the input state's tensors may be updated in place.
 
         Returns:
-          ``(params, opt_state, metrics)``: the new state's unit name -> shard and unit name -> optimizer state
-          mappings, and metrics to report.
+          ``(params, opt_state, metrics, copies)``: the new state's unit name -> shard and unit name -> optimizer
+          state mappings, metrics to report, and the new ``TrainState.copies``: for each unit of
+          ``state.copies``, the cast of its new shard to the copy's dtype (round to nearest), written in the same
+          pass as the shard where the kernel can (``fs.adamw``'s ``update(copy=...)``); a unit it did not update
+          keeps its copy. A wrapping policy returns what the policy it wraps returns, changed or not.
         """
         raise PolicyError(f"{type(self).__name__} is an UpdatePolicy without __call__(step, state, grads, active, "
                           "donate); define it.")

@@ -7,11 +7,12 @@ from concurrent.futures import wait
 
 class _Early:
     """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
-    parameter), so the input state stays intact until the update takes the result, and nothing is lost if the
+    parameter and copy), so the input state stays intact until the update takes the result, and nothing is lost if the
     step fails first (``abandon``)."""
 
-    def __init__(self, owner, opt, name, param, grad, s, segs, count, key, record):
+    def __init__(self, owner, opt, name, param, copy, grad, s, segs, count, key, record):
         self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
+        self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
         self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
         self.created: list = []  # keys written so far (appended by the worker)
         self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
@@ -20,14 +21,14 @@ class _Early:
 
     def _run(self, owner, segs):
         t0 = self.started = time.perf_counter()
-        p = self.param.clone()
+        p, c = self.param.clone(), None if self.copy is None else self.copy.clone()
         try:
-            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key)], 1.0, self.created, self.metrics,
+            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key, c)], 1.0, self.created, self.metrics,
                           donate=False, record=self.record)
         finally:
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
-        return p
+        return p, c
 
     def abandon(self) -> None:
         """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let

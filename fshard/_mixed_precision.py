@@ -14,6 +14,12 @@ step moves and computes with, through two declared seams:
 - grads (fp16): dynamic loss scaling, as ``torch.amp.GradScaler`` (fshard/_loss_scale.py), with the scale in
   the state.
 
+With ``param_copies=True`` (the default) the gather policy also declares ``param_copies``: the state holds a
+persistent ``param_dtype`` copy of every shard (``TrainState.copies``, made once by the step), gathers send it
+instead of casting the shard, and the update writes the new copy in its kernel pass. The results are the cast
+way's bit for bit (both round to nearest); the copies cost ``param_dtype`` bytes per parameter and rank, and save
+a cast per gather (design/ARCHITECTURE.md, mixed_precision, has the measurement).
+
 Code that runs outside unit calls (the root unit's layers, the loss) sees the root's parameters in
 ``param_dtype`` and its inputs as the batch gives them. Buffers keep their dtype.
 
@@ -59,8 +65,8 @@ optree.register_pytree_node(
 class _Precision(GatherPolicy):
     """The wrapped gather policy, every hook forwarded; declares the compute dtype."""
 
-    def __init__(self, inner: GatherPolicy, param_dtype: torch.dtype):
-        self.inner, self.param_dtype = inner, param_dtype
+    def __init__(self, inner: GatherPolicy, param_dtype: torch.dtype, param_copies: bool):
+        self.inner, self.param_dtype, self.param_copies = inner, param_dtype, param_copies
 
     @property
     def schedule(self):
@@ -89,7 +95,8 @@ class _Precision(GatherPolicy):
 
 
 class _ReduceIn(ReducePolicy):
-    """The wrapped reduce policy, given each unit's gradient in ``reduce_dtype``."""
+    """The wrapped reduce policy, given each unit's gradient in ``reduce_dtype`` (declared: micro-batches' gradients
+    are summed in it too)."""
 
     def __init__(self, inner: ReducePolicy, reduce_dtype: torch.dtype):
         self.inner, self.reduce_dtype = inner, reduce_dtype
@@ -110,6 +117,9 @@ class mixed_precision(Transform):
     the grads stage, with loss scaling), so it comes after the transforms that set them:
     ``fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), fs.mixed_precision())``.
 
+    ``param_copies``: keep persistent ``param_dtype`` copies of the shards, written by the update, instead of a
+    cast per gather: the same results, 0.97x the step time and ``param_dtype`` bytes per parameter more state on
+    the 117M GPT (benchmarks/RESULTS.md); False casts per gather, as FSDP2 does.
     ``loss_scale``: "auto" (dynamic for fp16, none otherwise), "dynamic", a number (a static scale; a step whose
     gradients overflow is still skipped), or None. The dynamic scale follows ``torch.amp.GradScaler(init_scale,
     growth_factor, backoff_factor, growth_interval)``; a skipped step adds one to ``state.skipped`` and applies no
@@ -121,11 +131,16 @@ class mixed_precision(Transform):
 
     def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = torch.float32,
                  *, loss_scale: str | float | None = "auto", init_scale: float = 2.0 ** 16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 param_copies: bool = True):
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if not (dt is None and what == "reduce_dtype") and dt not in _FLOATS:
                 raise ArgumentTypeError(f"fs.mixed_precision: {what} must be one of {_FLOATS}, got {dt!r}.")
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
+        if not isinstance(param_copies, bool):
+            raise ArgumentTypeError(f"fs.mixed_precision(param_copies={param_copies!r}): pass True (keep copies) or "
+                                    "False (cast each gather).")
+        self.param_copies = param_copies
         if loss_scale == "auto":
             loss_scale = "dynamic" if param_dtype == torch.float16 else None
         if loss_scale is None:
@@ -139,7 +154,7 @@ class mixed_precision(Transform):
                                     "number (a static scale) or None.")
 
     def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
-        return _Precision(gather, self.param_dtype)
+        return _Precision(gather, self.param_dtype, self.param_copies)
 
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return _ReduceIn(reduce, self.reduce_dtype)
@@ -163,4 +178,5 @@ class mixed_precision(Transform):
 
     def __repr__(self) -> str:
         scaling = "" if self.scaling is None else f", loss_scale={self.scaling}"
-        return f"fs.mixed_precision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{scaling})"
+        return (f"fs.mixed_precision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{scaling}, "
+                f"param_copies={self.param_copies})")

@@ -84,8 +84,8 @@ class OffloadUpdate(UpdatePolicy):
         count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable),
                                int(step.state.step))
         if segs:
-            early[name] = _Early(self, opt, name, unit.shard.detach(), unit.grad, s, segs, count, self._key(name),
-                                 step.record)
+            early[name] = _Early(self, opt, name, unit.shard.detach(), step.state.copies.get(name), unit.grad, s,
+                                 segs, count, self._key(name), step.record)
 
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
@@ -98,8 +98,8 @@ class OffloadUpdate(UpdatePolicy):
     def plan(self, step, state, active, donate):
         """Store traffic, assuming every trainable parameter gets a gradient: a stored unit's chunks are read and
         written once (both moments); a chosen unit still in memory is written once (the first step). New tensors:
-        each unit's step count; its parameter unless donated and updated in place (an update begun during
-        backward writes a clone); in-memory moments only for units that stay in memory, without donate."""
+        each unit's step count; its parameter (and its copy) unless donated and updated in place (an update begun
+        during backward writes a clone); in-memory moments only for units that stay in memory, without donate."""
         spec, f = step.spec, {"io/read_bytes": 0, "io/write_bytes": 0, "mem/new_state_bytes": 0}
         chosen = self._choose(spec, state)
         early = self.overlap_backward and step.grads_unchanged and spec.mesh.device.type == "cpu"
@@ -112,7 +112,9 @@ class OffloadUpdate(UpdatePolicy):
             if not on:
                 continue
             clone = not donate or (stored and early and step.units[u.name].got_all())
-            f["mem/new_state_bytes"] += state.params[u.name].nbytes if clone else 0
+            copy = state.copies.get(u.name)
+            f["mem/new_state_bytes"] += (state.params[u.name].nbytes + (0 if copy is None else copy.nbytes)
+                                         if clone else 0)
             if stored:
                 f["io/read_bytes"] += moments
                 f["io/write_bytes"] += moments
@@ -142,7 +144,7 @@ class OffloadUpdate(UpdatePolicy):
                     work.abandon()
                     continue
                 try:
-                    taken[name] = (work.future.result(), work)  # the updated parameter shard
+                    taken[name] = (*work.future.result(), work)  # the updated parameter shard and its copy
                 except BaseException:
                     work.abandon()  # deletes what the worker wrote before it failed
                     raise
@@ -171,7 +173,8 @@ class OffloadUpdate(UpdatePolicy):
         m["update/overlapped_units"] = len(taken)
         t0 = time.perf_counter()
         try:
-            params, opt_state, inner_metrics = self.inner(step, state, grads, in_memory, donate)
+            params, opt_state, inner_metrics, copies = self.inner(step, state, grads, in_memory, donate)
+            copies = dict(copies)
             m.update(inner_metrics)
             for name in sorted(chosen - stored):
                 opt_state[name] = self._put(name, opt_state[name], created, m, step.record)
@@ -181,7 +184,9 @@ class OffloadUpdate(UpdatePolicy):
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
                 if u.name in taken:  # updated during backward, into a new version
-                    params[u.name], work = taken[u.name]
+                    params[u.name], copy, work = taken[u.name]
+                    if copy is not None:
+                        copies[u.name] = copy
                     items = _Items(self.store, work.key, s.exp_avg.items.chunks)
                     opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
                                                       s.exp_avg.location)
@@ -191,9 +196,13 @@ class OffloadUpdate(UpdatePolicy):
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
                 p = state.params[u.name] if donate else state.params[u.name].clone()
+                c = state.copies.get(u.name)
+                c = c if donate or c is None else c.clone()
                 key = s.exp_avg.key if donate else self._key(u.name)
-                streamed.append((p, grads.shards[u.name], segs, s, key))
+                streamed.append((p, grads.shards[u.name], segs, s, key, c))
                 params[u.name] = p
+                if c is not None:
+                    copies[u.name] = c
                 items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks)
                 opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
                                                   s.exp_avg.location)
@@ -202,9 +211,9 @@ class OffloadUpdate(UpdatePolicy):
         except Exception as e:
             self._fail(e, created, donate)
         m["store/resident_bytes"] = int(self.store.resident_bytes)
-        t0 = min([t0] + [work.started for _, work in taken.values()])  # I/O began with the first early update
+        t0 = min([t0] + [work.started for *_, work in taken.values()])  # I/O began with the first early update
         m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
-        return params, opt_state, m
+        return params, opt_state, m, copies
 
     def _fail(self, e, created, donate):
         for k in created:
@@ -225,8 +234,8 @@ class OffloadUpdate(UpdatePolicy):
     # --- the pipeline --------------------------------------------------------------------------------------------
 
     def _stream(self, opt, work, scale, created, m, donate, record) -> None:
-        keys = [k for *_, s, _ in work for k in s.exp_avg.items.item_keys()]
-        where = [(i, c) for i, (*_, s, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
+        keys = [k for _, _, _, s, _, _ in work for k in s.exp_avg.items.item_keys()]
+        where = [(i, c) for i, (_, _, _, s, _, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
         t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
         stream = self.store.stream(keys, depth=self.depth, writeback=True)
         try:
@@ -236,14 +245,14 @@ class OffloadUpdate(UpdatePolicy):
                 spans.setdefault(i, [t0, t0])
                 item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
                 t_wait += time.perf_counter() - t0
-                p, g, segs, s, key = work[i]
+                p, g, segs, s, key, copy = work[i]
                 lo, hi = s.exp_avg.items.chunks[c]
                 mv = item.tensor
                 m["io/read_bytes"] += mv.numel() * mv.element_size()
                 for a, b, step, lr, wd in segs:
                     a, b = max(a, lo), min(b, hi)
                     if a < b:
-                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, (step, scale, lr, wd))
+                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, (step, scale, lr, wd), copy)
                 t0 = time.perf_counter()
                 stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
                 spans[i][1] = time.perf_counter()
@@ -296,17 +305,20 @@ class OffloadUpdate(UpdatePolicy):
         return self._chosen[1]
 
 
-def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple) -> None:
+def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:
-    (step, grad scale, lr, weight decay)."""
+    (step, grad scale, lr, weight decay); ``copy``: the shard's low-precision copy, written in the same pass."""
     step, scale, lr, wd = run
     if p.device.type == "cpu":
-        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
+        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd,
+                  copy=None if copy is None else copy[a:b])
         return
-    # CUDA: update on the host copy, then send the parameter back (not run on a GPU yet)
+    # CUDA: update on the host copy, then send the parameter (and its cast) back (not run on a GPU yet)
     ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
     opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
     p[a:b].copy_(ph, non_blocking=True)
+    if copy is not None:
+        copy[a:b].copy_(ph.to(copy.dtype), non_blocking=True)
 
 
 def _lower_priority(nice: int) -> None:

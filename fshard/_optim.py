@@ -111,21 +111,25 @@ class AdamW:
         return AdamWState(torch.zeros(len(layout.trainable), dtype=torch.int64), zeros(), zeros())
 
     def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
-               state: AdamWState, active: list[bool], donate: bool,
-               grad_scale: float = 1.0, updates: int = 0) -> tuple[torch.Tensor, AdamWState]:
+               state: AdamWState, active: list[bool], donate: bool, grad_scale: float = 1.0, updates: int = 0,
+               copy: torch.Tensor | None = None) -> tuple[torch.Tensor, AdamWState, torch.Tensor | None]:
         """One step on ``param`` (this rank's shard). ``active[i]``: trainable slot i got a gradient on some rank.
         The gradient is multiplied by ``grad_scale`` first (clipping), inside the kernel where it can be.
-        ``updates``: the updates applied so far (``state.step``), for a learning-rate schedule."""
+        ``updates``: the updates applied so far (``state.step``), for a learning-rate schedule. ``copy``: a
+        low-precision copy of ``param`` (``TrainState.copies``), kept equal to the cast of the new parameter in the
+        same pass. Returns the new parameter, state and copy (the given ones where nothing changed)."""
         count, segments = self.plan(layout, rank, state.count, active, updates)
         if not segments:
-            return param, AdamWState(count, state.exp_avg, state.exp_avg_sq)
+            return param, AdamWState(count, state.exp_avg, state.exp_avg_sq), copy
         if not donate:  # purity: the input state stays valid, so the update writes into copies
             param, m, v = param.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+            copy = None if copy is None else copy.clone()
         else:
             m, v = state.exp_avg, state.exp_avg_sq
         for lo, hi, step, lr, wd in segments:
-            self.apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale, lr=lr, weight_decay=wd)
-        return param, AdamWState(count, m, v)
+            self.apply(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step, grad_scale, lr=lr, weight_decay=wd,
+                       copy=None if copy is None else copy[lo:hi])
+        return param, AdamWState(count, m, v), copy
 
     def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor, active: list[bool],
              updates: int = 0) -> tuple[torch.Tensor, list[tuple[int, int, int, float, float]]]:
@@ -144,10 +148,12 @@ class AdamW:
         return _resolve(self.impl, torch.device(device), dtype)
 
     def apply(self, p, g, m, v, step: int, grad_scale: float = 1.0, *, lr: float | None = None,
-              weight_decay: float | None = None) -> None:
+              weight_decay: float | None = None, copy: torch.Tensor | None = None) -> None:
         """One AdamW step, in place, on one run: parameter ``p``, gradient ``g`` (times ``grad_scale``), moments
         ``m`` and ``v``, all of the same length; ``step`` is the run's new step count. ``lr`` and ``weight_decay``
-        (a run's, from ``lr_at`` and ``plan``) default to the optimizer's own (``lr`` must then be a float)."""
+        (a run's, from ``lr_at`` and ``plan``) default to the optimizer's own (``lr`` must then be a float).
+        ``copy``: a bf16/fp16 tensor of the same length that receives the new ``p``, rounded to nearest as
+        ``p.to(copy.dtype)`` rounds (the native kernel writes it in its pass; the others cast after it)."""
         (b1, b2), eps = self.betas, self.eps
         if lr is None and callable(self.lr):
             raise ArgumentError("AdamW.apply: this optimizer's lr is a schedule; pass the run's lr (from plan(), "
@@ -165,8 +171,11 @@ class AdamW:
             from . import ops
             # check_finite=False: like torch, a non-finite gradient propagates; skipping a step on every rank
             # consistently is a transform's job (it needs a collective), not the kernel's.
+            fused = copy is not None and copy.dtype in (torch.bfloat16, torch.float16)  # the kernel's copy dtypes
             ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                       grad_scale=grad_scale, check_finite=False)
+                       grad_scale=grad_scale, param_copies=[copy] if fused else None, check_finite=False)
+            if fused:
+                return
         else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float
             p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - b1)
@@ -177,6 +186,8 @@ class AdamW:
             step_size = lr / bias_correction1
             denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)
+        if copy is not None:
+            copy.copy_(p)
 
 
 def _resolve(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:

@@ -34,6 +34,7 @@ from ._unit import Accumulator, StepRun
 # (metric, what it is): the rows of print(plan), in order
 MEMORY = (
     ("mem/params_bytes", "parameter shards"),
+    ("mem/copies_bytes", "their low-precision copies (param_copies)"),
     ("mem/opt_state_bytes", "optimizer state in memory"),
     ("mem/buffers_bytes", "buffers (replicated)"),
     ("mem/new_state_bytes", "new state the update writes (0 with donate)"),
@@ -102,20 +103,20 @@ def _size(b: int) -> str:
 
 
 def state_figures(state) -> dict:
-    """Bytes of ``state`` on this rank (``TrainState.nbytes``): parameter shards, optimizer tensors in memory,
-    buffers, and optimizer state held in a store."""
+    """Bytes of ``state`` on this rank (``TrainState.nbytes``): parameter shards, their low-precision copies,
+    optimizer tensors in memory, buffers, and optimizer state held in a store."""
     nb = state.nbytes()
-    f = {"mem/params_bytes": nb["params"], "mem/opt_state_bytes": nb["opt_state"],
+    f = {"mem/params_bytes": nb["params"], "mem/copies_bytes": nb["copies"], "mem/opt_state_bytes": nb["opt_state"],
          "mem/buffers_bytes": nb["buffers"], "mem/store_bytes": nb["stored"]}
-    f["mem/state_bytes"] = nb["params"] + nb["opt_state"] + nb["buffers"]
+    f["mem/state_bytes"] = nb["params"] + nb["copies"] + nb["opt_state"] + nb["buffers"]
     return f
 
 
 def new_state_bytes(old, new) -> int:
-    """Bytes of tensors in ``new`` (params and optimizer state) that ``old`` does not hold: what the update
-    allocated."""
+    """Bytes of tensors in ``new`` (params, their copies and optimizer state) that ``old`` does not hold: what the
+    update allocated."""
     def tensors(s):
-        leaves = optree.tree_leaves((s.params, s.opt_state), namespace=NAMESPACE)
+        leaves = optree.tree_leaves((s.params, s.copies, s.opt_state), namespace=NAMESPACE)
         return [t for t in leaves if isinstance(t, torch.Tensor)]
     have = {t.untyped_storage().data_ptr() for t in tensors(old)}
     return sum(t.nbytes for t in tensors(new) if t.untyped_storage().data_ptr() not in have)
@@ -175,7 +176,7 @@ def plan(step, state, batch, observed=None) -> Plan:
         agree(ctrl, [], [0, 0, 0])
     k = len(pol.batches(batch))
     fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
-                                              for u in spec.units})
+                                              for u in spec.units}, copies={})
     acc, scratch, runs, accum = Accumulator(k), {}, [], 0
     for i in range(k):
         run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1)

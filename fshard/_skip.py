@@ -3,8 +3,9 @@
 An inf on one rank's local gradient reaches only the ranks whose shards cover it after the reduction, so a local
 check would let ranks disagree. The decision uses the global sum of squares (``Grads.with_sq_norm``: one
 all-reduce, shared with clip_by_global_norm when both are composed), which is the same number on every rank and is
-non-finite exactly when some gradient element is. A skipped step returns its input state with only
-``state.skipped`` counted up (training state: it is checkpointed with the rest), sets ``metrics["skipped"]``, and
+non-finite exactly when some gradient element is. A skipped step returns its input state with
+``state.skipped`` counted up (training state: it is checkpointed with the rest) and the buffers forward updated
+(as torch keeps BatchNorm's running statistics of a step whose optimizer step is skipped), sets ``metrics["skipped"]``, and
 warns.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ class _Skip(GradsPolicy):
         grads = self.inner(comm, grads).with_sq_norm(comm)
         finite = math.isfinite(grads.sq_norm)
         if not finite:
-            warnings.warn("fshard: non-finite gradients (inf or NaN); the step was skipped and the state is "
-                          "unchanged but for state.skipped (metrics['skipped_total']).", stacklevel=3)
+            warnings.warn("fshard: non-finite gradients (inf or NaN); the step was skipped: no update, and "
+                          "state.skipped counted up (metrics['skipped_total']).", stacklevel=3)
         return grads.replace(skip=grads.skip or not finite, metrics={**grads.metrics, "skipped": int(not finite)})
 
     def close(self) -> None:

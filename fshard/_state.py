@@ -130,8 +130,11 @@ class TrainState:
     skipped: number of steps skipped (fs.skip_nonfinite, an fp16 overflow), a 0-dim int64 tensor like ``step``.
     transform_state: transform name -> the state a transform keeps across steps (a pytree: fp16's loss scale), the
     way optax keeps a transform's state with the parameters; a state from ``fs.init`` has none, and a step adds
-    its transforms' initial states (``step.init(state)`` adds them without a step). donation: see ``Donation``.
-    The four mappings are read-only (``FrozenMap``)."""
+    its transforms' initial states (``step.init(state)`` adds them without a step). copies: unit name -> a
+    low-precision copy of its parameter shard that gathers send instead of casting the shard each time
+    (``fs.mixed_precision(param_copies=True)``); the step makes them once from the shards, and every update keeps
+    them equal to the cast of the new shards, writing them in its kernel pass. Empty without. donation: see
+    ``Donation``. The five mappings are read-only (``FrozenMap``)."""
 
     params: Mapping[str, torch.Tensor]
     opt_state: Mapping[str, Any]
@@ -140,10 +143,11 @@ class TrainState:
     spec: ShardSpec
     skipped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     transform_state: Mapping[str, Any] = field(default_factory=dict)
+    copies: Mapping[str, torch.Tensor] = field(default_factory=dict)
     donation: Donation = field(default_factory=Donation, repr=False)
 
     def __post_init__(self):
-        for f in ("params", "opt_state", "buffers", "transform_state"):
+        for f in ("params", "opt_state", "buffers", "transform_state", "copies"):
             v = getattr(self, f)
             if not isinstance(v, FrozenMap):
                 object.__setattr__(self, f, FrozenMap(v, f))
@@ -165,12 +169,13 @@ class TrainState:
                 "donate=True to keep inputs intact.")
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes this rank holds in memory, by part (gradient shards exist only inside a step; they are counted
-        too), and ``stored``: the bytes of leaves that live in a store (fs.offload_state)."""
+        """Bytes this rank holds in memory, by part (``copies``: the low-precision parameter copies; gradient shards
+        exist only inside a step, and are counted too), and ``stored``: the bytes of leaves that live in a store (fs.offload_state)."""
         leaves = lambda t: optree.tree_leaves(t, namespace=NAMESPACE)  # noqa: E731
         grads = sum(self.params[u.name].nbytes for u in self.spec.units if u.trainable)  # one reduced shard each
         opt = leaves(self.opt_state)
         return {"params": sum(t.nbytes for t in leaves(self.params)),
+                "copies": sum(t.nbytes for t in leaves(self.copies)),
                 "grads": grads,
                 "opt_state": sum(t.nbytes for t in opt if isinstance(t, torch.Tensor)),
                 "buffers": sum(t.nbytes for t in leaves(self.buffers)),
@@ -185,11 +190,13 @@ class TrainState:
         dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         for u in self.spec.units:
             opt = optree.tree_leaves(self.opt_state.get(u.name), namespace=NAMESPACE)
-            per_rank = self.params[u.name].nbytes + sum(t.nbytes for t in opt)
+            copy = self.copies.get(u.name)
+            per_rank = self.params[u.name].nbytes + sum(t.nbytes for t in opt) + (0 if copy is None else copy.nbytes)
             rows.append(f"  {u.name:<24}{len(u.slots):>7}{u.used_numel:>12,}{u.numel:>12,}{u.shard_numel:>11,}"
                         f"{dt(u.dtype):>10}{dt(self.compute_dtype(u.name)):>10}{per_rank:>12,}")
         nb = self.nbytes()
-        rows.append(f"  per rank: params {nb['params']:,} B, opt_state {nb['opt_state']:,} B, "
+        copies = f", {dt(next(iter(self.copies.values())).dtype)} copies {nb['copies']:,} B" if self.copies else ""
+        rows.append(f"  per rank: params {nb['params']:,} B{copies}, opt_state {nb['opt_state']:,} B, "
                     f"grads (in step) {nb['grads']:,} B, buffers {nb['buffers']:,} B ({len(self.buffers)} replicated)"
                     + (f", in a store {nb['stored']:,} B" if nb["stored"] else ""))
         for name, s in self.opt_state.items():  # leaves that live in a store: key, bytes, location
@@ -209,7 +216,7 @@ class TrainState:
         return self.spec.unit(unit).dtype
 
 
-_CHILDREN = ("params", "opt_state", "step", "skipped", "buffers", "transform_state")
+_CHILDREN = ("params", "opt_state", "step", "skipped", "buffers", "transform_state", "copies")
 optree.register_pytree_node(
     TrainState, lambda s: (tuple(getattr(s, f) for f in _CHILDREN), s.spec, _CHILDREN),
     lambda spec, children: TrainState(spec=spec, **dict(zip(_CHILDREN, children))), namespace=NAMESPACE)

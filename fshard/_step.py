@@ -21,8 +21,8 @@ from torch.func import functional_call
 
 from ._base import Grads
 from ._collectives import HASH_BITS, Comm, agree
-from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, RankDivergenceError,
-                      StepClosedError, TransformConflictError, UnboundParameterError)
+from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, PolicyError,
+                      RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
 from ._state import TrainState
@@ -73,16 +73,18 @@ class Step:
 
     def plan(self, state: TrainState, batch) -> Plan:
         """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
-        it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py); after
-        the step, its metrics carry the same figures, measured."""
+        it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py) of
+        ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
+        step, its metrics carry the same figures, measured."""
         self._check_state(state)
         return plan(self, self.init(state), batch, self._observed)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
-        where the state holds none (a state from ``fs.init``), else the state's own, carried on. A step does this
-        itself; call it to checkpoint or print a state as its first step will see it. Returns ``state`` itself
-        when nothing changes."""
+        where the state holds none (a state from ``fs.init``), else the state's own, carried on; and with the
+        parameter copies the gather policy asks for (``GatherPolicy.param_copies``: each unit's shard cast once to
+        ``param_dtype``, into ``state.copies``; dropped when it asks for none). A step does this itself; call it to
+        checkpoint or print a state as its first step will see it. Returns ``state`` itself when nothing changes."""
         entries, owners, changed = dict(state.transform_state), {}, False
         for t in self.transforms:
             old = entries.get(t.name)
@@ -95,7 +97,10 @@ class Step:
             owners[t.name] = t
             if new is not old:
                 entries[t.name], changed = new, True
-        return state.replace(transform_state=entries) if changed else state
+        copies = _copies(state, self.policy.gather)
+        if copies is not state.copies:
+            changed = True
+        return state.replace(transform_state=entries, copies=copies) if changed else state
 
     @property
     def schedule(self):
@@ -146,15 +151,17 @@ class Step:
             grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale,
                                                       transform_state=state.transform_state))
             t3 = time.perf_counter()
-            if grads.skip:  # the input state is the result (with donate=True, forward may have updated buffers)
-                new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state)
+            if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
+                new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
+                                    buffers=buffers)
                 update_metrics = {}
             else:
                 if self.donate:
                     state.donation.take(int(state.step))  # from here on the input's tensors change in place
-                params, opt_state, update_metrics = self.policy.update(run, state, grads, active, self.donate)
+                params, opt_state, update_metrics, copies = _updated(
+                    self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
                 new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
-                                 transform_state=grads.transform_state)
+                                 transform_state=grads.transform_state, copies=copies)
             t4 = time.perf_counter()
             comm.span("update", "skipped" if grads.skip else "update", t3, t4)
             ok = True
@@ -291,6 +298,36 @@ def _check_loss(loss) -> None:
                 else type(loss).__name__)
         raise LossError(f"loss_fn must return a floating-point scalar tensor (0-dim), but returned {what}. Reduce it "
                         "to one number inside loss_fn, e.g. return loss.mean().")
+
+
+def _copies(state: TrainState, gather):
+    """The parameter copies a step with this gather policy keeps: ``state.copies`` itself when it holds exactly
+    those; else each unit's shard cast once to ``param_dtype`` (round to nearest, as a gather would cast it), or
+    none when the policy gathers without copies."""
+    dtype = gather.param_dtype if gather.param_copies else None
+    if dtype is None:
+        return state.copies if not state.copies else {}
+    want = {u.name for u in state.spec.units if u.dtype != dtype}
+    if set(state.copies) == want and all(c.dtype == dtype for c in state.copies.values()):
+        return state.copies
+    return {n: state.params[n].detach().to(dtype) for n in sorted(want)}
+
+
+def _updated(policy, out, state: TrainState):
+    """The update policy's ``(params, opt_state, metrics, copies)``, checked: a copy for each unit the state holds
+    one for, in its dtype and size (a policy that ignored the copies would leave gathers reading stale weights)."""
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise PolicyError(f"the update policy {type(policy).__name__} returned {type(out).__name__}"
+                          f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; an UpdatePolicy returns "
+                          "(params, opt_state, metrics, copies), copies being the new TrainState.copies.")
+    copies = out[3]
+    bad = [n for n, c in state.copies.items()
+           if n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape]
+    if bad or set(copies) - set(state.copies):
+        raise PolicyError(f"the update policy {type(policy).__name__} returned copies for {sorted(copies)} where the "
+                          f"state holds copies of {sorted(state.copies)} (wrong or missing: {bad}); it must return "
+                          "each unit's copy, written with the new shard (fs.adamw's update(copy=...)).")
+    return out
 
 
 def _batch_hash(batch) -> int:

@@ -92,27 +92,35 @@ class IdentityGrads(GradsPolicy):
 
 
 class DeviceUpdate(UpdatePolicy):
-    """Run the optimizer on the shards where they live, one unit at a time."""
+    """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
+    holds them, in the same pass)."""
 
     def __call__(self, step, state, grads: Grads, active, donate):
         rank, params, opt_state = step.spec.mesh.rank, dict(state.params), dict(state.opt_state)
+        copies = dict(state.copies)
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
                 if not isinstance(opt_state[u.name].exp_avg, torch.Tensor):
                     raise ArgumentTypeError(
                         f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose this step "
                         "with the same fs.offload_state(store) to update it.")
-                params[u.name], opt_state[u.name] = step.spec.optimizer.update(
+                params[u.name], opt_state[u.name], copy = step.spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
-                    donate, grad_scale=grads.scale, updates=int(state.step))
-        return params, opt_state, {}
+                    donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name))
+                if copy is not None:
+                    copies[u.name] = copy
+        return params, opt_state, {}, copies
 
     def plan(self, step, state, active, donate):
         """Each unit it updates (a parameter active) gets a new step-count tensor; without ``donate`` also a new
-        parameter shard and new moments (the update writes into copies)."""
-        return {"mem/new_state_bytes": sum(
-            s.count.nbytes + (0 if donate else state.params[name].nbytes + s.exp_avg.nbytes + s.exp_avg_sq.nbytes)
-            for name, s in state.opt_state.items() if s is not None and any(active.get(name, ())))}
+        parameter shard, new moments and a new parameter copy (the update writes into copies)."""
+        def renewed(name, s):
+            copy = state.copies.get(name)
+            moments = s.exp_avg.nbytes + s.exp_avg_sq.nbytes
+            return state.params[name].nbytes + moments + (0 if copy is None else copy.nbytes)
+        return {"mem/new_state_bytes": sum(s.count.nbytes + (0 if donate else renewed(name, s))
+                                           for name, s in state.opt_state.items()
+                                           if s is not None and any(active.get(name, ())))}
 
 
 class OneBatch(BatchesPolicy):
@@ -170,7 +178,7 @@ def fold(transforms) -> Policy:
             _check_conflict(t, stage, how, changed[stage])
             changed[stage].append((t, how))
             if stage == "grads":
-                unchanged = unchanged and not new.changes_grads
+                unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
                 if new.scales_loss and scaler is not None:
                     raise TransformConflictError(
                         f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "

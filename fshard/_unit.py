@@ -94,9 +94,14 @@ class Accumulator:
         self.grads: dict[str, torch.Tensor] = {}
         self.got: dict[str, list[bool]] = {}
 
-    def add(self, name: str, grad: torch.Tensor) -> None:
+    def add(self, name: str, grad: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add a micro-batch's gradient, summing in ``dtype`` (the reduce policy's ``reduce_dtype``; None: the
+        gradient's own)."""
         acc = self.grads.get(name)
-        self.grads[name] = grad if acc is None else acc.add_(grad)  # autograd hands over the first one
+        if acc is None:  # autograd hands over the first one: kept, or cast once to the dtype of the sum
+            self.grads[name] = grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
+        else:
+            acc.add_(grad)  # a low-precision grad is upcast into the sum (FSDP2's accumulated grad += grad)
 
     def got_so_far(self, name: str, got: list[bool]) -> list[bool]:
         """Which parameters got a gradient in the earlier micro-batches or in this one (``got``)."""
@@ -121,10 +126,11 @@ class _Saved:
 class UnitRun(UnitView):
     """One unit during one micro-batch: the ``UnitView`` that policies see, and the gather/bind/free mechanics."""
 
-    def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor):
+    def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor, copy: torch.Tensor | None = None):
         self._run, self.layout, self.name = run, layout, layout.name
         self.trainable = bool(layout.trainable)
         self.shard = shard.detach().requires_grad_(self.trainable)
+        self._copy = copy  # the state's low-precision copy of the shard (TrainState.copies), gathered in its place
         self.alive = False
         self._buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
         self._flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
@@ -158,7 +164,7 @@ class UnitRun(UnitView):
                 self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
                 self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
-            shard = self.shard.detach()
+            shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
             if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
                 t0 = time.perf_counter()
                 shard = shard.to(dtype)
@@ -238,7 +244,8 @@ class StepRun(StepView):
         self._backward_order: list[str] = []  # units in the order backward began reading them (one entry per use)
         self._reading: set[str] = set()  # units whose current backward use has begun and not finished
         self._policy, self._acc, self._scratch = policy, acc, scratch
-        self.units = {u.name: UnitRun(self, u, state.params[u.name]) for u in self.spec.units}
+        self.units = {u.name: UnitRun(self, u, state.params[u.name], state.copies.get(u.name))
+                      for u in self.spec.units}
         self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
         self._live: dict[int, UnitRun] = {}
         self._live_bytes = self._peak_bytes = 0
@@ -270,7 +277,7 @@ class StepRun(StepView):
         if self.last:
             self._reduce(unit, self._acc.take(unit.name, grad))
         else:
-            self._acc.add(unit.name, grad)
+            self._acc.add(unit.name, grad, self._policy.reduce.reduce_dtype)
 
     def _reduce(self, unit: UnitRun, grad: torch.Tensor) -> None:
         self._reduced.append(unit)
@@ -358,7 +365,7 @@ class StepRun(StepView):
         the next cycle collection."""
         for unit in self.units.values():
             unit.release()
-            unit._flat = unit._buf = unit._grad = unit.shard = unit._run = None
+            unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = None
         self.units.clear()
         self._live.clear()
         self._reduced.clear()

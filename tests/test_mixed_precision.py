@@ -125,3 +125,41 @@ def test_mixed_precision_wraps_so_it_comes_after_the_setters():
     with pytest.raises(fs.ArgumentTypeError, match="param_dtype"):
         fs.mixed_precision(param_dtype=torch.int8)
 
+
+
+def _accumulate_against_fsdp2(param_dtype):
+    """fs.accumulate(2) with mixed precision against FSDP2 with ``set_requires_gradient_sync(False)`` on the first
+    micro-batch: FSDP2 sums the micro-batches' unsharded gradients in its reduce_dtype (fp32), each low-precision
+    gradient upcast into the sum; fshard sums in the reduce policy's ``reduce_dtype`` the same way, so the run is
+    bitwise FSDP2's. (Summed in fp16 itself, the gradients would round at every micro-batch, and could overflow.)"""
+    from torch.distributed.tensor import DTensor
+
+    fs, mesh, model, loss_fn, batches = _setup()
+    ref, opt = fsdp2_mixed(model, mesh.world_size, param_dtype)
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    step = fs.compose(loss_fn, fs.accumulate(2), fs.mixed_precision(param_dtype, loss_scale=None))
+    ours, theirs = [], []
+    for i in range(0, 12, 2):
+        state, m = step(state, batches[i:i + 2])
+        ours.append(m["loss"])
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for j, b in enumerate(batches[i:i + 2]):
+            ref.set_requires_gradient_sync(j == 1)
+            loss = loss_fn(ref, b)
+            (loss / 2).backward()
+            total += loss.detach().double() / 2
+        opt.step()
+        torch.distributed.all_reduce(total)
+        theirs.append(total.item() / mesh.world_size)
+    full = fs.full_params(state)
+    equal = all(torch.equal(full[n], (p.full_tensor() if isinstance(p, DTensor) else p).detach())
+                for n, p in ref.named_parameters())
+    return ours, theirs, equal
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_accumulated_micro_batches_sum_in_the_reduce_dtype_as_fsdp2(param_dtype):
+    for ours, theirs, equal in run_ranks(_accumulate_against_fsdp2, 2, param_dtype):
+        assert ours == theirs, (ours, theirs)
+        assert equal

@@ -274,12 +274,39 @@ def test_skipped_steps_are_counted_in_the_state():
             warnings.simplefilter("always")
             new, m = step(state, (x, y, i == 1))
         assert [str(w.message) for w in caught if "skipped" in str(w.message)] == (
-            ["fshard: non-finite gradients (inf or NaN); the step was skipped and the state is unchanged but for "
-             "state.skipped (metrics['skipped_total'])."] if i == 1 else [])
+            ["fshard: non-finite gradients (inf or NaN); the step was skipped: no update, and state.skipped "
+             "counted up (metrics['skipped_total'])."] if i == 1 else [])
         if i == 1:
             assert new.params is state.params and new.step is state.step and int(new.skipped) == 1
         state = new
     assert (int(state.step), int(state.skipped), m["skipped_total"], m["skipped"]) == (2, 1, 1, 0)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_skipped_step_keeps_the_buffers_forward_updated(donate):
+    """As torch: a step whose optimizer step is skipped (GradScaler, an overflow) has run forward, which updated
+    BatchNorm's running statistics; the parameters stay, the buffers move on, with and without donate."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.lin(x)).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 4)
+    state = fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(impl="torch"))
+    step = fs.compose(lambda m, b: m(b[0]) * b[1], fs.skip_nonfinite(), donate=donate)
+    params = {n: t.clone() for n, t in fs.full_params(state).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        new, m = step(state, (x, float("inf")))
+    model(x)  # torch: forward ran, so the running statistics moved; the optimizer step was skipped
+    assert m["skipped"] == 1 and int(new.step) == 0
+    assert all(torch.equal(params[n], t) for n, t in fs.full_params(new).items())
+    for name, b in model.named_buffers():
+        assert torch.equal(new.buffers[name], b), name
 
 
 # --- lifetimes: store versions and threads --------------------------------------------------------------------
