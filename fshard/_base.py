@@ -118,6 +118,8 @@ class StepView(Protocol):
       last: whether this is the step's last micro-batch (the one whose backward reduces).
       grads_unchanged: whether the composed grads stage hands the reduced shards to the update unchanged (no
         global clip, no skip), so an update may begin before the grads stage has run.
+      training: False in an eval pass (``step.eval``): forward only, under ``torch.no_grad``; no backward, no
+        reduction, no update. A gather policy then frees what it would keep for backward.
     """
 
     spec: ShardSpec
@@ -128,6 +130,7 @@ class StepView(Protocol):
     phase: str
     last: bool
     grads_unchanged: bool
+    training: bool
 
     def scratch(self, owner: object) -> dict:
         """The per-step scratch space of ``owner`` (a policy): a dict shared by the micro-batches of one step and

@@ -53,8 +53,9 @@ class Schedule:
 class _Walk:
     """One step's progress through the schedule."""
 
-    def __init__(self, schedule: Schedule | None):
-        self.plan = schedule.events if schedule is not None else ()
+    def __init__(self, schedule: Schedule | None, training: bool = True):
+        # an eval pass (forward only) walks the forward half; prefetching backward's units would gather for nothing
+        self.plan = () if schedule is None else schedule.events if training else schedule.forward
         self.on_plan = schedule is not None  # False once an event did not match: blocking from then on
         self.forward: list[str] = []
         self.backward: list[str] = []
@@ -81,7 +82,7 @@ class GatherAhead(GatherPolicy):
     # --- the gather protocol -------------------------------------------------------------------------------------
 
     def start(self, run) -> None:
-        run.scratch(self)["walk"] = _Walk(self.schedule)
+        run.scratch(self)["walk"] = _Walk(self.schedule, run.training)
         self._check_names(run)
 
     def before_forward(self, run, unit) -> None:
@@ -114,17 +115,18 @@ class GatherAhead(GatherPolicy):
             unit.release()
 
     def finish(self, run) -> dict:
-        """After each micro-batch's backward: settle the schedule and report the step's counts so far (the step
-        then releases what is left)."""
+        """After each micro-batch's backward (an eval pass: after its forward): settle the schedule and report the
+        step's counts so far (the step then releases what is left)."""
         scratch = run.scratch(self)
         w = scratch["walk"]
         observed = Schedule(tuple(w.forward), tuple(w.backward))
-        if self.schedule is None:
-            self.schedule = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
-        elif observed != self.schedule:
-            self._changed(run, observed)  # raises with on_change="error"
-            self.schedule = observed
-            scratch["replanned"] = scratch.get("replanned", 0) + 1
+        if run.training:  # an eval pass neither records nor changes the schedule
+            if self.schedule is None:
+                self.schedule = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
+            elif observed != self.schedule:
+                self._changed(run, observed)  # raises with on_change="error"
+                self.schedule = observed
+                scratch["replanned"] = scratch.get("replanned", 0) + 1
         scratch["prefetched"] = scratch.get("prefetched", 0) + w.prefetched
         return {"gather/depth": self.depth, "gather/prefetched": scratch["prefetched"],
                 "gather/replanned": scratch.get("replanned", 0)}
@@ -137,7 +139,7 @@ class GatherAhead(GatherPolicy):
         phase.append(unit.name)
         if w.on_plan and (k >= len(w.plan) or w.plan[k] != unit.name):
             self._stop(run)
-            if self.on_change == "error":
+            if self.on_change == "error" and run.training:  # eval-only control flow may differ: blocking there
                 self._changed(run, None, at=k, got=unit.name)
         if w.on_plan:
             for name in self._window(w, k + 1):
@@ -159,7 +161,7 @@ class GatherAhead(GatherPolicy):
         """Keep a unit gathered instead of freeing it: it is needed again within the window, or it is not to be
         resharded after forward (until its last backward use)."""
         w, name = run.scratch(self)["walk"], unit.name
-        if not self._reshard(name) and (forward or w.done_uses.get(name, 0) < w.uses.get(name, 0)):
+        if run.training and not self._reshard(name) and (forward or w.done_uses.get(name, 0) < w.uses.get(name, 0)):
             return True
         return w.on_plan and name in self._window(w, w.cursor)
 

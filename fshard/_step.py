@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 from ._base import Grads
 from ._collectives import HASH_BITS, Comm, agree
+from ._eval import evaluate, train_mode
 from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, PolicyError,
                       RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
@@ -138,11 +139,12 @@ class Step:
             loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
             t1 = time.perf_counter()
             losses = []
-            for i, mb in enumerate(micro):
-                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
-                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
-                losses.append(mb_loss)
-                accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches so far
+            with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
+                for i, mb in enumerate(micro):
+                    runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
+                    mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
+                    losses.append(mb_loss)
+                    accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
             loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
             t2 = time.perf_counter()
             run = runs[-1]
@@ -176,6 +178,13 @@ class Step:
                 self.policy.update.abort(runs[-1])
             for run in runs:
                 run._close()  # free this step's buffers now, also when it raised
+
+    def eval(self, state: TrainState, batch) -> tuple[float, dict]:
+        """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
+        included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
+        reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
+        over ranks as a step's ``metrics["loss"]`` (fshard/_eval.py)."""
+        return evaluate(self, state, batch)
 
     def _check_state(self, state):
         if self._closed:

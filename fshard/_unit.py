@@ -129,7 +129,7 @@ class UnitRun(UnitView):
     def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor, copy: torch.Tensor | None = None):
         self._run, self.layout, self.name = run, layout, layout.name
         self.trainable = bool(layout.trainable)
-        self.shard = shard.detach().requires_grad_(self.trainable)
+        self.shard = shard.detach().requires_grad_(self.trainable and run.training)  # an eval pass: no graph
         self._copy = copy  # the state's low-precision copy of the shard (TrainState.copies), gathered in its place
         self.alive = False
         self._buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
@@ -180,7 +180,7 @@ class UnitRun(UnitView):
             self._pending.wait()
             self._pending = None
         if self._flat is None:
-            if self.trainable:
+            if self.shard.requires_grad:
                 with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
                     self._flat = _Gather.apply(self.shard, self)
             else:
@@ -234,8 +234,8 @@ class StepRun(StepView):
     """One micro-batch of a step: the ``StepView`` that policies see, the routing target of unit calls, the
     saved-tensor hooks, and the gathered-bytes counter."""
 
-    def __init__(self, state, comm, policy, acc: Accumulator, scratch: dict, last: bool):
-        self.spec, self.state, self.last = state.spec, state, last
+    def __init__(self, state, comm, policy, acc: Accumulator, scratch: dict, last: bool, training: bool = True):
+        self.spec, self.state, self.last, self.training = state.spec, state, last, training
         self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
         self.grads_unchanged = policy.grads_unchanged
         self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
