@@ -40,6 +40,7 @@ from ._optim import AdamW, AdamWState, adamw
 from ._plan import Plan
 from ._skip import skip_nonfinite
 from ._state import Donation, FrozenMap, ShardSpec, TrainState
+from ._state_dict import full_state_dict
 from ._step import Step, compose
 from ._stored import Stored
 from ._timeline import Timeline, timeline
@@ -53,8 +54,8 @@ _LAZY = ("ops", "testing")
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "TrainState", "ShardSpec", "FrozenMap", "Donation", "ParamSlot", "UnitLayout",
-    "adamw", "AdamW", "AdamWState", "Stored",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap", "Donation",
+    "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored",
     # the step and its transforms
     "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
     "clip_by_global_norm", "skip_nonfinite", "offload_state", "mixed_precision", "MixedPrecisionState",

@@ -36,6 +36,14 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
     init_fn / seed: for a model on the meta device, each unit is materialised with ``init_fn(module)`` (or each
     module's ``reset_parameters()``) under a seed derived from ``seed`` (default ``torch.initial_seed()``) and the
     unit's index, so the initial weights do not depend on the world size.
+    The order is Hugging Face's (``PreTrainedModel.initialize_weights``): children before parents, so a parent's
+    ``init_fn`` call overrides what its children's calls wrote (GPT-2's scaled ``c_proj``, T5's projections), and
+    ties after: while ``init_fn`` runs, every name of a tied parameter has its own tensor, and the parameter keeps
+    the value of its tie source (``model.all_tied_weights_keys`` on an HF model, else its first name in
+    ``model.named_parameters()``), as HF ties after initialising. Calls run under ``torch.no_grad()``, once per
+    module of a unit, on a copy whose other units are empty placeholders: ``init_fn(module)`` may write the
+    parameters and buffers of ``module`` and of its submodules in the same unit, not those of other units. For an
+    HF model pass ``init_fn=model._init_weights``.
     """
     device = _check_devices(model, mesh)
     opt = opt.bind(model)  # evaluates the optimizer's per-parameter choices (a weight-decay mask) once
@@ -154,33 +162,74 @@ def _plan(model, unit_mods, owners, aliases, world_size, align_bytes) -> list[Un
 def _materialize(model, unit_mods, aliases, layouts, device, init_fn, seed, buffers: dict):
     """Yield (layout, canonical name -> full value) for each layout as soon as its values exist, materialising one
     unit copy at a time (the other units as placeholders) and filling ``buffers``. A unit's own layout comes right
-    after its copy; the root's comes last, because a parameter tied across units belongs to the root but is
-    materialised in the first unit copy that reaches it (the same copy as always, so the weights do not change)."""
+    after its copy; the root's comes last, because a parameter tied across units belongs to the root but takes its
+    value from the unit copy that holds its tie source. In a copy, each name of a tied parameter is its own tensor
+    while the modules are initialised (children first), so the tie is made after init, as HF makes it."""
     to_canon = {a: c for c, names in aliases.items() for a in names}
+    source = _tie_sources(model, aliases)
     by_module = {u.module: u for u in layouts}
     root = by_module.get("")
     root_names = {s.name for s in root.slots} if root is not None else set()
-    held = {}  # the root's values, until the root's turn
+    held = {}  # the root's values, until the root's turn: canonical name -> (not the source, value)
     for i, (path, mod) in enumerate(unit_mods):
-        memo = {id(m): nn.Module() for j, (_, m) in enumerate(unit_mods) if j != i}
-        part = copy.deepcopy(mod, memo)
+        placeholders = {id(m): nn.Module() for j, (_, m) in enumerate(unit_mods) if j != i}
+        skip = {id(p) for p in placeholders.values()}
+        part = copy.deepcopy(mod, dict(placeholders))
+        _untie(part, path, to_canon, source)
         part.to_empty(device=device)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed((seed * 1_000_003 + i) % (1 << 63))
-            for sub_path, sub in part.named_modules():
-                _init_module(sub, f"{path}.{sub_path}".strip("."), init_fn)
+            for sub_path, sub in _children_first(part):
+                if id(sub) not in skip:
+                    _init_module(sub, f"{path}.{sub_path}".strip("."), init_fn, skip)
         mine = {}
         for n, p in part.named_parameters(prefix=path, remove_duplicate=False):
             c = to_canon[n]
-            (held if c in root_names else mine).setdefault(c, p.detach())
+            got = held if c in root_names else mine
+            if c not in got or (got[c][0] and n == source[c]):  # the source's value, else the first name's
+                got[c] = (n != source[c], p.detach())
         buffers.update((n, b.detach()) for n, b in part.named_buffers(prefix=path))
         del part
         if i > 0 and path in by_module:
-            yield by_module[path], mine
+            yield by_module[path], {c: v for c, (_, v) in mine.items()}
         del mine
         _trim_heap()  # the copy is gone: give its pages back before the next one
     if root is not None:
-        yield root, held
+        yield root, {c: v for c, (_, v) in held.items()}
+
+
+def _tie_sources(model, aliases) -> dict[str, str]:
+    """Canonical name -> the name whose initial value a tied parameter keeps: the source of an HF tie
+    (``all_tied_weights_keys``: target -> source), else the first name, as ``named_parameters()`` lists them."""
+    source = {c: c for c in aliases}
+    to_canon = {a: c for c, names in aliases.items() for a in names}
+    hf = getattr(model, "all_tied_weights_keys", None)
+    for target, src in (hf.items() if isinstance(hf, dict) else ()):
+        if to_canon.get(target) is not None and to_canon.get(target) == to_canon.get(src):
+            source[to_canon[src]] = src
+    return source
+
+
+def _untie(part: nn.Module, path: str, to_canon: dict, source: dict) -> None:
+    """Give every name of a tied parameter but its source a tensor of its own in the (still meta) copy ``part``.
+    (``to_empty`` happens to untie them too, but not under ``torch.__future__``'s swap of module params.)"""
+    for n, p in list(part.named_parameters(prefix=path, remove_duplicate=False)):
+        if n == source[to_canon[n]]:
+            continue
+        mod_path, _, attr = n[len(path):].lstrip(".").rpartition(".")
+        owner = part.get_submodule(mod_path)
+        owner._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+
+def _children_first(module: nn.Module, prefix: str = "", seen: set | None = None):
+    """(path, module) of ``module``'s tree, each module after its children, as HF's ``smart_apply`` visits them;
+    a module reached at two paths comes once, at the first."""
+    seen = set() if seen is None else seen
+    seen.add(id(module))
+    for name, child in module.named_children():
+        if id(child) not in seen:
+            yield from _children_first(child, f"{prefix}.{name}" if prefix else name, seen)
+    yield prefix, module
 
 
 @functools.cache
@@ -200,9 +249,18 @@ def _trim_heap() -> None:
         trim(0)
 
 
-def _init_module(m: nn.Module, path: str, init_fn) -> None:
+def _init_module(m: nn.Module, path: str, init_fn, placeholders: set) -> None:
     if init_fn is not None:
-        init_fn(m)
+        try:
+            init_fn(m)
+        except AttributeError as e:
+            if not any(id(x) in placeholders for x in m.modules()):
+                raise
+            raise InitError(f"fs.init: init_fn({path or ROOT!r}) failed ({e}) on a copy of the unit in which the "
+                            "other units are empty placeholders: init_fn(module) may only write module's own "
+                            "tensors and those of its submodules in the same unit. Initialise each unit's tensors "
+                            "in the call for a module inside that unit, or pass units=[...] so that the module and "
+                            "what it initialises fall in one unit.") from e
         return
     own = list(m._parameters.values()) + list(m._buffers.values())
     if not any(t is not None for t in own):

@@ -7,6 +7,7 @@ PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_VERSION=2.13.0
 MATPLOTLIB_VERSION=3.11.2  # draws fs.timeline's PNG (imported only there); needs no torch
+TRANSFORMERS_VERSION=5.23.0  # test dependency (tests/test_hf_*.py); torch is an optional extra, so 2.13.0 stays
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV"
@@ -35,6 +36,12 @@ fi
 if ! "$VPY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLOTLIB_VERSION')" 2>/dev/null; then
   echo "[bootstrap] installing matplotlib==$MATPLOTLIB_VERSION"
   pip_install "matplotlib==$MATPLOTLIB_VERSION"
+fi
+
+# Without the [torch] extra: it would ask for accelerate, and torch is already pinned above.
+if ! "$VPY" -c "import transformers as t, sys; sys.exit(t.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
+  echo "[bootstrap] installing transformers==$TRANSFORMERS_VERSION"
+  pip_install "transformers==$TRANSFORMERS_VERSION"
 fi
 
 have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

@@ -126,3 +126,37 @@ def oracle_step(model: nn.Module, opt, loss_fn, batch, world_size: int, scaler=N
     if world_size > 1:
         dist.all_reduce(mean)
     return mean.item() / world_size
+
+
+HF_MODELS = ("gpt2", "llama", "bert", "t5")  # tests/test_hf_*.py
+HF_VOCAB = 128
+
+
+def hf_model(name: str):
+    """A tiny Hugging Face transformers model from a config (random weights, nothing from the Hub), built on the
+    current default device (``with torch.device("meta"): hf_model(...)`` builds it on meta) and initialised by HF
+    there: 2 layers, hidden 32, vocab 128, dropout off (a step is then deterministic), the LM head tied."""
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers is first imported
+    import transformers as T
+    T.logging.set_verbosity_error()
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "gpt2":
+        cfg = T.GPT2Config(vocab_size=HF_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, **ids)
+        return T.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = T.LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                            tie_word_embeddings=True, **ids)
+        return T.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = T.BertConfig(vocab_size=HF_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, pad_token_id=0)
+        return T.BertForMaskedLM(cfg)
+    if name == "t5":
+        cfg = T.T5Config(vocab_size=HF_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                         dropout_rate=0.0, decoder_start_token_id=0, **ids)
+        return T.T5ForConditionalGeneration(cfg)
+    raise ValueError(f"hf_model: unknown model {name!r}; one of {HF_MODELS}")

@@ -1,0 +1,75 @@
+"""fs.full_state_dict: the trained state as ``model.state_dict()`` of the original model, for a hand-off to torch,
+Hugging Face ``generate`` or ``save_pretrained``.
+
+Hand-off to a fresh model (its constructor makes the ties and the non-persistent buffers)::
+
+    sd = fs.full_state_dict(state)           # a collective: every rank calls it
+    model.load_state_dict(sd)                # strict; copies into the existing (tied) parameters
+
+A model built on the meta device has no storage: ``model.to_empty(device="cpu")`` gives every name of a tied
+parameter its own tensor (it unties an HF ``lm_head``), so tie again after loading, and copy the non-persistent
+buffers, which no state_dict carries, from ``state.buffers``::
+
+    model.to_empty(device="cpu"); model.load_state_dict(sd); model.tie_weights()
+    for n, b in state.buffers.items(): model.get_buffer(n).copy_(b)  # Llama's rotary inv_freq
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ._collectives import Comm
+from ._errors import ArgumentError
+from ._layout import views
+from ._state import TrainState
+
+
+def full_state_dict(state: TrainState) -> dict[str, Any]:
+    """Collective: ``model.state_dict()`` of the model that ``state`` was made from, at full size, with the trained
+    values. The keys and their order are exactly the model's: every name of a tied parameter (the same tensor
+    under each, as in ``model.state_dict()``, so ``lm_head.weight`` is ``transformer.wte.weight``), persistent
+    buffers from ``state.buffers``, non-persistent buffers left out, as ``state_dict`` leaves them out (they stay
+    in ``state.buffers``). So ``model.load_state_dict(fs.full_state_dict(state))`` loads with ``strict=True``,
+    tied HF models included. Every parameter is a tensor of its own (safetensors can save the dict), on the mesh's
+    device, in its master dtype; buffers are copies, so the dict shares no tensor with ``state``."""
+    if not isinstance(state, TrainState):
+        raise ArgumentError(f"fs.full_state_dict(state): state must be the fs.TrainState that fs.init or a step "
+                            f"returned, not {type(state).__name__}.")
+    state.check_usable()
+    spec = state.spec
+    spec.mesh.check_alive()
+    template = spec.template
+    param_of = {id(p): n for n, p in template.named_parameters()}  # first (canonical) names, as in the layouts
+    buffer_of = {id(b): n for n, b in template.named_buffers()}
+    entries = template.state_dict(keep_vars=True)
+    for key, t in entries.items():  # checked on every rank before any collective
+        if isinstance(t, torch.Tensor) and id(t) not in param_of and id(t) not in buffer_of:
+            raise ArgumentError(f"fs.full_state_dict: the model's state_dict entry {key!r} is neither a parameter "
+                                "nor a buffer of the model (a state_dict hook or _save_to_state_dict made it), so "
+                                "fshard has no value for it. Build the dict from fs.full_params(state) and "
+                                "state.buffers instead.")
+    params = _gather(state)
+    buffers = {n: b.detach().clone() for n, b in state.buffers.items()}
+    out = {}
+    for key, t in entries.items():
+        if not isinstance(t, torch.Tensor):
+            out[key] = copy.deepcopy(t)  # a module's get_extra_state(), as the template holds it
+        elif id(t) in param_of:
+            out[key] = params[param_of[id(t)]]
+        else:
+            out[key] = buffers[buffer_of[id(t)]]
+    return out
+
+
+def _gather(state: TrainState) -> dict[str, torch.Tensor]:
+    """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time."""
+    spec = state.spec
+    comm, out = Comm(spec.mesh), {}
+    for u in spec.units:
+        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
+        comm.all_gather(flat, state.params[u.name], u.name)
+        out.update((n, v.clone()) for n, v in views(flat, u).items())
+        del flat
+    return out
