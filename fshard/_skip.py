@@ -5,8 +5,8 @@ check would let ranks disagree. The decision uses the global sum of squares (``G
 all-reduce, shared with clip_by_global_norm when both are composed), which is the same number on every rank and is
 non-finite exactly when some gradient element is. A skipped step returns its input state with
 ``state.skipped`` counted up (training state: it is checkpointed with the rest) and the buffers forward updated
-(as torch keeps BatchNorm's running statistics of a step whose optimizer step is skipped), sets ``metrics["skipped"]``, and
-warns.
+(as torch keeps BatchNorm's running statistics of a step whose optimizer step is skipped), sets
+``metrics["skipped"]``, and warns.
 """
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ class TrainState:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes this rank holds in memory, by part (``copies``: the low-precision parameter copies; gradient shards
-        exist only inside a step, and are counted too), and ``stored``: the bytes of leaves that live in a store (fs.offload_state)."""
+        exist only inside a step, and are counted too), and ``stored``: the bytes of leaves that live in a store
+        (fs.offload_state)."""
         leaves = lambda t: optree.tree_leaves(t, namespace=NAMESPACE)  # noqa: E731
         grads = sum(self.params[u.name].nbytes for u in self.spec.units if u.trainable)  # one reduced shard each
         opt = leaves(self.opt_state)
