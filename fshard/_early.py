@@ -1,14 +1,30 @@
-"""offload_state's updates begun during backward (``overlap_backward``), run in its worker thread."""
+"""offload_state's updates begun during backward (``overlap_backward``), run in its worker thread, and
+``Streamed``, one unit's work item of the streamed update."""
 from __future__ import annotations
 
 import time
 from concurrent.futures import wait
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Streamed(NamedTuple):
+    """One unit's update through the store: its parameter shard (written), gradient shard, the optimizer's runs,
+    its stored optimizer state, the key the new moments are written under, and its low-precision copy (or None)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    segs: list
+    state: Any
+    key: str
+    copy: torch.Tensor | None
 
 
 class _Early:
     """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
-    parameter and copy), so the input state stays intact until the update takes the result, and nothing is lost if the
-    step fails first (``abandon``)."""
+    parameter and copy), so the input state stays intact until the update takes the result, and nothing is lost if
+    the step fails first (``abandon``)."""
 
     def __init__(self, owner, opt, name, param, copy, grad, s, segs, count, key, record):
         self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
@@ -23,8 +39,8 @@ class _Early:
         t0 = self.started = time.perf_counter()
         p, c = self.param.clone(), None if self.copy is None else self.copy.clone()
         try:
-            owner._stream(self.opt, [(p, self.grad, segs, self.s, self.key, c)], 1.0, self.created, self.metrics,
-                          donate=False, record=self.record)
+            owner._stream(self.opt, [Streamed(p, self.grad, segs, self.s, self.key, c)], 1.0, self.created,
+                          self.metrics, donate=False, record=self.record)
         finally:
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)

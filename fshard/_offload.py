@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ._base import UpdatePolicy
-from ._early import _Early, _quiet_delete, _settle
+from ._early import Streamed, _Early, _quiet_delete, _settle
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
@@ -199,7 +199,7 @@ class OffloadUpdate(UpdatePolicy):
                 c = state.copies.get(u.name)
                 c = c if donate or c is None else c.clone()
                 key = s.exp_avg.key if donate else self._key(u.name)
-                streamed.append((p, grads.shards[u.name], segs, s, key, c))
+                streamed.append(Streamed(p, grads.shards[u.name], segs, s, key, c))
                 params[u.name] = p
                 if c is not None:
                     copies[u.name] = c
@@ -234,8 +234,8 @@ class OffloadUpdate(UpdatePolicy):
     # --- the pipeline --------------------------------------------------------------------------------------------
 
     def _stream(self, opt, work, scale, created, m, donate, record) -> None:
-        keys = [k for _, _, _, s, _, _ in work for k in s.exp_avg.items.item_keys()]
-        where = [(i, c) for i, (_, _, _, s, _, _) in enumerate(work) for c in range(len(s.exp_avg.items.chunks))]
+        keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
+        where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
         t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
         stream = self.store.stream(keys, depth=self.depth, writeback=True)
         try:
@@ -245,7 +245,7 @@ class OffloadUpdate(UpdatePolicy):
                 spans.setdefault(i, [t0, t0])
                 item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
                 t_wait += time.perf_counter() - t0
-                p, g, segs, s, key, copy = work[i]
+                p, g, segs, s, key, copy = work[i]  # a Streamed
                 lo, hi = s.exp_avg.items.chunks[c]
                 mv = item.tensor
                 m["io/read_bytes"] += mv.numel() * mv.element_size()
@@ -266,7 +266,7 @@ class OffloadUpdate(UpdatePolicy):
             t1 = time.perf_counter()
             t_wait += t1 - t0
             for i, (a, b) in spans.items():
-                record("store", f"stream {work[i][4].rsplit('@', 1)[0]}", a, b)
+                record("store", f"stream {work[i].key.rsplit('@', 1)[0]}", a, b)
             record("store", "write-back", t0, t1)
         m["time/io_wait"] += t_wait
 
