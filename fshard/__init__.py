@@ -27,7 +27,7 @@ from ._bucket_reduce import bucket_reduce
 from ._clip import clip_by_global_norm
 from ._errors import (ArgumentError, ArgumentTypeError, BatchMismatchError, DonatedStateError, FrozenStateError,
                       FshardError, InitError, LossError, MeshMismatchError, PolicyError, RankDivergenceError,
-                      ScheduleError, StepClosedError, TemplateCallError, TransformConflictError,
+                      RecomputeError, ScheduleError, StepClosedError, TemplateCallError, TransformConflictError,
                       UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
@@ -70,7 +70,7 @@ __all__ = [
     # errors: every one an FshardError
     "FshardError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "DonatedStateError",
     "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError", "PolicyError",
-    "RankDivergenceError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
+    "RankDivergenceError", "RecomputeError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
     "TransformConflictError", "UnboundParameterError",
 ]
 

@@ -9,6 +9,8 @@ while the step runs (DDP and FSDP keep the same under ``no_sync``).
 """
 from __future__ import annotations
 
+import torch
+
 from ._base import BatchesPolicy
 from ._errors import ArgumentError, ArgumentTypeError
 from ._transforms import Transform
@@ -44,3 +46,31 @@ class accumulate(Transform):
 
     def __repr__(self) -> str:
         return f"fs.accumulate({self.k})"
+
+
+class Accumulator:
+    """One step's gradients summed over its micro-batches before their one reduction, and which parameters got
+    a gradient in any of them. With one micro-batch it stays empty."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.grads: dict[str, torch.Tensor] = {}
+        self.got: dict[str, list[bool]] = {}
+
+    def add(self, name: str, grad: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add a micro-batch's gradient, summing in ``dtype`` (the reduce policy's ``reduce_dtype``; None: the
+        gradient's own)."""
+        acc = self.grads.get(name)
+        if acc is None:  # autograd hands over the first one: kept, or cast once to the dtype of the sum
+            self.grads[name] = grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
+        else:
+            acc.add_(grad)  # a low-precision grad is upcast into the sum (FSDP2's accumulated grad += grad)
+
+    def got_so_far(self, name: str, got: list[bool]) -> list[bool]:
+        """Which parameters got a gradient in the earlier micro-batches or in this one (``got``)."""
+        prev = self.got.get(name)
+        return list(got) if prev is None else [a or b for a, b in zip(prev, got)]
+
+    def take(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        acc = self.grads.pop(name, None)
+        return grad if acc is None else acc.add_(grad)

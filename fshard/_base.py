@@ -248,7 +248,8 @@ class GatherPolicy(Protocol):
         unit.release()
 
     def before_backward(self, step: StepView, unit: UnitView) -> None:
-        """Whenever autograd reads a saved tensor of the unit. Must leave the unit acquired."""
+        """Whenever backward is about to use the unit: a gradient reached an output of one of its calls, autograd
+        reads a saved tensor of it, or an activation checkpoint recomputes its call. Must leave it acquired."""
         unit.acquire()
 
     def after_backward(self, step: StepView, unit: UnitView) -> None:

@@ -20,9 +20,10 @@ import time
 import torch
 import torch.nn as nn
 
+from ._accumulate import Accumulator
 from ._collectives import Comm, agree
 from ._errors import RankDivergenceError
-from ._unit import Accumulator, StepRun
+from ._unit import StepRun
 
 
 @contextlib.contextmanager

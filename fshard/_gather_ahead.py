@@ -87,8 +87,6 @@ class GatherAhead(GatherPolicy):
 
     def before_forward(self, run, unit) -> None:
         w = run.scratch(self)["walk"]
-        if run.phase == "backward":  # forward code called from backward (activation checkpointing): not in the plan
-            return unit.acquire()
         w.uses[unit.name] = w.uses.get(unit.name, 0) + 1
         self._event(run, w.forward, unit)
 

@@ -25,11 +25,12 @@ from types import SimpleNamespace
 import optree
 import torch
 
+from ._accumulate import Accumulator
 from ._base import Grads, UpdatePolicy
 from ._collectives import Comm, CollectivesView, agree
 from ._init import ROOT
 from ._state import NAMESPACE
-from ._unit import Accumulator, StepRun
+from ._unit import StepRun
 
 # (metric, what it is): the rows of print(plan), in order
 MEMORY = (

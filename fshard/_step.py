@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from ._accumulate import Accumulator
 from ._base import Grads
 from ._collectives import HASH_BITS, Comm, agree
 from ._eval import evaluate, train_mode
@@ -26,9 +27,10 @@ from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMism
                       RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
+from ._recompute import with_buffers
 from ._state import TrainState
 from ._transforms import fold
-from ._unit import Accumulator, StepRun
+from ._unit import StepRun
 
 
 class _Caller(nn.Module):
@@ -216,7 +218,7 @@ class Step:
                 out = loss if k == 1 else loss / k
                 if loss_scale != 1.0:  # as torch.amp.GradScaler.scale: times a 1-element fp32 tensor
                     out = out * torch.full((1,), loss_scale, dtype=torch.float32, device=loss.device)
-                torch.autograd.grad(out, leaves, allow_unused=True)
+                _backward(run, buffers, out)
             run._end_backward()
             gather_metrics = self.policy.gather.finish(run)
         if run._comm.spans is not None:
@@ -299,6 +301,22 @@ def _measured(comm, runs, state, new, accum: int, skipped: bool) -> dict:
          "mem/new_state_bytes": 0 if skipped else new_state_bytes(state, new), **state_figures(state)}
     f["mem/peak_bytes"] = peak_bytes({"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs), **f})
     return f
+
+
+def _backward(run: StepRun, buffers, out) -> None:
+    """Backward, with the step's buffers bound: an activation checkpoint's recompute may read them. ``backward``
+    rather than ``grad(out, leaves)``, which a reentrant checkpoint refuses: the leaves (shards) get no ``.grad``,
+    since gradients end at ``_Gather.backward``, in the units."""
+    try:
+        with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise UnboundParameterError(
+            "backward read a parameter whose unit was not gathered: an activation checkpoint recomputed code that "
+            "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
+            "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
+            f"one (fs.init(..., units=[...])). ({e})") from e
 
 
 def _check_loss(loss) -> None:

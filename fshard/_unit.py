@@ -6,7 +6,8 @@ The step gathers the unit's flat buffer, binds views of it with ``torch.func.fun
 frees the buffer's storage (``resize_(0)``, as FSDP does). Autograd still needs the parameters in backward: a
 saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
 handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
-which hands it to the reduce policy and frees the buffer again.
+which hands it to the reduce policy and frees the buffer again. Activation checkpointing (a recompute in backward)
+is covered by fshard/_recompute.py's hooks.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from torch.func import functional_call
 
 from ._base import StepView, UnitView
 from ._collectives import CollectivesView
-from ._errors import PolicyError, TemplateCallError
+from ._errors import RecomputeError, PolicyError, TemplateCallError
 from ._layout import UnitLayout, views
+from ._recompute import attach, detach, produced
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
 
@@ -81,36 +83,15 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         unit, ctx.unit = ctx.unit, None  # the node must not keep the step's runtime alive
+        if unit is None:  # run twice: two separate backward passes reached the node
+            raise RecomputeError(
+                "a unit got its gradient in two pieces in one micro-batch: a reentrant activation checkpoint "
+                "(torch.utils.checkpoint(..., use_reentrant=True)) differentiates its region in a backward pass of "
+                "its own, and a unit is used inside two such regions (or inside one and outside it). Use "
+                "use_reentrant=False (transformers' default for gradient_checkpointing_enable()), or make each "
+                "checkpointed region use its own units.")
         unit._run._grad_arrived(unit, grad)
         return None, None
-
-
-class Accumulator:
-    """One step's gradients summed over its micro-batches before their one reduction, and which parameters got
-    a gradient in any of them. With one micro-batch it stays empty."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.grads: dict[str, torch.Tensor] = {}
-        self.got: dict[str, list[bool]] = {}
-
-    def add(self, name: str, grad: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Add a micro-batch's gradient, summing in ``dtype`` (the reduce policy's ``reduce_dtype``; None: the
-        gradient's own)."""
-        acc = self.grads.get(name)
-        if acc is None:  # autograd hands over the first one: kept, or cast once to the dtype of the sum
-            self.grads[name] = grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
-        else:
-            acc.add_(grad)  # a low-precision grad is upcast into the sum (FSDP2's accumulated grad += grad)
-
-    def got_so_far(self, name: str, got: list[bool]) -> list[bool]:
-        """Which parameters got a gradient in the earlier micro-batches or in this one (``got``)."""
-        prev = self.got.get(name)
-        return list(got) if prev is None else [a or b for a, b in zip(prev, got)]
-
-    def take(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        acc = self.grads.pop(name, None)
-        return grad if acc is None else acc.add_(grad)
 
 
 class _Saved:
@@ -137,6 +118,7 @@ class UnitRun(UnitView):
         self._pending = None  # the Flight of a gather into ``_buf`` that nobody has waited on yet
         self._grad: torch.Tensor | None = None
         self._got = [False] * len(layout.trainable)
+        self._attached: list | None = None  # in backward, the module's parameters set to views of the buffer
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -185,8 +167,16 @@ class UnitRun(UnitView):
                     self._flat = _Gather.apply(self.shard, self)
             else:
                 self._flat = self._buf
+        if self._attached is None and self._run.phase == "backward":  # a recompute may read the module's tensors
+            with torch.enable_grad():  # requires_grad as in forward, so a recompute saves the same tensors
+                # a use of its own: a reentrant checkpoint differentiates its recompute, through these views
+                bound = self._bind([s.aliases for s in self.layout.slots])
+            self._attached = attach(self._run.spec.template, bound)
 
     def release(self) -> None:
+        if self._attached is not None:
+            detach(self._attached)
+            self._attached = None
         if self.alive:
             if self._pending is not None:  # a gather still writing into this buffer must finish first
                 self._pending.wait()
@@ -206,18 +196,22 @@ class UnitRun(UnitView):
             # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
             # gathered while the units between its two uses run backward.
             use.register_hook(self._use_done)
-        trainable = views(use, self.layout)
-        frozen = views(self._flat.detach(), self.layout) if len(self.layout.trainable) < len(self.layout.slots) else {}
-        out, k = {}, 0
+        bound, out, k = self._views(use), {}, 0
         for s, slot_names in zip(self.layout.slots, names):
+            v = bound[s.name]
             if s.requires_grad:
-                v = trainable[s.name]
                 if v.requires_grad:
                     v.register_hook(self._marker(k))
                 k += 1
-            else:
-                v = frozen[s.name]
             out.update({n: v for n in slot_names})
+        return out
+
+    def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""
+        out = views(use, self.layout)
+        if len(self.layout.trainable) < len(self.layout.slots):
+            frozen = views(self._flat.detach(), self.layout)
+            out.update({s.name: frozen[s.name] for s in self.layout.slots if not s.requires_grad})
         return out
 
     def _use_done(self, _grad):
@@ -234,7 +228,7 @@ class StepRun(StepView):
     """One micro-batch of a step: the ``StepView`` that policies see, the routing target of unit calls, the
     saved-tensor hooks, and the gathered-bytes counter."""
 
-    def __init__(self, state, comm, policy, acc: Accumulator, scratch: dict, last: bool, training: bool = True):
+    def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True):
         self.spec, self.state, self.last, self.training = state.spec, state, last, training
         self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
         self.grads_unchanged = policy.grads_unchanged
@@ -295,13 +289,34 @@ class StepRun(StepView):
 
     def _call_unit(self, route: _UnitForward, args, kwargs):
         unit, gather = self.units[route.name], self._policy.gather
-        self.order.append(route.name)
-        gather.before_forward(self, unit)
+        recompute = self.phase == "backward"  # activation checkpointing runs the call again in backward
+        if recompute:  # the unit's backward use begins; it stays gathered until that use's gradient is complete
+            self._begin_backward(unit)
+        else:
+            self.order.append(route.name)
+            gather.before_forward(self, unit)
         if self._param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
             args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
         out = functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
-        gather.after_forward(self, unit)
+        if not recompute:
+            if torch.is_grad_enabled():  # backward enters the unit where its outputs' gradients are complete
+                for t in produced(out, args, kwargs):
+                    t.register_hook(self._pre_backward(unit))
+            gather.after_forward(self, unit)
         return out
+
+    def _pre_backward(self, unit: UnitRun):
+        def hook(_grad):
+            self._begin_backward(unit)
+        return hook
+
+    def _begin_backward(self, unit: UnitRun) -> None:
+        """Backward is about to use the unit: a gradient reached one of its outputs, autograd reads one of its
+        saved tensors, or a checkpoint recomputes its call."""
+        if unit.name not in self._reading:
+            self._reading.add(unit.name)
+            self._backward_order.append(unit.name)
+        self._policy.gather.before_backward(self, unit)
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self._param_dtype:
@@ -326,10 +341,7 @@ class StepRun(StepView):
 
     def _unpack(self, x):
         if isinstance(x, _Saved):
-            if x.unit.name not in self._reading:
-                self._reading.add(x.unit.name)
-                self._backward_order.append(x.unit.name)
-            self._policy.gather.before_backward(self, x.unit)
+            self._begin_backward(x.unit)
             return x.tensor
         return x
 

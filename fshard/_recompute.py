@@ -1,0 +1,79 @@
+"""Activation checkpointing: what a recompute in backward needs from the step.
+
+``torch.utils.checkpoint`` (and transformers' ``gradient_checkpointing_enable()``, which checkpoints each layer's
+class ``forward`` from inside the layer's call) runs part of forward a second time during backward. By then the
+unit's ``functional_call`` binding has ended and its gathered buffer is freed, so the recompute would read meta
+tensors or freed storage. Three mechanisms cover every place a checkpoint can sit:
+
+- **Pre-backward hooks.** Each tensor a unit call returns (that requires grad and is not one of its inputs passed
+  through) gets a hook that fires when its gradient is complete, i.e. just before backward enters the unit: the
+  unit's backward use begins there (``GatherPolicy.before_backward``), so the unit is gathered before a recompute
+  inside it runs, as FSDP2's pre-backward hooks on module outputs do.
+- **Attached parameters.** While a unit is gathered in backward, its module's parameters (every alias) are views
+  of the gathered buffer, so a recompute that reads ``self.weight`` directly (a checkpoint inside the unit) sees
+  the data; they are meta again when the unit is freed. Forward keeps the per-call ``functional_call`` binding,
+  so code that reaches into a unit outside its call still fails with ``UnboundParameterError``.
+- **Bound buffers.** The step's buffers stay bound to the template for the whole backward call, as they are for
+  the forward call, so a recompute reads (and, like plain torch, updates) the step's buffers.
+
+A recompute that calls a unit module (a checkpoint around the unit, or the reentrant variant, whose recompute
+graph is the one differentiated) goes through the step like any call: it begins the unit's backward use and keeps
+the unit gathered until that use's gradient is complete (fshard/_unit.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+
+def attach(template: nn.Module, names: dict[str, torch.Tensor]) -> list:
+    """Set each parameter ``name`` (a template path) of the template to its tensor; returns what to restore."""
+    undo = []
+    for name, t in names.items():
+        path, _, attr = name.rpartition(".")
+        module = template.get_submodule(path)
+        undo.append((module, attr, module._parameters[attr]))
+        module._parameters[attr] = t  # as functional_call's swap: a plain tensor in the parameter's place
+    return undo
+
+
+def detach(undo: list) -> None:
+    for module, attr, old in reversed(undo):
+        module._parameters[attr] = old
+
+
+def produced(out, args, kwargs) -> list[torch.Tensor]:
+    """The tensors of a call's output that require grad and are not its inputs returned as they came (T5's layers
+    pass ``position_bias`` on: its gradient completes only after every later layer, long after this one's)."""
+    inputs = {id(t) for t in _tensors((args, kwargs))}
+    return [t for t in _tensors(out) if t.requires_grad and id(t) not in inputs]
+
+
+def _tensors(x):
+    """The tensors in nested tuples, lists and dicts (transformers' ``ModelOutput`` is a dict)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
+class _Thunk(nn.Module):
+    def __init__(self, template: nn.Module):
+        super().__init__()
+        self.m = template
+
+    def forward(self, fn):
+        return fn()
+
+
+def with_buffers(template: nn.Module, buffers: dict[str, torch.Tensor], fn):
+    """``fn()`` with the step's buffers bound to the template (a recompute in backward reads them)."""
+    if not buffers:
+        return fn()
+    return functional_call(_Thunk(template), {"m." + k: v for k, v in buffers.items()}, (fn,))
+
