@@ -22,11 +22,12 @@ import time
 import zlib
 from collections import defaultdict
 
+import optree
 import torch
 import torch.distributed as dist
 
 from ._base import Collectives
-from ._errors import ArgumentError
+from ._errors import ArgumentError, BatchMismatchError, RankDivergenceError
 from ._mesh import Mesh
 
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see agree())
@@ -86,8 +87,10 @@ class Flight:
 
 
 class Comm:
-    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False, dry: bool = False):
+    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False, dry: bool = False,
+                 verify: bool = False):
         self.mesh = mesh
+        self.verify = verify  # compare each collective across ranks before issuing it (``_check``)
         self.dry = dry  # step.plan: every collective is recorded and counted as usual, but moves nothing
         self.trace: list[tuple] | None = [] if trace else None
         # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
@@ -121,10 +124,31 @@ class Comm:
 
     def _note(self, kind: str, tag: str, t: torch.Tensor) -> None:
         entry = (kind, tag, str(t.dtype).removeprefix("torch."), t.numel())
+        self._check(entry)
         self._hash = zlib.crc32(repr(entry).encode(), self._hash)
         self.bytes[kind] += t.nbytes
         if self.trace is not None:
             self.trace.append(entry)
+
+    def _check(self, entry: tuple) -> None:
+        """With ``verify``: before a collective, one all-reduce of two numbers (the same size on every rank, so it
+        cannot mismatch) tells whether every rank is about to issue the same one. Ranks whose next collectives
+        differ in size would otherwise meet in mismatched collectives, which gloo answers by aborting the process.
+        Every rank raises at the same pair, so none is left waiting."""
+        if not self.verify or self.mesh.group is None or self.dry:
+            return
+        h = float(zlib.crc32(repr(entry).encode()) & ((1 << HASH_BITS) - 1))
+        buf = torch.tensor([h, h * h], dtype=torch.float64, device=self.mesh.device)
+        dist.all_reduce(buf, group=self.mesh.group)
+        self.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
+        if not all_equal(self.mesh.world_size, [buf[0].item()], [buf[1].item()])[0]:
+            kind, tag, _, numel = entry
+            raise RankDivergenceError(
+                f"ranks were about to issue different collectives: this rank a {kind} of {tag!r} ({numel} elements), "
+                "another rank something else. Nothing was updated. Every rank must gather and reduce the same "
+                "units in the same order; if a module calls some of its children depending on the data (the "
+                "experts of a mixture of experts), declare it with fs.init(..., routed=[module path]), and each "
+                "child becomes a unit that every rank gathers and reduces at each call of that module.")
 
     # --- gathers -------------------------------------------------------------------------------------------------
 
@@ -230,8 +254,10 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""
+        entry = ("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel())
+        self._check(entry)
         if self.trace is not None:
-            self.trace.append(("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel()))
+            self.trace.append(entry)
         t0 = time.perf_counter()
         if self.mesh.group is not None:
             self.bytes["control"] += t.nbytes
@@ -282,3 +308,32 @@ def agree(comm: Comm, values: list[float], hashes: list[int]) -> tuple[list[floa
     k, m = len(values), len(hashes)
     sums, sq = buf[k:k + m].tolist(), buf[k + m:].tolist()
     return buf[:k].tolist(), all_equal(n, sums, sq)
+
+
+def batch_hash(batch) -> int:
+    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+    desc = [str(spec)] + [f"{l.dtype}/{l.dim()}" if isinstance(l, torch.Tensor) else type(l).__name__ for l in leaves]
+    return zlib.crc32(repr(desc).encode()) & ((1 << HASH_BITS) - 1)
+
+
+def check_ranks(comm: Comm, state: TrainState, batch) -> None:
+    """Before any gather: do all ranks run the same step of the same model on batches of the same structure?
+    A mismatch here would otherwise surface as a hang or as silently mixed shards."""
+    if comm.mesh.world_size == 1:
+        return
+    step = int(state.step) % (1 << HASH_BITS)
+    _, (same_batch, same_step, same_model) = agree(comm, [], [batch_hash(batch), step, state.spec.fingerprint])
+    if not same_batch:
+        leaves = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+                  for x in optree.tree_leaves(batch, none_is_leaf=True)]
+        raise BatchMismatchError(
+            "ranks passed batches of different structure to the same step (this rank's: "
+            f"{optree.tree_structure(batch, none_is_leaf=True)}, leaves {leaves}). "
+            "Every rank must pass the same kind of batch (same containers, keys and tensor dtypes and ranks); "
+            "only sizes may differ. Check the data loader of each rank.")
+    if not same_model:
+        raise RankDivergenceError("ranks hold states of different models or layouts; call fs.init with the same "
+                                  "model, units and world size on every rank.")
+    if not same_step:
+        raise RankDivergenceError("ranks are at different steps of training; every rank must call step(state, "
+                                  "batch) with the state returned by its previous step.")

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ._accumulate import Accumulator
-from ._collectives import Comm, agree
+from ._collectives import Comm, agree, check_ranks
 from ._errors import RankDivergenceError
 from ._unit import StepRun
 
@@ -40,12 +40,12 @@ def train_mode(module: nn.Module, training: bool):
 
 def evaluate(step, state, batch) -> tuple[float, dict]:
     """The body of ``Step.eval`` (see the module docstring)."""
-    from ._step import _check_ranks  # the same rank check as a training step's (same model, step, batch)
     t0 = time.perf_counter()
     spec = step._check_state(state)
     state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
-    comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline)
-    _check_ranks(comm, state, batch)
+    comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
+                verify=step.check_collectives or not step._checked)
+    check_ranks(comm, state, batch)  # the same rank check as a training step's (same model, step, batch)
     run, ok = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False), False
     try:
         # clones: a module may still write a buffer in eval mode, and the state must not change

@@ -22,17 +22,22 @@ from ._errors import InitError
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
 from ._state import ShardSpec, TrainState
-from ._unit import route_units
+from ._route import route_units
+from ._routed import route_groups, routed_groups
 
 ROOT = "<root>"
 
 
-def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn.Module], None] | None = None,
+def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
+         init_fn: Callable[[nn.Module], None] | None = None,
          seed: int | None = None, align_bytes: int = ALIGN_BYTES) -> TrainState:
     """Shard ``model`` over ``mesh`` and make the optimizer state of each shard.
 
     units: module paths (or modules) that each form one unit; by default every child of every ModuleList or
     Sequential. Parameters outside all units, and parameters tied across units, form the root unit.
+    routed: modules (paths or modules) that call a data-dependent subset of their children, as a mixture-of-experts
+    layer calls its experts: each child becomes a unit, and a call of the container gathers, reduces and frees all
+    of them on every rank, whatever each rank's tokens use (fshard/_routed.py).
     init_fn / seed: for a model on the meta device, each unit is materialised with ``init_fn(module)`` (or each
     module's ``reset_parameters()``) under a seed derived from ``seed`` (default ``torch.initial_seed()``) and the
     unit's index, so the initial weights do not depend on the world size.
@@ -48,6 +53,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
     device = _check_devices(model, mesh)
     opt = opt.bind(model)  # evaluates the optimizer's per-parameter choices (a weight-decay mask) once
     unit_mods = _find_units(model, units)
+    groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
     layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)
     buffers: dict[str, torch.Tensor] = {}
@@ -70,9 +76,13 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, init_fn: Callable[[nn
     buffers = {n: buffers[n] for n, _ in model.named_buffers()}
     template = _make_template(model)
     route_units(template, layouts)
+    named = {u.name for u in layouts}
+    groups = tuple((path, tuple(m for m in members if m in named)) for path, members in groups)
+    route_groups(template, groups)
     names = tuple(n for n, _ in model.named_parameters())
     spec = ShardSpec(template, tuple(layouts), names, mesh, opt,
-                     zlib.crc32(repr((layouts, names, tuple(buffers))).encode()) & ((1 << HASH_BITS) - 1))
+                     zlib.crc32(repr((layouts, names, tuple(buffers), groups)).encode()) & ((1 << HASH_BITS) - 1),
+                     groups)
     return TrainState(params, opt_state, torch.zeros((), dtype=torch.int64), buffers, spec)
 
 

@@ -173,7 +173,7 @@ def plan(step, state, batch, observed=None) -> Plan:
                               update=_NoUpdate())  # copies: planning must not change the real policies
     comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
     ctrl = _dry_comm(mesh, "cpu")  # control messages: tiny real tensors, as agree() and the grads stage make them
-    if mesh.world_size > 1:  # the rank check before any gather (_check_ranks): three hashes
+    if mesh.world_size > 1:  # the rank check before any gather (check_ranks): three hashes
         agree(ctrl, [], [0, 0, 0])
     k = len(pol.batches(batch))
     fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")

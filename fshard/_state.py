@@ -49,6 +49,7 @@ class ShardSpec:
     mesh: Any
     optimizer: Any
     fingerprint: int              # identical on every rank that built the same model: checked each step
+    groups: tuple = ()            # (container path, member unit names) per routed container (fs.init(routed=...))
 
     def unit(self, name: str) -> UnitLayout:
         return next(u for u in self.units if u.name == name)

@@ -12,18 +12,16 @@ The data flow of one step, as the code below reads:
 from __future__ import annotations
 
 import time
-import zlib
 
-import optree
 import torch
 import torch.nn as nn
 from torch.func import functional_call
 
 from ._accumulate import Accumulator
 from ._base import Grads
-from ._collectives import HASH_BITS, Comm, agree
+from ._collectives import Comm, agree, check_ranks
 from ._eval import evaluate, train_mode
-from ._errors import (ArgumentTypeError, BatchMismatchError, LossError, MeshMismatchError, PolicyError,
+from ._errors import (ArgumentTypeError, LossError, MeshMismatchError, PolicyError,
                       RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
@@ -55,12 +53,14 @@ class Step:
     """
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
-                 timeline: bool = False):
+                 timeline: bool = False, check_collectives: bool = False):
         if not callable(loss_fn):
             raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
                                     f"{loss_fn!r}.")
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
         self.donate, self.trace, self.mesh, self.timeline = donate, trace, mesh, bool(timeline)
+        self.check_collectives = bool(check_collectives)
+        self._checked = False  # a step has passed its agreement (until then every collective is checked first)
         self.policy = fold(self.transforms)
         self._streams: dict = {}
         self._closed = False
@@ -132,8 +132,8 @@ class Step:
         spec = self._check_state(state)
         state = self.init(state)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
-                    timeline=self.timeline)
-        _check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
+                    timeline=self.timeline, verify=self.check_collectives or not self._checked)
+        check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
         micro = self.policy.batches(batch)
         acc, scratch, runs, ok, accum = Accumulator(len(micro)), {}, [], False, 0
         try:
@@ -152,6 +152,7 @@ class Step:
             run = runs[-1]
             loss, active = self._agree(comm, run, acc, loss)
             self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
+            self._checked = True
             grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale,
                                                       transform_state=state.transform_state))
             t3 = time.perf_counter()
@@ -357,36 +358,8 @@ def _updated(policy, out, state: TrainState):
     return out
 
 
-def _batch_hash(batch) -> int:
-    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
-    desc = [str(spec)] + [f"{l.dtype}/{l.dim()}" if isinstance(l, torch.Tensor) else type(l).__name__ for l in leaves]
-    return zlib.crc32(repr(desc).encode()) & ((1 << HASH_BITS) - 1)
-
-
-def _check_ranks(comm: Comm, state: TrainState, batch) -> None:
-    """Before any gather: do all ranks run the same step of the same model on batches of the same structure?
-    A mismatch here would otherwise surface as a hang or as silently mixed shards."""
-    if comm.mesh.world_size == 1:
-        return
-    step = int(state.step) % (1 << HASH_BITS)
-    _, (same_batch, same_step, same_model) = agree(comm, [], [_batch_hash(batch), step, state.spec.fingerprint])
-    if not same_batch:
-        raise BatchMismatchError(
-            "ranks passed batches of different structure to the same step (this rank's: "
-            f"{optree.tree_structure(batch, none_is_leaf=True)}, leaves "
-            f"{[(tuple(l.shape), l.dtype) if isinstance(l, torch.Tensor) else type(l).__name__ for l in optree.tree_leaves(batch, none_is_leaf=True)]}). "
-            "Every rank must pass the same kind of batch (same containers, keys and tensor dtypes and ranks); "
-            "only sizes may differ. Check the data loader of each rank.")
-    if not same_model:
-        raise RankDivergenceError("ranks hold states of different models or layouts; call fs.init with the same "
-                                  "model, units and world size on every rank.")
-    if not same_step:
-        raise RankDivergenceError("ranks are at different steps of training; every rank must call step(state, "
-                                  "batch) with the state returned by its previous step.")
-
-
 def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
-            timeline: bool = False) -> Step:
+            timeline: bool = False, check_collectives: bool = False) -> Step:
     """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
 
     donate: update the input state's tensors in place instead of copies (the input state is then unusable).
@@ -395,5 +368,9 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
     timeline: add ``metrics["trace/timeline"]``, this rank's spans ``(lane, label, start_s, end_s)`` since the
       step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
       with ``fs.timeline(metrics, path)``.
+    check_collectives: before every collective of every step, one tiny all-reduce checks that all ranks are about
+      to issue the same one (else ``RankDivergenceError`` on every rank, where mismatched collectives would abort
+      the process in gloo). The steps up to the first that completes always check; this keeps checking.
     """
-    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline)
+    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline,
+                check_collectives=check_collectives)

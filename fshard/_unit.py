@@ -12,61 +12,19 @@ is covered by fshard/_recompute.py's hooks.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 
 import optree
 import torch
-import torch.nn as nn
 from torch.func import functional_call
 
 from ._base import StepView, UnitView
 from ._collectives import CollectivesView
-from ._errors import RecomputeError, PolicyError, TemplateCallError
+from ._errors import PolicyError, RecomputeError, TemplateCallError
 from ._layout import UnitLayout, views
 from ._recompute import attach, detach, produced
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
-
-
-class _Proxy(nn.Module):
-    """Calls the unit module's own class forward, so functional_call can bind the unit without recursing into the
-    routed ``forward`` (and without running the module's hooks a second time)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.m = module
-        self._forward = type(module).forward
-
-    def forward(self, *args, **kwargs):
-        return self._forward(self.m, *args, **kwargs)
-
-
-class _UnitForward:
-    def __init__(self, name: str, module: nn.Module, names: tuple[tuple[str, ...], ...]):
-        self.name, self.proxy, self.names = name, _Proxy(module), names  # names[i]: slot i's names in the unit
-
-    def __call__(self, *args, **kwargs):
-        run = _ACTIVE.get()
-        if run is None:
-            raise TemplateCallError(
-                f"unit {self.name!r} of an fshard template was called outside a step. The template holds no data "
-                "(its tensors are on the meta device); train with step = fs.compose(loss_fn), or get the weights "
-                "with fs.full_params(state) and load them into a regular module.")
-        return run._call_unit(self, args, kwargs)
-
-
-def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
-    """Route the forward of each unit module of the template through the active step. Each slot's names inside the
-    unit module are found by identity, so tied parameters and modules shared at several paths bind correctly."""
-    for u in layouts:
-        if not u.module:
-            continue
-        module = template.get_submodule(u.module)
-        local = list(module.named_parameters(remove_duplicate=False))
-        names = tuple(tuple(n for n, p in local if p is template.get_parameter(s.name)) for s in u.slots)
-        module.forward = _UnitForward(u.name, module, names)
-
+from ._route import _ACTIVE, _UnitForward
+from ._routed import finish_groups
 
 class _Gather(torch.autograd.Function):
     """shard -> full flat buffer, as autograd sees it. The data is gathered by ``UnitRun.launch`` into the unit's
@@ -76,8 +34,8 @@ class _Gather(torch.autograd.Function):
     produced theirs."""
 
     @staticmethod
-    def forward(ctx, shard, unit):
-        ctx.unit = unit
+    def forward(ctx, shard, unit, anchor=None):
+        ctx.unit, ctx.anchored = unit, anchor is not None  # anchor: a routed group's (fshard/_routed.py)
         return unit._alias()  # a new tensor on the gathered buffer's storage (not a view of an input)
 
     @staticmethod
@@ -91,7 +49,7 @@ class _Gather(torch.autograd.Function):
                 "use_reentrant=False (transformers' default for gradient_checkpointing_enable()), or make each "
                 "checkpointed region use its own units.")
         unit._run._grad_arrived(unit, grad)
-        return None, None
+        return None, None, (grad.new_zeros(()) if ctx.anchored else None)
 
 
 class _Saved:
@@ -119,6 +77,9 @@ class UnitRun(UnitView):
         self._grad: torch.Tensor | None = None
         self._got = [False] * len(layout.trainable)
         self._attached: list | None = None  # in backward, the module's parameters set to views of the buffer
+        self._member = layout.name in run._grouped  # a member of a routed group (fshard/_routed.py)
+        self._anchor = self._stash = None  # the group call's anchor for _Gather; the gradient until the group's end
+        self._group_depth = 0  # calls of its group under way
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -164,7 +125,7 @@ class UnitRun(UnitView):
         if self._flat is None:
             if self.shard.requires_grad:
                 with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
-                    self._flat = _Gather.apply(self.shard, self)
+                    self._flat = _Gather.apply(self.shard, self, self._anchor)
             else:
                 self._flat = self._buf
         if self._attached is None and self._run.phase == "backward":  # a recompute may read the module's tensors
@@ -215,6 +176,8 @@ class UnitRun(UnitView):
         return out
 
     def _use_done(self, _grad):
+        if self._member:  # its group ends the use
+            return
         self._run._reading.discard(self.name)
         self._run._policy.gather.after_backward(self._run, self)
 
@@ -238,6 +201,7 @@ class StepRun(StepView):
         self._backward_order: list[str] = []  # units in the order backward began reading them (one entry per use)
         self._reading: set[str] = set()  # units whose current backward use has begun and not finished
         self._policy, self._acc, self._scratch = policy, acc, scratch
+        self._grouped = {n for _, members in state.spec.groups for n in members}
         self.units = {u.name: UnitRun(self, u, state.params[u.name], state.copies.get(u.name))
                       for u in self.spec.units}
         self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
@@ -245,6 +209,7 @@ class StepRun(StepView):
         self._live_bytes = self._peak_bytes = 0
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
         self._phase_peak = {"forward": 0, "backward": 0}
+        self._group_calls: list = []  # calls of routed containers in this micro-batch's forward
 
     def scratch(self, owner: object) -> dict:
         return self._scratch.setdefault(id(owner), {})
@@ -268,7 +233,9 @@ class StepRun(StepView):
         """A unit's whole gradient, once every use of it has contributed: reduced now in the last micro-batch;
         otherwise summed locally, to be reduced once in the last one (DDP's no_sync)."""
         self._unit_grad_bytes = max(self._unit_grad_bytes, grad.nbytes)
-        if self.last:
+        if unit._member and self.last:  # reduced when its group's call ends, in the group's order
+            unit._stash = grad
+        elif self.last:
             self._reduce(unit, self._acc.take(unit.name, grad))
         else:
             self._acc.add(unit.name, grad, self._policy.reduce.reduce_dtype)
@@ -289,6 +256,14 @@ class StepRun(StepView):
 
     def _call_unit(self, route: _UnitForward, args, kwargs):
         unit, gather = self.units[route.name], self._policy.gather
+        if unit._member:  # gathered, freed and reduced by its group's call
+            if unit._group_depth == 0:
+                raise TemplateCallError(f"unit {unit.name!r} is a member of a routed group (fs.init(routed=...)) "
+                                        "and was called outside a call of its container; call it through the "
+                                        "container, which every rank calls.")
+            unit.acquire()
+            return functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()},
+                                   args, kwargs)
         recompute = self.phase == "backward"  # activation checkpointing runs the call again in backward
         if recompute:  # the unit's backward use begins; it stays gathered until that use's gradient is complete
             self._begin_backward(unit)
@@ -310,9 +285,11 @@ class StepRun(StepView):
             self._begin_backward(unit)
         return hook
 
-    def _begin_backward(self, unit: UnitRun) -> None:
+    def _begin_backward(self, unit: UnitRun, group: bool = False) -> None:
         """Backward is about to use the unit: a gradient reached one of its outputs, autograd reads one of its
-        saved tensors, or a checkpoint recomputes its call."""
+        saved tensors, or a checkpoint recomputes its call. A routed group's member: only its group's events."""
+        if unit._member and not group:
+            return unit.acquire()
         if unit.name not in self._reading:
             self._reading.add(unit.name)
             self._backward_order.append(unit.name)
@@ -349,6 +326,7 @@ class StepRun(StepView):
         """After this micro-batch's backward. In the last one, units that got a gradient only in earlier
         micro-batches are reduced now (in unit order), then the reduce policy completes every reduction, and every
         unit it was given must have its shard."""
+        finish_groups(self)
         if self.last:
             for u in self.spec.units:
                 if u.name in self._acc.grads:
@@ -378,6 +356,8 @@ class StepRun(StepView):
         for unit in self.units.values():
             unit.release()
             unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = None
+            unit._anchor = unit._stash = None
+        self._group_calls.clear()
         self.units.clear()
         self._live.clear()
         self._reduced.clear()

@@ -129,6 +129,7 @@ def oracle_step(model: nn.Module, opt, loss_fn, batch, world_size: int, scaler=N
 
 
 HF_MODELS = ("gpt2", "llama", "bert", "t5")  # tests/test_hf_*.py
+MOE_MODELS = ("switch", "mixtral")  # tests/test_routed.py
 HF_VOCAB = 128
 
 
@@ -159,4 +160,16 @@ def hf_model(name: str):
         cfg = T.T5Config(vocab_size=HF_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                          dropout_rate=0.0, decoder_start_token_id=0, **ids)
         return T.T5ForConditionalGeneration(cfg)
-    raise ValueError(f"hf_model: unknown model {name!r}; one of {HF_MODELS}")
+    if name == "switch":  # four experts per sparse MLP, top-1 routing with room for every token
+        cfg = T.SwitchTransformersConfig(vocab_size=HF_VOCAB, d_model=32, d_kv=8, d_ff=64, expert_capacity=64,
+                                         num_layers=2, num_sparse_encoder_layers=2, num_decoder_layers=2,
+                                         num_sparse_decoder_layers=2, num_heads=2, num_experts=4, dropout_rate=0.0,
+                                         router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0,
+                                         eos_token_id=2)
+        return T.SwitchTransformersForConditionalGeneration(cfg)
+    if name == "mixtral":  # transformers 5 keeps a layer's experts in one module of 3-D parameters
+        cfg = T.MixtralConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=1,
+                              max_position_embeddings=32, router_jitter_noise=0.0, tie_word_embeddings=True, **ids)
+        return T.MixtralForCausalLM(cfg)
+    raise ValueError(f"hf_model: unknown model {name!r}; one of {HF_MODELS + MOE_MODELS}")

@@ -61,9 +61,9 @@ class _Swapped(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
 
-    def forward(self, x):
+    def forward(self, x, swap=True):
         rank = int(os.environ["RANK"])
-        order = [0, 1] if rank == 0 else [1, 0]
+        order = [0, 1] if rank == 0 or not swap else [1, 0]
         for i in order:
             x = torch.tanh(self.blocks[i](x))
         return x.square().mean()
@@ -76,10 +76,16 @@ def _misuse():
     torch.manual_seed(0)
     state = fs.init(_Swapped(), mesh, fs.adamw())
     before = [t.clone() for t in state.params.values()]
-    try:
+    try:  # a step function's first step checks each collective before issuing it
         fs.compose(lambda m, x: m(x))(state, torch.randn(2, 4))
     except fs.RankDivergenceError as e:
         out["divergence"] = str(e)
+    step = fs.compose(lambda m, b: m(*b))
+    step(state, (torch.randn(2, 4), False))  # the same order on every rank: checked, then no more checks
+    try:  # later steps: the agreement after backward sees it (same sizes, so no collective failed)
+        step(state, (torch.randn(2, 4), True))
+    except fs.RankDivergenceError as e:
+        out["agreement"] = str(e)
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, state.params.values()))
 
     x = torch.randn(2, 4)
@@ -108,7 +114,8 @@ def _misuse():
 
 def test_misuse_across_ranks_raises_clear_errors_and_never_hangs():
     for out in run_ranks(_misuse, 2, timeout_s=120):
-        assert "ranks issued different collectives" in out["divergence"] and out["unchanged"]
+        assert "ranks were about to issue different collectives" in out["divergence"] and "routed=" in out["divergence"]
+        assert "ranks issued different collectives" in out["agreement"] and out["unchanged"]
         assert "batches of different structure" in out["batch"] and "data loader" in out["batch"]
         assert "but the state was made on" in out["mesh"]
         assert "process group was destroyed" in out["stale"]
