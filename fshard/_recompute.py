@@ -19,6 +19,9 @@ tensors or freed storage. Three mechanisms cover every place a checkpoint can si
 A recompute that calls a unit module (a checkpoint around the unit, or the reentrant variant, whose recompute
 graph is the one differentiated) goes through the step like any call: it begins the unit's backward use and keeps
 the unit gathered until that use's gradient is complete (fshard/_unit.py).
+
+``through`` marks where backward has finished a call (FSDP2's post-backward node on a module's inputs): for a
+frozen unit, which has no gradient of its own to say so, and for a routed group (fshard/_routed.py).
 """
 from __future__ import annotations
 
@@ -77,3 +80,47 @@ def with_buffers(template: nn.Module, buffers: dict[str, torch.Tensor], fn):
         return fn()
     return functional_call(_Thunk(template), {"m." + k: v for k, v in buffers.items()}, (fn,))
 
+
+class _CallBackward(torch.autograd.Function):
+    """Identity on a call's inputs (returned as they are, as FSDP2's post-backward function does); its backward
+    runs once backward has finished the call, and calls ``done()``."""
+
+    @staticmethod
+    def forward(ctx, done, anchor, *xs):
+        ctx.done = done
+        return (anchor.detach().clone(), *xs)
+
+    @staticmethod
+    def backward(ctx, _anchor, *grads):
+        done, ctx.done = ctx.done, None  # the node must not keep the step's runtime alive
+        if done is not None:
+            done()
+        return (None, None, *grads)
+
+
+def through(done, args, kwargs, anchor: torch.Tensor | None = None):
+    """``(anchor_out, args, kwargs)``: each tensor of ``args`` and ``kwargs`` that requires grad passed through one
+    ``_CallBackward`` node, which calls ``done()`` when backward has finished with all of them. ``anchor_out`` (of
+    ``anchor``, a scalar that requires grad) makes other nodes that take it as an input run before ``done``. Where
+    no input requires grad and nothing uses ``anchor_out``, backward never reaches the node."""
+    leaves: list[torch.Tensor] = []
+    _put((args, kwargs), {}, leaves)
+    if anchor is None:
+        anchor = torch.zeros((), requires_grad=True)
+    anchor_out, *outs = _CallBackward.apply(done, anchor, *leaves)
+    swap = {id(a): b for a, b in zip(leaves, outs)}
+    return anchor_out, _put(args, swap), _put(kwargs, swap)
+
+
+def _put(x, swap: dict, found: list | None = None):
+    """``x`` with tensors replaced by ``swap[id]`` inside plain tuples, lists and dicts; ``found`` collects the
+    ones there that require grad (the same containers, so every collected tensor is replaced)."""
+    if isinstance(x, torch.Tensor):
+        if found is not None and x.requires_grad:
+            found.append(x)
+        return swap.get(id(x), x)
+    if type(x) in (tuple, list):
+        return type(x)(_put(v, swap, found) for v in x)
+    if type(x) is dict:
+        return {k: _put(v, swap, found) for k, v in x.items()}
+    return x

@@ -10,8 +10,9 @@ rank calls the container itself:
 - **forward**: a call of the container gathers every member, in a fixed order, and frees them after the call;
   members called inside bind their (already gathered) parameters and raise no gather events of their own;
 - **backward**: when a gradient reaches the container's outputs, every member is gathered again (one event
-  each, in the same order); when backward has finished the call (a node on the call's inputs, which also waits for
-  the ``_Gather`` node of each member used: see ``_GroupBackward``), every member is reduced in order, a member
+  each, in the same order); when backward has finished the call (``_recompute.through``'s node on the call's inputs,
+  whose first output feeds each member's ``_Gather`` node, so it also waits for the gradient of every member used
+  here, whatever order autograd picks among ready nodes), every member is reduced in order, a member
   no token reached on this rank with a zero gradient, as DDP's ``find_unused_parameters`` does, and freed.
 
 Members used by no rank get no update (``active`` is False everywhere), as torch skips a parameter without a
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ._errors import InitError, TemplateCallError
-from ._recompute import produced
+from ._recompute import produced, through
 from ._route import _ACTIVE, _Proxy
 
 
@@ -95,24 +96,6 @@ class GroupCall:
         self.done = False
 
 
-class _GroupBackward(torch.autograd.Function):
-    """Identity on the call's inputs; its backward runs once backward has finished the call. Its first output is
-    an input of every member's ``_Gather`` node made in the call, so it also waits for the gradients of the
-    members used on this rank (whatever order autograd picks among ready nodes)."""
-
-    @staticmethod
-    def forward(ctx, call, anchor, *xs):
-        ctx.call = call
-        return (anchor.detach().clone(), *(x.view_as(x) for x in xs))
-
-    @staticmethod
-    def backward(ctx, _anchor, *grads):
-        call, ctx.call = ctx.call, None
-        if call is not None:
-            group_done(call.run, call)
-        return (None, None, *grads)
-
-
 def call_group(run, route: _GroupForward, args, kwargs):
     members = [run.units[n] for n in route.members]
     gather = run._policy.gather
@@ -124,7 +107,7 @@ def call_group(run, route: _GroupForward, args, kwargs):
     if torch.is_grad_enabled() and run.training:
         call = GroupCall(run, route)
         run._group_calls.append(call)
-        args, kwargs = _through(call, args, kwargs)
+        call.anchor_out, args, kwargs = through(lambda: group_done(run, call), args, kwargs, call.anchor)
     for u in members:
         run.order.append(u.name)
         if call is not None and u._flat is None:
@@ -147,35 +130,6 @@ def _in_group(run, members, route, args, kwargs):
     finally:
         for u in members:
             u._group_depth -= 1
-
-
-def _through(call: GroupCall, args, kwargs):
-    """args and kwargs with each tensor that requires grad passed through the call's ``_GroupBackward`` node."""
-    leaves: list[torch.Tensor] = []
-
-    def collect(x):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            leaves.append(x)
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                collect(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                collect(v)
-    collect((args, kwargs))
-    anchor_out, *outs = _GroupBackward.apply(call, call.anchor, *leaves)
-    call.anchor_out = anchor_out
-    swap = {id(a): b for a, b in zip(leaves, outs)}
-
-    def put(x):
-        if isinstance(x, torch.Tensor):
-            return swap.get(id(x), x)
-        if isinstance(x, (tuple, list)) and type(x) in (tuple, list):
-            return type(x)(put(v) for v in x)
-        if isinstance(x, dict) and type(x) is dict:
-            return {k: put(v) for k, v in x.items()}
-        return x
-    return put(args), put(kwargs)
 
 
 def _pre_backward(run, members):

@@ -22,7 +22,7 @@ from ._base import StepView, UnitView
 from ._collectives import CollectivesView
 from ._errors import PolicyError, RecomputeError, TemplateCallError
 from ._layout import UnitLayout, views
-from ._recompute import attach, detach, produced
+from ._recompute import attach, detach, produced, through
 from ._route import _ACTIVE, _UnitForward
 from ._routed import finish_groups
 
@@ -176,7 +176,7 @@ class UnitRun(UnitView):
         return out
 
     def _use_done(self, _grad):
-        if self._member:  # its group ends the use
+        if self._member or self._run is None:  # its group ends the use; the step has ended
             return
         self._run._reading.discard(self.name)
         self._run._policy.gather.after_backward(self._run, self)
@@ -272,6 +272,9 @@ class StepRun(StepView):
             gather.before_forward(self, unit)
         if self._param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
             args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
+        if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
+            # a frozen unit has no gradient to end its backward use: a node on its inputs does (fshard/_recompute.py)
+            _, args, kwargs = through(lambda: unit._use_done(None), args, kwargs)
         out = functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
         if not recompute:
             if torch.is_grad_enabled():  # backward enters the unit where its outputs' gradients are complete
