@@ -231,22 +231,30 @@ def _simulate(pol, run: StepRun, observed) -> None:
     else:
         for u in units.values():
             u._got = [True] * len(u._got)
+    for u in units.values():  # a routed group's members move together here (below), not through its calls
+        u._member = False
     gather.start(run)
     root = units.get(ROOT)
     if root is not None:
         gather.before_forward(run, root)
-    for name in forward:
-        run.order.append(name)
-        gather.before_forward(run, units[name])
-        gather.after_forward(run, units[name])
+    for names in _chunks(forward, run.spec.groups):
+        for name in names:
+            run.order.append(name)
+            gather.before_forward(run, units[name])
+        for name in names:
+            gather.after_forward(run, units[name])
     if root is not None:
         gather.after_forward(run, root)
     run.phase = "backward"
     last = {n: i for i, n in enumerate(backward)}
-    for i, name in enumerate(backward):
-        gather.before_backward(run, units[name])
-        if name != ROOT:  # the root's use lasts to the end of backward (the embedding is the first layer)
-            _finish_use(run, gather, units[name], i == last[name])
+    i = 0
+    for names in _chunks(backward, run.spec.groups):
+        for name in names:
+            gather.before_backward(run, units[name])
+        for name in names:
+            if name != ROOT:  # the root's use lasts to the end of backward (the embedding is the first layer)
+                _finish_use(run, gather, units[name], i == last[name])
+            i += 1
     for name in dict.fromkeys(forward):  # units whose parameters backward never reads: their gradient still comes
         if name not in last:
             _finish_use(run, gather, units[name], True)
@@ -255,6 +263,22 @@ def _simulate(pol, run: StepRun, observed) -> None:
     run._end_backward()
     gather.finish(run)
     run._release_all()
+
+
+def _chunks(order: list[str], groups) -> list[list[str]]:
+    """``order`` cut into the steps a step takes: a routed group's members (consecutive, as its call gathers
+    them) together, every other unit alone."""
+    group_of = {m: tuple(members) for _, members in groups for m in members}
+    out, i = [], 0
+    while i < len(order):
+        members = group_of.get(order[i])
+        if members and tuple(order[i:i + len(members)]) == members:
+            out.append(list(members))
+            i += len(members)
+        else:
+            out.append([order[i]])
+            i += 1
+    return out
 
 
 def _finish_use(run, gather, unit, last_use: bool) -> None:

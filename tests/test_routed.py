@@ -201,3 +201,15 @@ def _undeclared(check_every_step: bool):
 def test_undeclared_routing_is_a_divergence_error_on_every_rank_not_an_abort():
     for message in run_ranks(_undeclared, 2, False) + run_ranks(_undeclared, 2, True):
         assert message is not None and "routed=" in message
+
+
+def test_plan_moves_a_routed_group_together():
+    """step.plan simulates a group's members gathered and reduced together, as the step runs them."""
+    state = fs.init(MoE(), fs.Mesh(0, 1, "local", torch.device("cpu")), fs.adamw(), routed=["moe"])
+    batch = next(_moe_batches(0, 1))
+    with fs.compose(_call, fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=0.0001)) as step:
+        for _ in range(2):
+            state, m = step(state, batch)
+        plan = step.plan(state, batch)
+    for k in ("mem/peak_gathered_bytes", "mem/grad_shard_bytes", "comm/reduce_bytes", "comm/gather_bytes"):
+        assert plan[k] == m[k], (k, plan[k], m[k])
