@@ -167,8 +167,9 @@ class Grads:
       skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1, the
         ``transform_state`` below, and the buffers forward updated (BatchNorm's running statistics, as in torch,
         where a step whose optimizer is skipped has still run forward).
-      sq_norm: the global sum of squares of all shards (as they are, not times ``scale``), once a policy asked for
-        it (``with_sq_norm``), so that policies that need it share one all-reduce.
+      sq_norm: the global sum of squares of all shards (not times ``scale``), once a policy asked (``with_sq_norm``).
+      spec, active: the state's ``ShardSpec`` and, per unit, which trainable slots got a gradient on some rank
+        (per-parameter norms, as ``clip_grad_norm_`` takes them; a step's plan passes placeholder shards).
       metrics: added to the step's metrics.
       transform_state: the input state's ``TrainState.transform_state``; a policy that keeps state across steps
         returns its new entry here (``grads.replace(transform_state={**grads.transform_state, key: new})``), and
@@ -179,6 +180,8 @@ class Grads:
     scale: float = 1.0
     skip: bool = False
     sq_norm: float | None = None
+    spec: Any = None
+    active: Mapping[str, Any] = field(default_factory=dict)
     metrics: Mapping[str, Any] = field(default_factory=dict)
     transform_state: Mapping[str, Any] = field(default_factory=dict)
 

@@ -17,7 +17,7 @@ Where each part runs:
   ``unscale_`` reads and writes each one;
 - the check: whether any gradient element is inf or NaN must be the same answer on every rank (each holds
   different shards), so it is the global sum of squares (``Grads.with_sq_norm``: one read pass, one small
-  all-reduce, shared with ``clip_by_global_norm``), non-finite exactly when some element is. A check inside the
+  all-reduce, shared with ``skip_nonfinite``), non-finite exactly when some element is. A check inside the
   update kernel (``fshard.ops.adamw_(check_finite=True)``) would be local: one rank would skip while another
   updated.
 """

@@ -188,7 +188,8 @@ def plan(step, state, batch, observed=None) -> Plan:
     agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
     shards = run._grad_shards()
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
-    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, transform_state=state.transform_state))
+    got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
+    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, spec=spec, active=got, transform_state=state.transform_state))
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,

@@ -2,7 +2,7 @@
 
 An inf on one rank's local gradient reaches only the ranks whose shards cover it after the reduction, so a local
 check would let ranks disagree. The decision uses the global sum of squares (``Grads.with_sq_norm``: one
-all-reduce, shared with clip_by_global_norm when both are composed), which is the same number on every rank and is
+all-reduce, shared with the loss scaler when both are composed), which is the same number on every rank and is
 non-finite exactly when some gradient element is. A skipped step returns its input state with
 ``state.skipped`` counted up (training state: it is checkpointed with the rest) and the buffers forward updated
 (as torch keeps BatchNorm's running statistics of a step whose optimizer step is skipped), sets

@@ -153,8 +153,8 @@ class Step:
             loss, active = self._agree(comm, run, acc, loss)
             self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
             self._checked = True
-            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale,
-                                                      transform_state=state.transform_state))
+            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
+                                                      active=active, transform_state=state.transform_state))
             t3 = time.perf_counter()
             if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
                 new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
