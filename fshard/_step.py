@@ -11,6 +11,7 @@ The data flow of one step, as the code below reads:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -234,18 +235,14 @@ class Step:
         if root is not None:
             self.policy.gather.before_forward(run, root)
             binding.update(root._bind([s.aliases for s in root.layout.slots]))
-        try:
-            loss = functional_call(_Caller(run.spec.template, self.loss_fn),
-                                   {"m." + k: v for k, v in binding.items()}, (batch,))
-        except (RuntimeError, NotImplementedError) as e:
-            if "meta" not in str(e):
-                raise
-            raise UnboundParameterError(
+        with _meta_reads(
                 "a parameter was used while its unit was not gathered (outside a step, the template's tensors are "
                 "on the meta device). fshard binds a unit's parameters only while the unit module itself is called: "
                 "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
                 "it sees no data. Call the unit module, or choose units with fs.init(..., units=[...]) so that each "
-                f"parameter is used inside a call of its unit. ({e})") from e
+                "parameter is used inside a call of its unit."):
+            loss = functional_call(_Caller(run.spec.template, self.loss_fn),
+                                   {"m." + k: v for k, v in binding.items()}, (batch,))
         if root is not None:
             self.policy.gather.after_forward(run, root)
         _check_loss(loss)
@@ -308,16 +305,23 @@ def _backward(run: StepRun, buffers, out) -> None:
     """Backward, with the step's buffers bound: an activation checkpoint's recompute may read them. ``backward``
     rather than ``grad(out, leaves)``, which a reentrant checkpoint refuses: the leaves (shards) get no ``.grad``,
     since gradients end at ``_Gather.backward``, in the units."""
-    try:
-        with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
-    except (RuntimeError, NotImplementedError) as e:
-        if "meta" not in str(e):
-            raise
-        raise UnboundParameterError(
+    with _meta_reads(
             "backward read a parameter whose unit was not gathered: an activation checkpoint recomputed code that "
             "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
             "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
-            f"one (fs.init(..., units=[...])). ({e})") from e
+            "one (fs.init(..., units=[...]))."):
+        with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
+
+
+@contextlib.contextmanager
+def _meta_reads(what: str):
+    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise UnboundParameterError(f"{what} ({e})") from e
 
 
 def _check_loss(loss) -> None:

@@ -173,3 +173,12 @@ def hf_model(name: str):
                               max_position_embeddings=32, router_jitter_noise=0.0, tie_word_embeddings=True, **ids)
         return T.MixtralForCausalLM(cfg)
     raise ValueError(f"hf_model: unknown model {name!r}; one of {HF_MODELS + MOE_MODELS}")
+
+
+def moe_units(name: str, model) -> dict:
+    """fs.init's arguments for experts as units: Switch's experts containers routed (one unit per expert);
+    Mixtral's layers and, inside each, its experts module (one module of 3-D parameters in transformers 5)."""
+    if name == "switch":
+        return dict(routed=[n for n, _ in model.named_modules() if n.endswith("mlp.experts")])
+    return dict(units=[n for n, _ in model.named_modules() if n.endswith("mlp.experts") or
+                       (n.startswith("model.layers.") and n.count(".") == 2)])

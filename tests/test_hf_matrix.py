@@ -27,7 +27,7 @@ import torch
 
 import fshard as fs
 from _dist import run_ranks
-from models import HF_VOCAB, KEY_BIAS_BOUND, hf_model, oracle_step
+from models import HF_VOCAB, KEY_BIAS_BOUND, hf_model, moe_units, oracle_step
 
 STEPS, HP, CLIP = 3, dict(lr=1e-2, weight_decay=0.01), 0.5
 COLUMNS = ("plain", "ahead+buckets+clip", "nvme", "checkpointing", "experts", "native")
@@ -46,15 +46,6 @@ def _batches(name, rank, world_size, steps=STEPS):
         yield batch[rows * rank:rows * (rank + 1)]
 
 
-def _units(name, model, column):
-    if column != "experts":
-        return {}
-    if name == "switch":
-        return dict(routed=[n for n, _ in model.named_modules() if n.endswith("mlp.experts")])
-    return dict(units=[n for n, _ in model.named_modules() if n.endswith("mlp.experts") or
-                       (n.startswith("model.layers.") and n.count(".") == 2)])
-
-
 def _column(name, column, directory):
     """One column on this rank: (losses equal, largest loss difference, largest parameter difference, bitwise)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -65,7 +56,8 @@ def _column(name, column, directory):
         model.activation_checkpointing_enable()
     ref = copy.deepcopy(model)
     impl = "native" if column == "native" else "torch"
-    state = fs.init(model, mesh, fs.adamw(**HP, impl=impl), **_units(name, model, column))
+    units = moe_units(name, model) if column == "experts" else {}
+    state = fs.init(model, mesh, fs.adamw(**HP, impl=impl), **units)
     transforms, store = [], None
     if column == "ahead+buckets+clip":
         transforms = [fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.01), fs.clip_by_global_norm(CLIP)]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import fshard as fs
 from _dist import run_ranks
-from models import HF_VOCAB, hf_model, oracle_step, param_diffs
+from models import HF_VOCAB, hf_model, moe_units, oracle_step, param_diffs
 
 STEPS, HP = 3, dict(lr=1e-2, weight_decay=0.01)
 
@@ -53,12 +53,7 @@ def _train_hf(name: str, config: str):
     ref = copy.deepcopy(model)
     called: list[str] = []
     _experts_called(ref, called)
-    if name == "switch":
-        kw = dict(routed=[n for n, _ in model.named_modules() if n.endswith("mlp.experts")])
-    else:  # the layers and, inside each, its experts module
-        kw = dict(units=[n for n, _ in model.named_modules() if n.endswith("mlp.experts") or
-                         (n.startswith("model.layers.") and n.count(".") == 2)])
-    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"), **kw)
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"), **moe_units(name, model))
     transforms = (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.001)) if config == "ahead" else ()
     oracle = DDP(ref, find_unused_parameters=True) if mesh.world_size > 1 else ref
     opt = torch.optim.AdamW(ref.parameters(), **HP)
