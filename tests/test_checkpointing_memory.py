@@ -1,12 +1,14 @@
 """Activation checkpointing lowers fshard's peak memory as it lowers a plain model's: a GPT-2 with 8 layers (HF
 transformers, random weights), one training step after a warm-up one, peak RSS growth during the step measured as
-VmHWM in a fresh subprocess per variant (the heap trimmed and the peak reset through /proc/self/clear_refs right
-before the step), for
+VmHWM in a fresh subprocess per variant (the peak reset through /proc/self/clear_refs right before the step; glibc
+maps every block of 64 KiB or more on its own, MALLOC_MMAP_THRESHOLD_, so freed tensors leave the RSS at once and it
+measures what the step holds rather than how the heap keeps freed blocks), for
 plain torch and for fshard (gather_ahead + bucket_reduce), each with and without
 ``activation_checkpointing_enable()``; and fshard's gathered bytes stay within the gather_ahead bound."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -53,7 +55,7 @@ else:
         state, m = stepper(state, batch)
         out["gathered"] = m["mem/peak_gathered_bytes"]
 step()  # warm-up: allocator pools, the gather_ahead schedule, torch's optimizer state
-ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the warm-up freed leaves the RSS, so the peak is the step's own
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the warm-up freed (below the mmap threshold) leaves the RSS
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
 before = status("VmRSS")
@@ -65,7 +67,7 @@ print(json.dumps(out))
 
 def _probe(who: str, ckpt: bool) -> dict:
     out = subprocess.run([sys.executable, "-c", _PROBE, who, "1" if ckpt else "0"], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,10 +84,8 @@ def test_checkpointing_lowers_fshards_peak_as_it_lowers_torchs():
     saved_torch = torch_plain["growth"] - torch_ckpt["growth"]
     saved_fs = fs_plain["growth"] - fs_ckpt["growth"]
     assert saved_torch > 64 * 2**20, f"the model is too small to show checkpointing: {mib} MiB"
-    # measured (MiB): torch 338 -> 188, fshard 312 -> 201. The live tensors at the peak are the same (59 and 60 MiB
-    # of tensors >= 1 MiB, counted with a TorchDispatchMode); the rest is how glibc's heap holds the freed memory
-    # (design/ARCHITECTURE.md, "Activation checkpointing")
-    assert saved_fs >= 0.6 * saved_torch, f"checkpointing saved fshard less than torch (peak growth, MiB): {mib}"
-    assert fs_ckpt["growth"] <= 1.15 * torch_ckpt["growth"] + 16 * 2**20, f"peak growth, MiB: {mib}"
+    # measured (MiB): torch 244 -> 38, fshard 253 -> 50, the same in repeated runs (design/ARCHITECTURE.md)
+    assert saved_fs >= 0.9 * saved_torch, f"checkpointing saved fshard less than torch (peak growth, MiB): {mib}"
+    assert fs_ckpt["growth"] <= torch_ckpt["growth"] + 32 * 2**20, f"peak growth, MiB: {mib}"
     for m in (fs_plain, fs_ckpt):  # gather_ahead(2): the current unit, two ahead, one more in backward
         assert m["gathered"] <= m["root"] + 4 * m["largest"], m
