@@ -7,11 +7,21 @@ arithmetic, then multiplies every gradient by that fp32 value. ``_global_norm`` 
 
 - N = 1: each shard holds whole parameters; ``_foreach_norm`` over each parameter's slot view of the shard (not the
   padding after it), grouped and ordered as torch does: bitwise clip_grad_norm_'s norm.
-- N > 1: a parameter spans ranks; each rank sums the squares of its part of every parameter in float64, one
-  all-reduce adds the ranks' vectors (one number per parameter that got a gradient), and each parameter's norm is
-  the square root, rounded to fp32; then the same fp32 ``vector_norm`` and coefficient. Each per-parameter norm is
-  the correctly rounded one where ``_foreach_norm`` rounds as it sums, so the global norm is within a few fp32 ulps
-  (1e-7 relative) of torch's.
+- N > 1, fp32 gradients on the CPU: a parameter may span ranks. torch's CPU fp32 norm sums in one fixed order (8
+  lanes, then a fold and a tail: ops/torch_norm.cpp), and the bits depend on that order only, so the ranks repeat
+  it: a parameter a rank holds whole gets ``_foreach_norm``; one cut by shard boundaries is begun by its first rank
+  (``fshard.ops.norm_continue_``) and continued by the next from the running state (8 fp32 numbers), which the
+  k-th of N - 1 small all-reduces brings from rank k to rank k + 1 (every rank joins each, adding zeros, so the
+  sum is the sender's bits); one more all-reduce shares the per-parameter norms, each from the rank that finished
+  it. The global norm is then bitwise clip_grad_norm_'s on the same gradients, for any N and any cut (tested at
+  N = 1-4). The rank-to-rank hand-offs run in sequence: 7.3-10.2 ms at N = 2 on the example GPT's 27.4M
+  elements, where each DDP rank's clip_grad_norm_ takes 7.7-9.9 ms (benchmarks/clip.py). Exact agreement
+  matters: torch's fp32 sum drifts from the true norm as a parameter grows (4e-5 relative on a 2.4M-element
+  gradient, 7e-4 on 16.8M), so any other order differs from DDP by that much, not by an ulp.
+- Otherwise (CUDA, bf16/fp16 gradients, or no native build; torch's order there is not repeated): each rank sums
+  the squares of its part of every parameter in float64, one all-reduce adds the ranks' vectors, and each
+  parameter's norm is the square root, rounded to the gradients' dtype; then the same ``vector_norm``. Each norm
+  is then the correctly rounded one, which torch's differs from by its own drift.
 
 The coefficient (a Python float holding the fp32 value) is handed to the update as ``Grads.scale``: the native
 AdamW kernel multiplies each gradient by it as it reads it (no extra pass); the torch and fused arithmetics multiply
@@ -35,8 +45,7 @@ def _global_norm(comm, grads: Grads) -> float:
     """clip_grad_norm_'s total norm of the gradients the shards hold (module docstring)."""
     spec, rank, n = grads.spec, comm.mesh.rank, comm.mesh.world_size
     slot_of = {s.name: (u, k, s) for u in spec.units for k, s in enumerate(u.trainable)}
-    groups: dict = {}  # (device, dtype) -> parts, in first-appearance order, as torch groups the gradients
-    placeholder = False
+    parts, groups = [], {}  # (unit, slot, this rank's part); (device, dtype) -> indices, as torch groups them
     for name in spec.param_names:
         if name not in slot_of:
             continue  # frozen: no gradient
@@ -44,27 +53,79 @@ def _global_norm(comm, grads: Grads) -> float:
         if not grads.active.get(u.name, [False] * (k + 1))[k] or u.name not in grads.shards:
             continue  # no gradient on any rank: torch leaves it out
         shard = grads.shards[u.name]
-        placeholder |= shard.numel() != u.shard_numel  # step.plan's: the same messages, no values
         lo, hi = u.shard_range(rank)
         a, b = max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo
-        part = shard[a:b] if not placeholder and a < b else shard[:0]
-        groups.setdefault((shard.device, shard.dtype), []).append(part)
-    parts = [p for g in groups.values() for p in g]
+        real = shard.numel() == u.shard_numel  # else step.plan's placeholder: the same messages, no values
+        parts.append((u, s, shard[a:b] if real and a < b else shard[:0]))  # (torch's order: group, then name)
+        groups.setdefault((shard.device, shard.dtype), []).append(len(parts) - 1)
     if not parts:
         return 0.0
+    placeholder = any(grads.shards[u.name].numel() != u.shard_numel for u, _, _ in parts)
     if n == 1 and not placeholder:
-        norms = [x for g in groups.values() for x in torch._foreach_norm(g, 2.0)]
+        norms = [x for g in groups.values() for x in torch._foreach_norm([parts[i][2] for i in g], 2.0)]
+    elif comm.mesh.device.type == "cpu" and list(groups) == [(torch.device("cpu"), torch.float32)] \
+            and _ops().native_available():
+        norms = list(_chained_norms(comm, parts, placeholder))
+    else:
+        norms = _rounded_norms(comm, [p for _, _, p in parts], groups)
+    first = norms[0].device
+    return float(torch.linalg.vector_norm(torch.stack([x.to(first) for x in norms]), 2.0))
+
+
+def _chained_norms(comm, parts: list, placeholder: bool) -> torch.Tensor:
+    """torch's fp32 norm of each parameter, bitwise, from the ranks' parts (module docstring): rank k continues the
+    parameters that rank k - 1 began, after the k-th of n - 1 small all-reduces brings their running states."""
+    rank, n = comm.mesh.rank, comm.mesh.world_size
+    owner = [_ranks(u, s) for u, s, _ in parts]  # (first rank, last rank) holding each parameter
+    states = torch.zeros(len(parts), 8)
+    norms = torch.zeros(len(parts))
+    whole = [i for i, (f, l) in enumerate(owner) if f == l == rank]
+    if whole and not placeholder:
+        norms[whole] = torch.stack(torch._foreach_norm([parts[i][2] for i in whole], 2.0))
+
+    def run(idx: list[int]) -> None:  # continue parameters idx over this rank's parts
+        if idx and not placeholder:
+            st = states[idx].contiguous()
+            starts = [max(0, parts[i][0].shard_range(rank)[0] - parts[i][1].offset) for i in idx]
+            _ops().norm_continue_([parts[i][2] for i in idx], starts, [parts[i][1].numel for i in idx], st)
+            states[idx] = st
+
+    run([i for i, (f, l) in enumerate(owner) if f == rank < l])  # the parameters this rank begins
+    for k in range(n - 1):
+        cross = [i for i, (f, l) in enumerate(owner) if f <= k < l]  # parameters rank k hands to rank k + 1
+        if not cross:
+            continue
+        msg = states[cross] if rank == k else torch.zeros(len(cross), 8)  # one rank's values: the sum is exact
+        msg = comm.all_reduce(msg.contiguous().to(comm.mesh.device), "grad_norm_chain").cpu()
+        if rank == k + 1:
+            states[cross] = msg
+            run(cross)
+    ends = [i for i, (f, l) in enumerate(owner) if f < l == rank]
+    norms[ends] = states[ends, 0]
+    return comm.all_reduce(norms.to(comm.mesh.device), "grad_norm")  # each norm from the rank that finished it
+
+
+def _ops():
+    from . import ops  # on first use: importing fshard loads no native code
+    return ops
+
+
+def _ranks(u, s) -> tuple[int, int]:
+    """The first and last rank whose shard holds part of slot s of unit u (an empty slot: the rank of its offset)."""
+    last = (s.offset + max(s.numel, 1) - 1) // u.shard_numel
+    return min(s.offset // u.shard_numel, u.world_size - 1), min(last, u.world_size - 1)
+
+
+def _rounded_norms(comm, parts: list[torch.Tensor], groups: dict) -> list[torch.Tensor]:
+    """Each parameter's norm, correctly rounded to its dtype, from float64 sums of squares added over the ranks:
+    one all-reduce. Where no torch order can be repeated (CUDA, bf16/fp16 gradients, no native build)."""
+    if all(p.device.type == "cpu" for p in parts):  # one native read pass each (vector_norm(float64) is 5-13x)
+        sq = torch.tensor([_ops().sq_norm(p) for p in parts], dtype=torch.float64)
     else:
         sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 if p.numel() else
                           torch.zeros((), dtype=torch.float64, device=p.device) for p in parts])
-        sq = comm.all_reduce(sq.to(comm.mesh.device), "grad_norm")
-        roots, i = sq.sqrt(), 0
-        norms = []
-        for (_, dtype), g in groups.items():
-            norms += list(roots[i:i + len(g)].to(dtype))
-            i += len(g)
-    first = norms[0].device
-    return float(torch.linalg.vector_norm(torch.stack([x.to(first) for x in norms]), 2.0))
+    roots = comm.all_reduce(sq.to(comm.mesh.device), "grad_norm").sqrt()
+    return [roots[i].to(dtype) for (_, dtype), g in groups.items() for i in g]
 
 
 def _coef(max_norm: float, norm: float) -> float:

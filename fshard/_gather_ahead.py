@@ -7,8 +7,9 @@ acquires them. A step walks it with a cursor; at each position it starts the gat
 What counts as a position (an "event"): in forward, the root unit at the start and each call of a unit module; in
 backward, the first time backward is about to use a unit (a gradient reaches an output of its call, autograd reads
 one of its saved tensors, or a checkpoint recomputes its call) after that unit's previous backward use finished (or
-after forward); a routed group's members are events at its container's call. The same rule runs when recording and when replaying, and it does not depend on which units happen
-to be gathered, so a schedule recorded in one step replays exactly in the next one with the same model order.
+after forward); a routed group's members are events at its container's call. The same rule runs when recording
+and when replaying, and it does not depend on which units happen to be gathered, so a schedule recorded in one
+step replays exactly in the next one with the same model order.
 
 The schedule never changes a result, only when gathers are issued: every gather is of the unit whose name the
 position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If

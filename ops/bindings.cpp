@@ -185,6 +185,27 @@ double sq_norm(const TList& tensors, const std::string& isa) {
   return sq_norm_cpu(segs, level);
 }
 
+// norm_continue over each of xs (part k: elements [starts[k], starts[k] + xs[k].numel()) of a parameter of
+// totals[k] elements), each carrying states[k] (a float32 [k, 8] CPU tensor) in place.
+void norm_continue_(const TList& xs, const std::vector<int64_t>& starts, const std::vector<int64_t>& totals,
+                    at::Tensor states) {
+  TORCH_CHECK_VALUE(xs.size() == starts.size() && xs.size() == totals.size(),
+                    "fshard.ops.norm_continue_: xs, starts and totals differ in length");
+  TORCH_CHECK_VALUE(states.is_cpu() && states.scalar_type() == at::kFloat && states.is_contiguous() &&
+                        states.dim() == 2 && states.size(0) == static_cast<int64_t>(xs.size()) && states.size(1) == 8,
+                    "fshard.ops.norm_continue_: states must be a contiguous float32 CPU tensor of shape [len(xs), 8]");
+  float* st = states.data_ptr<float>();
+  for (size_t k = 0; k < xs.size(); ++k) {
+    const at::Tensor& t = xs[k];
+    TORCH_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "fshard.ops.norm_continue_: ",
+                      arg("xs", k), " must be a contiguous float32 CPU tensor");
+    TORCH_CHECK_VALUE(starts[k] >= 0 && starts[k] + t.numel() <= totals[k], "fshard.ops.norm_continue_: ",
+                      arg("xs", k), " (", t.numel(), " elements from ", starts[k], ") overruns its parameter of ",
+                      totals[k]);
+    norm_continue(t.numel() ? t.data_ptr<float>() : nullptr, starts[k], t.numel(), totals[k], st + 8 * k);
+  }
+}
+
 bool built_with_cuda() {
 #ifdef FSHARD_WITH_CUDA
   return true;
@@ -205,6 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("check_finite"), py::arg("isa"));
   m.def("sq_norm", &fshard::sq_norm, py::call_guard<py::gil_scoped_release>(), py::arg("tensors"), py::arg("isa"),
         "sum of x*x over all elements, in float64; bit-identical for every CPU kernel and thread count");
+  m.def("norm_continue_", &fshard::norm_continue_, py::call_guard<py::gil_scoped_release>(), py::arg("xs"),
+        py::arg("starts"), py::arg("totals"), py::arg("states"),
+        "continue torch's CPU fp32 2-norm over parts of parameters, in element order (ops/torch_norm.cpp)");
   m.def("cpu_isas", &fshard::cpu_isas, "every CPU kernel this CPU runs, lowest first");
   m.def("built_with_cuda", &fshard::built_with_cuda);
 }

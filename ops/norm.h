@@ -27,3 +27,12 @@ void sq_lanes_avx2(const void* x, int xtype, int64_t begin, int64_t end, double*
 void sq_lanes_avx512(const void* x, int xtype, int64_t begin, int64_t end, double* lanes);
 
 }  // namespace fshard
+
+namespace fshard {
+
+// Continue torch's CPU fp32 2-norm of a parameter of `total` elements over its elements [start, start + len),
+// given as x[0..len). state[0..8) carries the 8 lane sums in, and out (after the fold, state[0] holds the one sum;
+// once start + len == total, the norm). Start from zeros; feed the parts in element order (torch_norm.cpp).
+void norm_continue(const float* x, int64_t start, int64_t len, int64_t total, float* state);
+
+}  // namespace fshard

@@ -15,6 +15,10 @@ warns once and counts the calls in ``metrics()["fallback_calls"]``. Set
 every CPU kernel and thread count; it has the same fallback (``sq_norm_reference``), and tensors on
 other devices go to torch.
 
+``norm_continue_`` repeats torch's CPU fp32 2-norm (what ``clip_grad_norm_`` computes per parameter) over the
+parts of a parameter that different ranks hold, passing the running state from part to part; it has no fallback
+(callers check ``native_available()``).
+
 On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
 bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
 ``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code.
@@ -31,7 +35,7 @@ from ._build import BuildError, cache_root
 from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
 from .._errors import ArgumentError
 
-__all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "load", "native_available",
+__all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
            "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
@@ -184,3 +188,14 @@ def sq_norm(tensors, *, isa: str | None = None) -> float:
     check_sq_norm_dtypes(ts)
     _metrics["sq_norm_native_calls"] += 1
     return lib.sq_norm(ts, _capped_isa(lib) if isa in (None, "auto") else isa)
+
+
+def norm_continue_(xs: list, starts: list[int], totals: list[int], states: torch.Tensor) -> None:
+    """Continue torch's CPU fp32 2-norm (``linalg.vector_norm``'s kernel, which ``clip_grad_norm_`` runs) over
+    parts of parameters: ``xs[k]`` (float32, contiguous, CPU) holds elements ``[starts[k], starts[k] + numel)``
+    of a flattened parameter of ``totals[k]`` elements, and ``states[k]`` (a float32 ``[len(xs), 8]`` CPU
+    tensor, updated in place) carries the running state in and out: zeros before a parameter's first part; after
+    its last part, ``states[k, 0]`` is the norm, bitwise torch's. Parts must be fed in element order; where they
+    are cut does not change the bits (ops/torch_norm.cpp says which order torch sums in). Raises BuildError
+    without the native build: there is no torch equivalent to fall back to."""
+    load().norm_continue_(list(xs), [int(s) for s in starts], [int(t) for t in totals], states)

@@ -31,7 +31,8 @@ def _src_dir() -> Path:
 
 SRC_DIR = _src_dir()
 CPU_SOURCES = ["bindings.cpp", "adamw_cpu.cpp", "adamw_scalar.cpp", "adamw_avx2.cpp", "adamw_avx512.cpp",
-               "norm_cpu.cpp", "norm_avx2.cpp", "norm_avx512.cpp"]
+               "norm_cpu.cpp", "norm_avx2.cpp", "norm_avx512.cpp",
+               "torch_norm.cpp"]
 CUDA_SOURCES = ["adamw_cuda.cu"]
 HEADERS = ["adamw.h", "adamw_ops.h", "adamw_simd.h", "norm.h", "norm_simd.h"]
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]  # FMAs only where written
