@@ -72,3 +72,7 @@ class PolicyError(FshardError, RuntimeError):
 class RecomputeError(FshardError, RuntimeError):
     """Activation checkpointing was used in a way the step cannot keep exact (fshard/_recompute.py), e.g. a reentrant
     checkpoint around part of a unit's uses."""
+
+
+class CheckpointError(FshardError, RuntimeError):
+    """A checkpoint could not be written or read (fs.save, fs.load): incomplete, damaged, or of another model."""

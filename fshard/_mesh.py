@@ -81,8 +81,8 @@ class Mesh:
         if not dist.is_initialized() or self.group not in _registered_groups():
             raise MeshMismatchError(
                 f"{self} no longer exists: its process group was destroyed. A state holds shards for the mesh "
-                "it was made on; build a new state on the new mesh with fs.init(model, mesh, opt), or restore "
-                "a checkpoint into it."
+                "it was made on; build a new state on the new mesh with fs.init(model, mesh, opt), or load "
+                "a checkpoint into it: fs.load(path, like=fs.init(model, mesh, opt))."
             )
 
     def __repr__(self) -> str:

@@ -220,8 +220,8 @@ class OffloadUpdate(UpdatePolicy):
             _quiet_delete(self.store, k)
         if donate:  # the step took the input before the update, which may have begun to write it in place
             lost = ("The input state was donated (compose(..., donate=True)), so it may be partly updated in place "
-                    "and can no longer be used; restart from a checkpoint, or compose without donate=True to keep "
-                    "inputs intact.")
+                    "and can no longer be used; restart from a checkpoint (fs.load(fs.latest(dir), like=...)), or "
+                    "compose without donate=True to keep inputs intact.")
         else:
             lost = "Nothing was updated: the input state is unchanged and usable."
         if isinstance(e, FshardError) and not isinstance(e, StoreError):

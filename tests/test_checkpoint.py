@@ -1,0 +1,292 @@
+"""fs.save / fs.load / fs.latest (fshard/_checkpoint.py) through torch.distributed.checkpoint.
+
+- Resume: 6 steps uninterrupted against 3 steps, save, new processes, load, 3 steps: losses and parameters
+  bitwise, at world sizes 1 and 2, with gather_ahead, bucket_reduce, clipping, bf16 mixed precision with param
+  copies, fp16 loss scaling and a schedule (the awkward model: tied, frozen, unused, 0-dim, prime, a buffer).
+- Reshard: saved at 2, loaded at 1, 3 and 4: fs.full_params bitwise, and training continues.
+- Interop: an fshard checkpoint loads into a plain model.state_dict() with dcp.load.
+- Atomic and damaged: a save killed before its rename leaves the previous checkpoint and fs.latest returns it;
+  a truncated or corrupted file is an error naming it; keep_last rotates.
+- The box tiling of a flat range (property test).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fshard as fs
+from _dist import run_ranks
+from models import Awkward, awkward_batches, awkward_loss
+
+STEPS = 6
+
+
+def _transforms(kind: str):
+    sched = fs.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, STEPS)
+    opt = fs.adamw(lr=sched, weight_decay=0.1, impl="torch")
+    extra = {"plain": (),
+             "full": (fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=0.001), fs.clip_by_global_norm(0.5),
+                      fs.mixed_precision(torch.bfloat16)),
+             "fp16": (fs.mixed_precision(torch.float16), fs.clip_by_global_norm(0.5))}[kind]
+    return opt, extra
+
+
+def _model():
+    torch.manual_seed(0)
+    return Awkward()
+
+
+def _run(kind: str, path: str | None, phase: str):
+    """phase "all": 6 steps; "first": 3 steps then save; "second": load, 3 steps. Returns losses and params."""
+    mesh = fs.Mesh.from_env()
+    opt, extra = _transforms(kind)
+    state = fs.init(_model(), mesh, opt)
+    batches = list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))
+    if phase == "first":
+        batches = batches[:3]
+    elif phase == "second":
+        state = fs.load(path, like=state)
+        batches = batches[3:]
+    losses = []
+    with fs.compose(awkward_loss, *extra) as step:
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+    if phase == "first":
+        fs.save(path, state)
+    return losses, _numpy(fs.full_params(state)), int(state.step)
+
+
+def _numpy(params: dict) -> dict:
+    """Tensors as numpy arrays: a tensor returned from a rank's process is shared memory that dies with it."""
+    return {k: v.detach().float().numpy().copy() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("kind", ["plain", "full", "fp16"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_is_bitwise_an_uninterrupted_run(tmp_path, kind, world_size):
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(_run, world_size, kind, None, "all")
+    first = run_ranks(_run, world_size, kind, path, "first")
+    second = run_ranks(_run, world_size, kind, path, "second")
+    for w, a, b in zip(whole, first, second):
+        assert w[0] == a[0] + b[0], (w[0], a[0], b[0])
+        assert b[2] == w[2]  # updates applied (fp16 skips its overflowing steps in both)
+        for k in w[1]:
+            assert (w[1][k] == b[1][k]).all(), k
+
+
+def _reshard(path: str, again: str):
+    """Load at this world size, save again, and train on (the global batch differs with the world size here)."""
+    mesh = fs.Mesh.from_env()
+    opt, _ = _transforms("plain")
+    state = fs.load(path, like=fs.init(_model(), mesh, opt))
+    full = _numpy(fs.full_params(state))
+    fs.save(again, state)
+    losses = []
+    with fs.compose(awkward_loss) as step:
+        for b in list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))[3:]:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+    return full, losses
+
+
+def test_reshard_from_2_to_1_3_and_4(tmp_path):
+    """Saved at 2 and loaded at n: the parameters are the saved ones. Saved again at n and loaded at 2: the run
+    continues bitwise as from the original checkpoint, so the moments and counts went through n-rank shards
+    intact too."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_run, 2, "plain", path, "first")[0][1]
+    continued = run_ranks(_run, 2, "plain", path, "second")[0]
+    for n in (1, 3, 4):
+        again = str(tmp_path / f"at{n}")
+        for full, losses in run_ranks(_reshard, n, path, again):
+            assert all((saved[k] == full[k]).all() for k in saved), n
+            assert all(math.isfinite(x) for x in losses)
+        back = run_ranks(_run, 2, "plain", again, "second")[0]
+        assert back[0] == continued[0] and all((back[1][k] == continued[1][k]).all() for k in saved), n
+
+
+def test_a_plain_model_loads_an_fshard_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_run, 2, "plain", path, "first")[0][1]
+    model = Awkward()
+    sd = model.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=path)
+    model.load_state_dict(sd)
+    for k, v in saved.items():
+        assert (dict(model.named_parameters())[k].detach().numpy() == v).all(), k
+    assert torch.equal(model.head.weight, model.emb.weight)  # the tie survives (both keys hold the same values)
+
+
+def test_a_damaged_file_is_named_and_latest_keeps_the_complete_one(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    mesh = fs.Mesh.from_env()
+    opt, _ = _transforms("plain")
+    state = fs.init(_model(), mesh, opt)
+    with fs.compose(awkward_loss) as step:
+        batches = awkward_batches(2, 3)
+        state, _ = step(state, next(batches))
+        fs.save(d / "step1", state)
+        state, _ = step(state, next(batches))
+        fs.save(d / "step2", state)
+    assert fs.latest(d) == str(d / "step2")
+    (d / "step3.partial").mkdir()  # a save killed before its rename
+    (d / "step3.partial" / ".metadata").write_bytes(b"")
+    assert fs.latest(d) == str(d / "step2")
+    data = next(p for p in (d / "step2").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(fs.CheckpointError, match=f"{data.name}.*corrupted"):
+        fs.load(d / "step2", like=state)
+    data.write_bytes(bytes(raw[:100]))
+    with pytest.raises(fs.CheckpointError, match=f"{data.name}.*truncated"):
+        fs.load(d / "step2", like=state)
+    one = fs.load(d / "step1", like=state)
+    assert int(one.step) == 1
+    with pytest.raises(fs.CheckpointError, match="not a complete"):
+        fs.load(d / "step3", like=state)
+    fs.save(d / "step4", state.replace(step=torch.tensor(4)), keep_last=2)
+    assert sorted(p.name for p in d.iterdir() if not p.name.endswith(".partial")) == ["step2", "step4"]
+
+
+@given(shape=st.lists(st.integers(1, 5), max_size=4), data=st.data())
+def test_boxes_tile_a_flat_range_in_order(shape, data):
+    from fshard._checkpoint import _boxes
+    n = math.prod(shape)
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    covered = []
+    for offsets, sizes, start in _boxes(tuple(shape), lo, hi):
+        idx = [sum(i * math.prod(shape[d + 1:]) for d, i in enumerate(t))
+               for t in itertools.product(*[range(o, o + s) for o, s in zip(offsets, sizes)])]
+        assert idx == list(range(start, start + len(idx)))  # contiguous: a view of the flat range
+        covered += idx
+    assert covered == list(range(lo, hi))
+    assert len(_boxes(tuple(shape), lo, hi)) <= max(1, 2 * len(shape) - 1)
+
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _fsdp2(path: str, direction: str):
+    """FSDP2 (fully_shard per block and the root) + DCP beside fshard on the example GPT, 3 steps each side of a
+    checkpoint. "from_fsdp2": FSDP2 saves model and optimizer (get_state_dict), fshard loads and continues.
+    "to_fsdp2": fshard saves, FSDP2 loads (set_state_dict) and continues. Returns the largest parameter
+    difference between the two continuations, and the loaded parameters' largest difference from the saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from models import oracle_model
+    mesh = fs.Mesh.from_env()
+    model, loss_fn, batches = oracle_model("gpt", STEPS)
+    batches = list(batches(mesh.rank, mesh.world_size))
+    ref = copy.deepcopy(model)
+    dmesh = init_device_mesh("cpu", (mesh.world_size,))
+    for block in ref.blocks:
+        fully_shard(block, mesh=dmesh)
+    fully_shard(ref, mesh=dmesh)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+
+    def fsdp_steps(bs):
+        for b in bs:
+            loss_fn(ref, b).backward()
+            opt.step()
+            opt.zero_grad()
+
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    step = fs.compose(loss_fn)
+    if direction == "from_fsdp2":
+        fsdp_steps(batches[:3])
+        msd, osd = get_state_dict(ref, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        saved = {n: p.full_tensor().clone() for n, p in ref.named_parameters()}
+        state = fs.load(path, like=state)
+    else:
+        for b in batches[:3]:
+            state, _ = step(state, b)
+        fs.save(path, state)
+        saved = {k: v.clone() for k, v in fs.full_params(state).items()}
+        msd, osd = get_state_dict(ref, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        set_state_dict(ref, opt, model_state_dict=msd, optim_state_dict=osd)
+    loaded = fs.full_params(state) if direction == "from_fsdp2" else \
+        {n: p.full_tensor() for n, p in ref.named_parameters()}
+    load_diff = max((loaded[k] - saved[k]).abs().max().item() for k in saved)
+    fsdp_steps(batches[3:])
+    for b in batches[3:]:
+        state, _ = step(state, b)
+    ours = fs.full_params(state)
+    return load_diff, max((ours[n] - p.full_tensor()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("direction", ["from_fsdp2", "to_fsdp2"])
+def test_fsdp2_and_fshard_continue_each_others_checkpoints(tmp_path, direction):
+    for load_diff, diff in run_ranks(_fsdp2, 2, str(tmp_path / "ckpt"), direction):
+        assert load_diff == 0.0 and diff <= 1e-6, (load_diff, diff)
+
+
+def _killed_save(d: str, where: str):
+    """Save step 1, then die by SIGKILL in the middle of saving step 2: after DCP wrote everything but before the
+    rename ("before_rename"), or while DCP writes the data files ("writing")."""
+    import signal
+
+    import torch.distributed.checkpoint.filesystem as fsys
+
+    import fshard._checkpoint as ck
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model(), mesh, _transforms("plain")[0])
+    with fs.compose(awkward_loss) as step:
+        batches = awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size)
+        state, _ = step(state, next(batches))
+        fs.save(os.path.join(d, "ckpt"), state)
+        state, _ = step(state, next(batches))
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if where == "before_rename":
+        ck._write_json = die
+    else:
+        fsys._write_item = die
+    fs.save(os.path.join(d, "ckpt"), state)  # the same path: replaced only once complete
+
+
+def _disk_full(d: str):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fsys
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model(), mesh, _transforms("plain")[0])
+    fs.save(os.path.join(d, "a"), state)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    fsys._write_item = full
+    with pytest.raises(fs.CheckpointError, match="No space left.*is unchanged"):
+        fs.save(os.path.join(d, "a"), state.replace(step=torch.tensor(7)))
+    return fs.latest(d), int(fs.load(fs.latest(d), like=state).step)
+
+
+@pytest.mark.parametrize("where", ["before_rename", "writing"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where, world_size):
+    from _dist import spawn
+    out = spawn(_killed_save, world_size, str(tmp_path), where, timeout_s=120, collective_timeout_s=20)
+    assert any(s == "died" for s, _ in out.values()), out
+    assert fs.latest(tmp_path) == str(tmp_path / "ckpt")
+    state = fs.load(tmp_path / "ckpt", like=fs.init(_model(), fs.Mesh.from_env(), _transforms("plain")[0]))
+    assert int(state.step) == 1
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous(tmp_path):
+    assert run_ranks(_disk_full, 2, str(tmp_path)) == [(str(tmp_path / "a"), 0)] * 2
