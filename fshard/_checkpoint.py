@@ -137,15 +137,16 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool):
     spec, rank = state.spec, state.spec.mesh.rank
     template = spec.template
     canonical = {id(p): n for n, p in template.named_parameters()}
+    buffer_of = {id(b): n for n, b in template.named_buffers()}  # a shared buffer's first name, as state.buffers
     slot = {s.name: (u, s) for u in spec.units for s in u.slots}
     model, persistent = {}, set()
     for key, t in template.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor) and id(t) in canonical:
             u, s = slot[canonical[id(t)]]
             model[key] = _slot_boxes(u, s, rank, params[u.name])
-        elif isinstance(t, torch.Tensor):
-            persistent.add(key)
-            model[key] = buffers[key]
+        elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
+            persistent.add(buffer_of[id(t)])
+            model[key] = buffers[buffer_of[id(t)]]
     optim, groups = {}, {}
     opt = spec.optimizer
     for u in spec.units:
@@ -197,10 +198,7 @@ def save(path, state: TrainState, *, keep_last: int | None = None) -> str:
     state.check_usable()
     mesh = state.spec.mesh
     mesh.check_alive()
-    if any(not isinstance(t, torch.Tensor) for st in state.opt_state.values() if st is not None
-           for t in (st.exp_avg, st.exp_avg_sq)):
-        raise CheckpointError("fs.save: this state's moments live in a store (fs.offload_state); saving them is not "
-                              "supported yet. Save before offloading, or keep the moments in memory for the run.")
+    _in_memory(state, "fs.save: this state")
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     if mesh.rank == 0:
@@ -235,6 +233,14 @@ def save(path, state: TrainState, *, keep_last: int | None = None) -> str:
                 shutil.rmtree(p, ignore_errors=True)
     _barrier(mesh)
     return str(path)
+
+
+def _in_memory(state: TrainState, who: str) -> None:
+    if any(not isinstance(t, torch.Tensor) for st in state.opt_state.values() if st is not None
+           for t in (st.exp_avg, st.exp_avg_sq)):
+        raise CheckpointError(f"{who} has its moments in a store (fs.offload_state); checkpoints of offloaded "
+                              "moments are not supported yet. Save and load states whose moments are in memory "
+                              "(a step without offload_state keeps them there).")
 
 
 def _crc(p: Path) -> list[int]:
@@ -325,6 +331,7 @@ def load(path, like: TrainState) -> TrainState:
                             f"{type(like).__name__}.")
     mesh, spec = like.spec.mesh, like.spec
     mesh.check_alive()
+    _in_memory(like, "fs.load: like")
     path = Path(path)
     if (path / MANIFEST).exists() or not (path / ".metadata").is_file():
         _verify(path, mesh)  # an fshard checkpoint (or nothing): check every file first
@@ -347,8 +354,8 @@ def load(path, like: TrainState) -> TrainState:
         fqn = f"model.{key}"
         if fqn not in saved:
             if isinstance(v, _Boxes):
-                raise CheckpointError(f"fs.load: {path} has no parameter {key!r} (model.{key}); it holds "
-                                      f"{_sample(saved, 'model.')}. Was it saved from another model?")
+                raise CheckpointError(f"fs.load: {path} has no parameter {key!r} (model.{key}): it was saved from "
+                                      "another model, or is not a model checkpoint.")
             continue  # a persistent buffer the checkpoint lacks keeps like's value
         _check_shape(path, fqn, saved[fqn], v)
         want[fqn] = v
@@ -389,7 +396,3 @@ def _check_shape(path: Path, fqn: str, md, v) -> None:
         raise CheckpointError(f"fs.load: {fqn} in {path} has shape {tuple(got)}, but the model's is {tuple(shape)}. "
                               "The checkpoint is of another model configuration.")
 
-
-def _sample(saved, prefix: str) -> str:
-    keys = [k.removeprefix(prefix) for k in saved if k.startswith(prefix)]
-    return f"{len(keys)} entries such as {keys[:3]}" if keys else "no model entries"

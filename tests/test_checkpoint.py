@@ -290,3 +290,26 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where, wo
 
 def test_a_full_disk_fails_the_save_and_keeps_the_previous(tmp_path):
     assert run_ranks(_disk_full, 2, str(tmp_path)) == [(str(tmp_path / "a"), 0)] * 2
+
+
+def test_offloaded_moments_are_refused_with_the_reason(tmp_path):
+    state = fs.init(_model(), fs.Mesh.from_env(), _transforms("plain")[0])
+    with fs.compose(awkward_loss, fs.offload_state(fs.CPUStore())) as step:
+        state, _ = step(state, next(awkward_batches(2, 1)))
+        with pytest.raises(fs.CheckpointError, match="in a store"):
+            fs.save(tmp_path / "c", state)
+        with pytest.raises(fs.CheckpointError, match="in a store"):
+            fs.load(tmp_path / "c", like=state)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
+
+
+def test_a_checkpoint_of_another_model_names_the_entry(tmp_path):
+    state = fs.init(_model(), fs.Mesh.from_env(), _transforms("plain")[0])
+    fs.save(tmp_path / "c", state)
+    other = fs.init(torch.nn.Sequential(torch.nn.Linear(8, 3)), fs.Mesh.from_env(), fs.adamw())
+    with pytest.raises(fs.CheckpointError, match="no parameter '0.weight'"):
+        fs.load(tmp_path / "c", like=other)
+    smaller = Awkward()
+    smaller.up = torch.nn.Linear(8, 5, bias=False)
+    with pytest.raises(fs.CheckpointError, match=r"model.up.weight .* shape \(37, 8\).* \(5, 8\)"):
+        fs.load(tmp_path / "c", like=fs.init(smaller, fs.Mesh.from_env(), fs.adamw()))
