@@ -24,12 +24,12 @@ from ._accumulate import accumulate
 from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
                     UnitView, UpdatePolicy)
 from ._bucket_reduce import bucket_reduce
-from ._checkpoint import latest, load, save
+from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
 from ._errors import (ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError, DonatedStateError,
                       FrozenStateError, FshardError, InitError, LossError, MeshMismatchError, PolicyError,
-                      RankDivergenceError, RecomputeError, ScheduleError, StepClosedError, TemplateCallError,
-                      TransformConflictError, UnboundParameterError)
+                      RankDivergenceError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
+                      TemplateCallError, TransformConflictError, UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
@@ -55,8 +55,10 @@ _LAZY = ("ops", "testing")
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "full_state_dict", "save", "load", "latest", "TrainState", "ShardSpec", "FrozenMap",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap",
     "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored",
+    # checkpoints
+    "save", "load", "latest", "SaveHandle",
     # the step and its transforms
     "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
     "clip_by_global_norm", "skip_nonfinite", "offload_state", "mixed_precision", "MixedPrecisionState",
@@ -71,8 +73,8 @@ __all__ = [
     # errors: every one an FshardError
     "FshardError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError", "DonatedStateError",
     "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError", "PolicyError",
-    "RankDivergenceError", "RecomputeError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
-    "TransformConflictError", "UnboundParameterError",
+    "RankDivergenceError", "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError",
+    "TemplateCallError", "TransformConflictError", "UnboundParameterError",
 ]
 
 

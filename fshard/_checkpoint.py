@@ -1,129 +1,41 @@
-"""fs.save / fs.load / fs.latest: TrainState checkpoints through torch.distributed.checkpoint (DCP).
+"""fs.save / fs.load: TrainState checkpoints through torch.distributed.checkpoint (DCP).
 
 The checkpoint is a DCP directory that FSDP2 and plain torch can read, in the layout FSDP2's users already have:
 
 - ``"model"``: keyed like ``model.state_dict()`` (every name of a tied parameter, persistent buffers). Each rank
-  writes only its shard of each parameter. A shard is a contiguous range of the flattened parameter, which is not
-  one box of the parameter's shape when it starts or ends mid-row, so it is written as the few boxes that tile it
-  (``_boxes``: at most 2 * ndim - 1), each with its true offsets: DCP's planner then reads any other tiling from
-  them, FSDP2's row shards, a whole tensor, or fshard's at another world size.
+  writes only its shard of each parameter, as boxes with true offsets (fshard/_dcp.py), so DCP reshards.
 - ``"optim"``: ``get_optimizer_state_dict``'s layout, keyed by parameter name: ``state[name]`` holds ``step`` (a
   0-dim fp32 tensor, as torch's AdamW keeps it), ``exp_avg`` and ``exp_avg_sq`` (boxes as above); parameters that
   were never updated have no entry, as in torch. ``param_groups`` lists the hyperparameters, one group per weight
-  decay.
+  decay. Moments in a store (fs.offload_state) stream through it chunk by chunk, on save and on load.
 - ``"fshard"``: the step and skip counts, ``transform_state`` (the loss scale, ...), non-persistent buffers, and a
   description of the layout for the error messages.
 
-A save writes into ``<path>.partial`` and renames it to ``<path>`` once DCP has written its metadata (last, after
-every rank's data) and rank 0 has written ``fshard.json`` (the step and a CRC-32 and size of every file): a
-checkpoint is visible only complete, and a killed save leaves the previous one as it was. ``load`` checks the sizes
-and CRCs (each rank a share of the files) before DCP reads, so a truncated or corrupted file is an error that names
-it, not garbage in the parameters.
+A save is visible only complete (a rename after DCP's metadata and fshard's manifest of file CRCs, in
+fshard/_ckpt_files.py); ``load`` checks every file's size and CRC before DCP reads, so a damaged file is an error
+that names it. ``blocking=False`` runs the save in a thread of its own, over a process group of its own, on the
+state as it is: a state is immutable unless donated, so the save needs no copy (fs.SaveHandle).
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-import shutil
-import time
-import zlib
+import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ._errors import ArgumentError, CheckpointError
+from ._ckpt_files import FORMAT, MANIFEST, commit, latest, prepare, verify  # noqa: F401 (latest: fs.latest)
+from ._dcp import _Boxes, _Chunks, _LoadPlanner, _SavePlanner, _StreamingReader, slot_boxes
+from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
+from ._offload import _chunks, choose_units, offload_state
 from ._optim import AdamWState
 from ._state import TrainState
+from ._stored import Stored, _Items, _location, _stored_state
 
-FORMAT = 1
-MANIFEST = "fshard.json"
-
-
-def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
-    """Boxes (offsets, sizes, flat start) that tile elements [lo, hi) of a row-major tensor of ``shape``, in order;
-    each box is contiguous in the flat order, so it is a view of the flat range."""
-    if lo >= hi:
-        return []
-    if not shape:
-        return [((), (), lo)]
-    inner = math.prod(shape[1:])
-    out = []
-    row = lo // inner
-    if lo % inner:  # a partial first row
-        end = min(hi, (row + 1) * inner)
-        out += [((row, *o), (1, *s), row * inner + f) for o, s, f in _boxes(shape[1:], lo - row * inner,
-                                                                             end - row * inner)]
-        row, lo = row + 1, (row + 1) * inner
-    last = hi // inner
-    if lo < hi and last > row:  # whole rows
-        out.append(((row, *[0] * (len(shape) - 1)), (last - row, *shape[1:]), lo))
-    if lo < hi and hi % inner and last >= row:  # a partial last row
-        out += [((last, *o), (1, *s), last * inner + f) for o, s, f in _boxes(shape[1:], 0, hi - last * inner)]
-    return out
-
-
-class _Boxes:
-    """One parameter-shaped entry of the DCP state dict, held as this rank's boxes of a flat tensor: DCP asks it
-    for its chunks (save and load) and the planners below for a box's tensor by its offsets."""
-
-    def __init__(self, shape, flat: torch.Tensor | None, boxes: list):
-        self.shape, self.flat, self.boxes = torch.Size(shape), flat, boxes
-        self._by_offset = {tuple(o): (s, f) for o, s, f in boxes}
-
-    def get(self, offsets) -> torch.Tensor:
-        sizes, f = self._by_offset[tuple(offsets)]
-        n = math.prod(sizes)
-        return self.flat[f:f + n].view(sizes)
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in self.boxes]
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        props = TensorProperties(dtype=self.flat.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.shape))
-                for c in self.__create_chunk_list__()]
-
-
-class _SavePlanner(DefaultSavePlanner):
-    def resolve_data(self, write_item):
-        obj = self.state_dict.get(write_item.index.fqn)
-        if isinstance(obj, _Boxes):
-            return obj.get(write_item.index.offset)
-        return super().resolve_data(write_item)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        boxes = {k: v for k, v in state_dict.items() if isinstance(v, _Boxes)}
-        super().set_up_planner(state_dict, metadata, is_coordinator)  # (its _init_state_dict sets unknown types None)
-        for k, v in boxes.items():  # the dict is flat (keys "model.<name>"), so flattening kept the keys
-            state_dict[k] = self.state_dict[k] = v
-
-    def lookup_tensor(self, index):
-        obj = self.state_dict.get(index.fqn)
-        if isinstance(obj, _Boxes):
-            return obj.get(index.offset)
-        return super().lookup_tensor(index)
-
-
-def _slot_boxes(u, s, rank: int, flat: torch.Tensor, base: int = 0) -> _Boxes:
-    """Slot s of unit u as boxes of ``flat``, this rank's piece of the unit (element ``base`` of ``flat`` is
-    element ``lo`` of the rank's shard)."""
-    lo, hi = u.shard_range(rank)
-    a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-    if s.numel == 0:  # an empty parameter: one empty box, from rank 0, so that the checkpoint lists it
-        return _Boxes(s.shape, flat, [((0,) * len(s.shape), tuple(s.shape), 0)] if rank == 0 else [])
-    boxes = [(o, sz, s.offset + f - lo + base) for o, sz, f in _boxes(s.shape, a - s.offset, b - s.offset)]
-    return _Boxes(s.shape, flat, boxes)
+__all__ = ["save", "load", "latest", "SaveHandle"]
 
 
 def _layout_of(state: TrainState) -> dict:
@@ -132,8 +44,9 @@ def _layout_of(state: TrainState) -> dict:
             "dtypes": {u.name: str(u.dtype) for u in state.spec.units}}
 
 
-def _entries(state: TrainState, params, opt_state, buffers, for_load: bool):
-    """The DCP state dict of a state's tensors (``params``/``opt_state`` may be new tensors to load into)."""
+def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, window: _Chunks):
+    """The DCP state dict of a state's tensors (``params``/``opt_state`` may be new tensors to load into); moments
+    in a store become boxes of its chunk items, read (save) or filled (load) through ``window``."""
     spec, rank = state.spec, state.spec.mesh.rank
     template = spec.template
     canonical = {id(p): n for n, p in template.named_parameters()}
@@ -143,23 +56,25 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool):
     for key, t in template.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor) and id(t) in canonical:
             u, s = slot[canonical[id(t)]]
-            model[key] = _slot_boxes(u, s, rank, params[u.name])
+            model[key] = slot_boxes(u, s, rank, params[u.name].dtype, flat=params[u.name])
         elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
             persistent.add(buffer_of[id(t)])
             model[key] = buffers[buffer_of[id(t)]]
     optim, groups = {}, {}
     opt = spec.optimizer
-    for u in spec.units:
+    for order, u in enumerate(spec.units):
         st = opt_state.get(u.name)
         if st is None:
             continue
+        rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if isinstance(m, Stored) else
+                                       dict(flat=m))) for r, m in enumerate((st.exp_avg, st.exp_avg_sq))]
         for k, s in enumerate(u.trainable):
             groups.setdefault(opt.decays(u)[k], []).append(s.name)  # every trainable name, as torch's groups
             if not for_load and int(st.count[k]) == 0:
                 continue  # never updated: torch keeps no state for it
             optim[s.name] = {"step": torch.tensor(float(st.count[k]), dtype=torch.float32),
-                             "exp_avg": _slot_boxes(u, s, rank, st.exp_avg),
-                             "exp_avg_sq": _slot_boxes(u, s, rank, st.exp_avg_sq)}
+                             "exp_avg": slot_boxes(u, s, rank, **rows[0]),
+                             "exp_avg_sq": slot_boxes(u, s, rank, **rows[1])}
     param_groups = [{"lr": opt.lr if not callable(opt.lr) else opt.lr_at(int(state.step)), "betas": opt.betas,
                      "eps": opt.eps, "weight_decay": wd, "amsgrad": False, "maximize": False, "foreach": None,
                      "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
@@ -180,17 +95,20 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _barrier(mesh) -> None:
-    if mesh.group is not None:
-        dist.barrier(group=mesh.group)
+def _has_stored(state: TrainState) -> bool:
+    return any(isinstance(getattr(st, "exp_avg", None), Stored) for st in state.opt_state.values())
 
 
-def save(path, state: TrainState, *, keep_last: int | None = None) -> str:
-    """Collective: write ``state`` as a DCP checkpoint at ``path`` (a directory), every rank its own shards, and
-    return the path. The checkpoint appears at ``path`` only once complete (module docstring); an existing one at
-    ``path`` is replaced only then. ``keep_last=N``: afterwards, delete all but the N newest complete checkpoints
-    (by step) in ``path``'s parent directory. Offloaded moments (``fs.offload_state``) are not written yet: a
-    state holding them raises ``CheckpointError``."""
+def save(path, state: TrainState, *, keep_last: int | None = None, blocking: bool = True):
+    """Collective: write ``state`` as a DCP checkpoint at ``path`` (a directory), every rank its own shards. The
+    checkpoint appears at ``path`` only once complete; an existing one at ``path`` is replaced only then.
+    ``keep_last=N``: afterwards, delete all but the N newest complete checkpoints (by step) in ``path``'s parent
+    directory. Moments in a store are read from it one chunk item at a time, never all at once.
+
+    Returns the path; with ``blocking=False``, at once a ``SaveHandle`` whose ``wait()`` returns it, while the save
+    runs in a thread beside training. The state needs no copy, as a step that does not donate never changes its
+    input; a step composed with ``donate=True`` refuses a state whose save was not waited for. Moments in a store
+    are saved blocking only (the store serves one thread, and the step's offload uses it)."""
     if not isinstance(state, TrainState):
         raise ArgumentError(f"fs.save(path, state): state must be an fs.TrainState, not {type(state).__name__}.")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -198,157 +116,90 @@ def save(path, state: TrainState, *, keep_last: int | None = None) -> str:
     state.check_usable()
     mesh = state.spec.mesh
     mesh.check_alive()
-    _in_memory(state, "fs.save: this state")
     path = Path(path)
+    if blocking:
+        return _write(path, state, mesh.group, keep_last)
+    if _has_stored(state):
+        raise CheckpointError("fs.save(..., blocking=False): this state's moments are in a store (fs.offload_state), "
+                              "which serves one thread, and the step's offload uses it; save it with "
+                              "blocking=True (the default), which streams the moments through the store.")
+    group, pool = mesh.background()  # the save's collectives never interleave with the step's
+    handle = SaveHandle(str(path), pool.submit(_write, path, state, group, keep_last), state.donation)
+    state.donation.saves.append(handle)
+    return handle
+
+
+def _write(path: Path, state: TrainState, group, keep_last) -> str:
+    mesh = state.spec.mesh
     tmp = path.with_name(path.name + ".partial")
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
-        tmp.mkdir(parents=True)
-    _barrier(mesh)
-    sd = _entries(state, state.params, state.opt_state, state.buffers, for_load=False)
+    prepare(tmp, mesh.rank, group)
+    sd = _entries(state, state.params, state.opt_state, state.buffers, for_load=False, window=_Chunks())
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), planner=_SavePlanner(),
-                 process_group=mesh.group)
+                 process_group=group)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"fs.save: writing {tmp} failed ({_cause(e)}); {path} is unchanged.") from e
-    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    mine = {n: _crc(tmp / n) for n in files[mesh.rank::mesh.world_size]}  # each rank sums a share
-    sums = [None] * mesh.world_size
-    if mesh.group is not None:
-        dist.all_gather_object(sums, mine, group=mesh.group)
-    else:
-        sums = [mine]
-    if mesh.rank == 0:
-        manifest = {**_layout_of(state), "time": time.time(), "files": {k: v for d in sums for k, v in d.items()}}
-        _write_json(tmp / MANIFEST, manifest)
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-        tmp.rename(path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_last is not None:
-            for p in _complete(path.parent)[:-keep_last]:
-                shutil.rmtree(p, ignore_errors=True)
-    _barrier(mesh)
+    commit(tmp, path, _layout_of(state), mesh.rank, mesh.world_size, group, keep_last)
     return str(path)
 
 
-def _in_memory(state: TrainState, who: str) -> None:
-    if any(not isinstance(t, torch.Tensor) for st in state.opt_state.values() if st is not None
-           for t in (st.exp_avg, st.exp_avg_sq)):
-        raise CheckpointError(f"{who} has its moments in a store (fs.offload_state); checkpoints of offloaded "
-                              "moments are not supported yet. Save and load states whose moments are in memory "
-                              "(a step without offload_state keeps them there).")
+class SaveHandle:
+    """An asynchronous save (``fs.save(path, state, blocking=False)``), running in the mesh's background thread over
+    its background process group (``Mesh.background``), after any save started before it. ``wait()`` returns the
+    checkpoint's path once it is complete and visible, or raises the save's ``CheckpointError``; call it on every
+    rank before a step that donates the state."""
 
+    def __init__(self, path: str, future, donation):
+        self.path, self._future, self._donation = path, future, donation
 
-def _crc(p: Path) -> list[int]:
-    crc = 0
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return [p.stat().st_size, crc]
+    def done(self) -> bool:
+        """Whether the save has finished (written, or failed) on this rank."""
+        return self._future.done()
 
-
-def _write_json(p: Path, obj) -> None:
-    with open(p, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _manifest(path: Path) -> dict | None:
-    try:
-        m = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return m if (path / ".metadata").is_file() and isinstance(m, dict) and "step" in m else None
-
-
-def _complete(directory: Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first (by step, then time)."""
-    found = []
-    for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
-        if p.name.endswith(".old") and p.with_name(p.name[:-4]).exists():
-            continue  # the replaced version of a checkpoint that exists (a save killed between its two renames
-        m = _manifest(p) if p.is_dir() and not p.name.endswith(".partial") else None  # leaves only the .old)
-        if m is not None:
-            found.append((m["step"], m.get("time", 0.0), p))
-    return [p for *_, p in sorted(found)]
-
-
-def latest(directory) -> str | None:
-    """The newest complete checkpoint (the highest step) that ``fs.save`` wrote into ``directory``, or None. A save
-    still in progress, or one killed, is never returned."""
-    found = _complete(Path(directory))
-    return str(found[-1]) if found else None
-
-
-def _verify(path: Path, mesh) -> dict:
-    """The manifest, after each rank checked a share of the files' sizes and CRCs; raises naming a bad file."""
-    m = _manifest(path)
-    if m is None:
-        raise CheckpointError(f"fs.load: {path} is not a complete fshard checkpoint (no .metadata or {MANIFEST}); "
-                              f"a save that was interrupted leaves <path>.partial instead. fs.latest(directory) "
-                              "finds the newest complete one.")
-    names = sorted(m["files"])
-    bad = []
-    for n in names[mesh.rank::mesh.world_size]:
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the save is complete; return its path. Raises ``CheckpointError`` if it failed, or if
+        ``timeout`` seconds passed first (then the save goes on: wait again)."""
         try:
-            got = _crc(path / n)
-        except OSError as e:
-            bad.append(f"{path / n}: {e.strerror}")
-            continue
-        if got != m["files"][n]:
-            what = "truncated or extended" if got[0] != m["files"][n][0] else "corrupted (CRC-32 mismatch)"
-            bad.append(f"{path / n}: {what}, {got[0]:,} bytes against {m['files'][n][0]:,} written")
-    if mesh.group is not None:
-        every = [None] * mesh.world_size
-        dist.all_gather_object(every, bad, group=mesh.group)
-        bad = [b for r in every for b in r]
-    if bad:
-        raise CheckpointError("fs.load: damaged checkpoint file(s): " + "; ".join(bad) + ". Load an earlier "
-                              "checkpoint (fs.latest skips none that are complete; pass another path).")
-    return m
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise CheckpointError(f"fs.save(..., blocking=False) of {self.path} did not finish within {timeout} s; "
+                                  "it is still running: call wait() again.") from None
+        finally:
+            if self._future.done() and self in self._donation.saves:
+                self._donation.saves.remove(self)
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, {'done' if self.done() else 'running'})"
 
 
-def load(path, like: TrainState) -> TrainState:
+def load(path, like: TrainState, *, offload: offload_state | None = None) -> TrainState:
     """Collective: a new TrainState shaped like ``like`` (its model, units, world size, optimizer and transforms)
     holding the values saved at ``path``, by fs.save at any world size or by FSDP2 + DCP (``model`` and
     ``get_optimizer_state_dict`` entries). ``like``'s own values are not read or changed. Parameters the checkpoint
-    lacks are an error; optimizer state it lacks (parameters never updated) starts at zero, as in torch."""
+    lacks are an error; optimizer state it lacks (parameters never updated) starts at zero, as in torch.
+
+    The moments go where ``like`` keeps them: in memory, or in its store, streamed into it one chunk item at a time
+    (so a state whose moments only fit in a store loads). ``offload=``: the ``fs.offload_state`` the step is composed
+    with, to place them as that step would (its store, fraction and chunk size) rather than as ``like`` has them,
+    e.g. when ``like`` is fresh from ``fs.init``."""
     if not isinstance(like, TrainState):
         raise ArgumentError(f"fs.load(path, like): like must be an fs.TrainState (from fs.init), not "
                             f"{type(like).__name__}.")
+    if offload is not None and not isinstance(offload, offload_state):
+        raise ArgumentTypeError(f"fs.load(..., offload=): pass the fs.offload_state(...) the step is composed with, "
+                                f"not {type(offload).__name__}.")
     mesh, spec = like.spec.mesh, like.spec
     mesh.check_alive()
-    _in_memory(like, "fs.load: like")
     path = Path(path)
     if (path / MANIFEST).exists() or not (path / ".metadata").is_file():
-        _verify(path, mesh)  # an fshard checkpoint (or nothing): check every file first
-    reader = dcp.FileSystemReader(str(path))
+        verify(path, mesh)  # an fshard checkpoint (or nothing): check every file first
+    reader = _StreamingReader(str(path), {}, _Chunks())
     saved = reader.read_metadata().state_dict_metadata
     dev = mesh.device
     params = {u.name: torch.zeros(u.shard_numel, dtype=u.dtype, device=dev) for u in spec.units}
-    opt_state = {}
-    for u in spec.units:
-        st = like.opt_state.get(u.name)
-        if st is not None:
-            n = u.opt_numel(mesh.rank)
-            opt_state[u.name] = AdamWState(torch.zeros(len(u.trainable), dtype=torch.int64),
-                                           torch.zeros(n, dtype=u.dtype, device=dev),
-                                           torch.zeros(n, dtype=u.dtype, device=dev))
+    opt_state = _new_moments(like, offload, reader.targets)
     buffers = {n: b.detach().clone() for n, b in like.buffers.items()}
-    full = _entries(like, params, opt_state, buffers, for_load=True)
+    full = _entries(like, params, opt_state, buffers, for_load=True, window=reader.window)
     want = {}
     for key, v in full["model"].items():
         fqn = f"model.{key}"
@@ -387,6 +238,33 @@ def load(path, like: TrainState) -> TrainState:
     return TrainState(params=params, opt_state=opt_state, step=want.get("fshard.step", like.step.clone()),
                       buffers=buffers, spec=spec, skipped=want.get("fshard.skipped", like.skipped.clone()),
                       transform_state=transform_state or dict(like.transform_state), copies={})
+
+
+def _new_moments(like: TrainState, offload, targets: dict) -> dict:
+    """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
+    fill, in order: (unit index, chunk index) -> (items, numel, dtype))."""
+    spec, rank = like.spec, like.spec.mesh.rank
+    chosen = choose_units(spec, like.opt_state, offload.fraction) if offload is not None else frozenset()
+    tag = uuid.uuid4().hex[:8]
+    out = {}
+    for order, u in enumerate(spec.units):
+        st = like.opt_state.get(u.name)
+        if st is None:
+            continue
+        n, count = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64)
+        if offload is not None:
+            where = (offload.store, _chunks(n, offload.chunk_numel)) if u.name in chosen else None
+        else:
+            where = (st.exp_avg.items.store, st.exp_avg.items.chunks) if isinstance(st.exp_avg, Stored) else None
+        if where is None:
+            out[u.name] = AdamWState(count, torch.zeros(n, dtype=u.dtype, device=spec.mesh.device),
+                                     torch.zeros(n, dtype=u.dtype, device=spec.mesh.device))
+            continue
+        items = _Items(where[0], f"{u.name}@load-{tag}", where[1])
+        for c, (lo, hi) in enumerate(items.chunks):
+            targets[(order, c)] = (items, hi - lo, u.dtype)
+        out[u.name] = _stored_state(items, count, n, u.dtype, _location(where[0]))
+    return out
 
 
 def _check_shape(path: Path, fqn: str, md, v) -> None:

@@ -76,3 +76,7 @@ class RecomputeError(FshardError, RuntimeError):
 
 class CheckpointError(FshardError, RuntimeError):
     """A checkpoint could not be written or read (fs.save, fs.load): incomplete, damaged, or of another model."""
+
+
+class SaveInProgressError(CheckpointError):
+    """A step composed with donate=True was given a state that an unfinished fs.save(..., blocking=False) reads."""

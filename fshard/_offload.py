@@ -292,18 +292,21 @@ class OffloadUpdate(UpdatePolicy):
 
     def _choose(self, spec, state) -> frozenset:
         if self._chosen is None or self._chosen[0] != spec.fingerprint:
-            sizes = [(u.name, 2 * u.opt_numel(spec.mesh.rank)) for u in spec.units if u.name in state.opt_state
-                     and state.opt_state[u.name] is not None]
-            total, acc, names = sum(b for _, b in sizes), 0, set()
-            target = self.fraction * total
-            for name, b in sizes:
-                if acc >= target - 1e-9 * total:
-                    break
-                names.add(name)
-                acc += b
-            self._chosen = (spec.fingerprint, frozenset(names))
+            self._chosen = (spec.fingerprint, choose_units(spec, state.opt_state, self.fraction))
         return self._chosen[1]
 
+
+def choose_units(spec, opt_state, fraction: float) -> frozenset:
+    """The units offload_state(fraction=...) places in its store: whole units in model order until their moments
+    make up ``fraction`` of all moment bytes (fs.load(..., offload=) places a loaded state's moments the same way)."""
+    sizes = [(u.name, 2 * u.opt_numel(spec.mesh.rank)) for u in spec.units if opt_state.get(u.name) is not None]
+    total, acc, names = sum(b for _, b in sizes), 0, set()
+    for name, b in sizes:
+        if acc >= fraction * total - 1e-9 * total:
+            break
+        names.add(name)
+        acc += b
+    return frozenset(names)
 
 def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:
@@ -370,9 +373,13 @@ class offload_state(Transform):
         self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
         self.worker_nice = worker_nice
 
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of each moment per store item."""
+        return max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
+
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
-        chunk = max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
-        return OffloadUpdate(update, self.store, self.fraction, chunk, self.depth, self.overlap_backward,
+        return OffloadUpdate(update, self.store, self.fraction, self.chunk_numel, self.depth, self.overlap_backward,
                              self.worker_nice)
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import DonatedStateError, FrozenStateError
+from ._errors import DonatedStateError, FrozenStateError, SaveInProgressError
 from ._layout import UnitLayout
 
 NAMESPACE = "fshard"
@@ -102,16 +102,19 @@ optree.register_pytree_node(
 
 
 class Donation:
-    """Whether a state's tensors were handed to a step composed with ``donate=True``, which updates them in place.
+    """Whether a state's tensors were handed to a step composed with ``donate=True``, which updates them in place,
+    and whether an asynchronous save (``fs.save(..., blocking=False)``) is reading them, which such a step must
+    not overwrite: ``saves`` holds the handles not yet waited for.
 
     Every state holds one (``state.donation``). States that share their tensors share it: ``state.replace(...)``
     keeps it, so donating either one makes both unusable. A state rebuilt from leaves (optree) gets a new one.
     """
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "saves")
 
     def __init__(self):
         self.step: int | None = None  # the step count of the state when it was donated
+        self.saves: list = []  # SaveHandles of fs.save(..., blocking=False) not yet waited for
 
     @property
     def done(self) -> bool:
@@ -119,6 +122,16 @@ class Donation:
 
     def take(self, step: int) -> None:
         self.step = step
+
+    def check_not_saving(self) -> None:
+        """Raise if an asynchronous save of these tensors has not been waited for. It depends on the program's
+        order only (``handle.wait()`` called or not), not on how far the save got, so every rank decides alike."""
+        if self.saves:
+            raise SaveInProgressError(
+                f"this TrainState is being written by fs.save(..., blocking=False) ({self.saves[0].path}), and a step "
+                "composed with donate=True would update its tensors in place while they are written. Call "
+                "handle.wait() on the save's handle before the step, or compose without donate=True: a step "
+                "that does not donate leaves its input as it is, so the save needs no copy.")
 
     def __repr__(self) -> str:
         return "Donation(not donated)" if self.step is None else f"Donation(donated at step {self.step})"

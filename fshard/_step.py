@@ -198,6 +198,8 @@ class Step:
             raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous "
                                     f"step, got {type(state).__name__}.")
         state.check_usable()
+        if self.donate:
+            state.donation.check_not_saving()
         spec = state.spec
         if self.mesh is not None and not self.mesh.same_as(spec.mesh):
             raise MeshMismatchError(

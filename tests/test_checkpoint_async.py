@@ -1,0 +1,92 @@
+"""fs.save(..., blocking=False): the save runs in its own thread over its own process group while training goes on.
+
+- Training on for 3 steps while the save runs (world sizes 1 and 2): the checkpoint holds the state as it was
+  when saved (bitwise), and the run's own results are those of a run without the save.
+- A step composed with donate=True refuses a state whose save was not waited for, on every rank, and takes it
+  once wait() returned; offloaded moments refuse blocking=False with the reason.
+- A failing asynchronous save raises from wait() with the cause, and the previous checkpoint stays loadable.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import fshard as fs
+from _dist import run_ranks
+from models import awkward_batches, awkward_loss
+from test_checkpoint import STEPS, _model, _numpy, _transforms
+
+
+def _train(path: str | None):
+    """6 steps; with ``path``, an asynchronous save of step 3's state while steps 4-6 run."""
+    mesh = fs.Mesh.from_env()
+    opt, extra = _transforms("full")
+    state = fs.init(_model(), mesh, opt)
+    handle, at3 = None, None
+    with fs.compose(awkward_loss, *extra) as step:
+        for i, b in enumerate(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size)):
+            state, _ = step(state, b)
+            if i == 2 and path is not None:
+                handle = fs.save(path, state, blocking=False)
+                at3 = _numpy(fs.full_params(state))
+        final = _numpy(fs.full_params(state))
+        if handle is None:
+            return final, None, None
+        assert handle.wait() == path and handle.done()
+        loaded = fs.load(path, like=state)
+        return final, at3, _numpy(fs.full_params(loaded))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_training_goes_on_while_a_save_runs(tmp_path, world_size):
+    plain = run_ranks(_train, world_size, None)
+    saved = run_ranks(_train, world_size, str(tmp_path / "ckpt"))
+    for (ref, _, _), (final, at3, loaded) in zip(plain, saved):
+        assert all((ref[k] == final[k]).all() for k in ref)  # the save changed nothing in the run
+        assert all((at3[k] == loaded[k]).all() for k in at3)  # and holds step 3's state
+        assert any((at3[k] != final[k]).any() for k in at3)
+
+
+def _donated(path: str):
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model(), mesh, _transforms("plain")[0])
+    batches = awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size)
+    with fs.compose(awkward_loss, donate=True) as step:
+        state, _ = step(state, next(batches))
+        handle = fs.save(path, state, blocking=False)
+        with pytest.raises(fs.SaveInProgressError, match=r"handle.wait\(\)"):
+            step(state, next(batches))
+        handle.wait()
+        state, _ = step(state, next(batches))  # taken now, and updated in place
+    with fs.compose(awkward_loss, fs.offload_state(fs.CPUStore())) as step:
+        state, _ = step(state, next(awkward_batches(2, 1, rank=mesh.rank, world_size=mesh.world_size)))
+        with pytest.raises(fs.CheckpointError, match="in a store.*blocking=True"):
+            fs.save(path + "-stored", state, blocking=False)
+    return int(fs.load(path, like=state).step), int(state.step)
+
+
+def test_a_donating_step_waits_for_the_save_by_refusing(tmp_path):
+    assert run_ranks(_donated, 2, str(tmp_path / "c")) == [(1, 3)] * 2
+
+
+def _failing(d: str):
+    import torch.distributed.checkpoint.filesystem as fsys
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model(), mesh, _transforms("plain")[0])
+    fs.save(os.path.join(d, "a"), state)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    fsys._write_item = full
+    handle = fs.save(os.path.join(d, "a"), state.replace(step=torch.tensor(7)), blocking=False)
+    with pytest.raises(fs.CheckpointError, match="No space left.*is unchanged"):
+        handle.wait()
+    assert handle.done() and not state.donation.saves
+    return int(fs.load(fs.latest(d), like=state).step)
+
+
+def test_a_failed_async_save_raises_from_wait_and_keeps_the_previous(tmp_path):
+    assert run_ranks(_failing, 2, str(tmp_path)) == [0, 0]
