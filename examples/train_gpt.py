@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --tiny --steps 50   # any N; gloo on CPU, nccl on CUDA
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20          # the 27.4M-parameter default GPT
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 4 --timeline docs/timeline.png  # the last step, drawn
+    torchrun --nproc-per-node 2 --max-restarts 2 examples/train_gpt.py --checkpoint-dir ckpt --save-every 20
+                                                       # resumes from fs.latest(ckpt) whenever it (re)starts
 
 The model is built on the meta device and materialised by ``fs.init`` unit by unit with the GPT-2 init
 (``init_fn=init_weights``). Each rank draws its own slice of a deterministic global batch (``synthetic_batches``),
@@ -54,6 +56,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps (0: never)")
     p.add_argument("--timeline", default=None, metavar="PATH",
                    help="record every step's timeline and draw the last step's as a PNG here (fs.timeline)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="resume from fs.latest(DIR) at start, and save there every --save-every steps and at the end")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --checkpoint-dir")
+    p.add_argument("--async-save", action="store_true",
+                   help="save in the background (fs.save(..., blocking=False)); steps then do not donate their input")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="at the end, torch.save(fs.full_state_dict(state, rank0_only=True)) on rank 0")
+    p.add_argument("--fault-at", type=int, default=None, metavar="STEP",
+                   help="testing restarts: the last rank kills itself (SIGKILL) before this step, in torchrun's "
+                        "first attempt only (TORCHELASTIC_RESTART_COUNT 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: CPUs / ranks on this node, at least 1)")
     return p.parse_args(argv)
@@ -91,13 +104,20 @@ def main(argv=None) -> dict:
                                              torch.float32))
     if args.clip:  # fp16's loss scaling skips overflowing steps itself (and backs the scale off)
         transforms += [fs.clip_by_global_norm(args.clip)] + ([fs.skip_nonfinite()] if args.precision != "fp16" else [])
-    store = None
+    store = offload = None
     if args.nvme_dir:
         store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
-        transforms.append(fs.offload_state(store, fraction=args.offload_fraction))
+        offload = fs.offload_state(store, fraction=args.offload_fraction)
+        transforms.append(offload)
+    done = 0  # steps (batches) already trained: a checkpoint's update and skip counts
+    if args.checkpoint_dir and (latest := fs.latest(args.checkpoint_dir)):
+        state = fs.load(latest, like=state, offload=offload)  # moments straight into the store, if offloaded
+        done = int(state.step) + int(state.skipped)
+        log(f"resumed from {latest} (step {done})")
     # donate=True: each step updates the state it is given in place (the loop never reuses an old state), so the
-    # step holds one state, not the input and the output (design/ARCHITECTURE.md, "What a step costs")
-    step = fs.compose(loss_fn, *transforms, donate=True, timeline=bool(args.timeline))
+    # step holds one state, not the input and the output (design/ARCHITECTURE.md, "What a step costs"). A
+    # background save reads the state while training goes on, so that the step must leave it as it is.
+    step = fs.compose(loss_fn, *transforms, donate=not args.async_save, timeline=bool(args.timeline))
     log(f"transforms: {', '.join(map(repr, transforms)) or 'none (blocking)'}")
     log(f"GPT {n_params:,} params | world {world} | batch {args.batch_size}/rank "
         f"({args.batch_size * world} global) x seq {cfg.seq} | {args.steps} steps | "
@@ -108,16 +128,30 @@ def main(argv=None) -> dict:
     if rank == 0:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
+        bar = tqdm(total=args.steps, initial=done, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0.1 if sys.stdout.isatty() else 2.0)
 
-    batches = list(batches)
+    batches = list(batches)[done:]
+    saving = None  # the background save in flight (--async-save)
+
+    def save(n: int):
+        nonlocal saving
+        if saving is not None:
+            saving.wait()  # one save at a time; also before the next one rotates the directory
+        path = os.path.join(args.checkpoint_dir, f"step-{n:08d}")
+        handle = fs.save(path, state, keep_last=args.keep_last, blocking=not args.async_save)
+        saving = handle if args.async_save else None
+
     if args.plan and batches:  # what a step will hold and move on this rank, before it runs (no collective)
         log(step.plan(state, batches[0]))
     metrics: dict = {}
     losses, times = [], []
     t_start = time.perf_counter()
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(batches, start=done):
+        if args.fault_at == i and rank == world - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)  # as a crashed node would: torchrun restarts the group
         t0 = time.perf_counter()
         state, metrics = step(state, batch)
         dt = time.perf_counter() - t0
@@ -138,6 +172,12 @@ def main(argv=None) -> dict:
             bar.update(1)
             if args.log_every and (i + 1) % args.log_every == 0:
                 bar.write(f"step {i + 1:5d}  loss {loss:.4f}  {dt:.3f} s/step")
+        if args.checkpoint_dir and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < args.steps:
+            save(i + 1)
+    if args.checkpoint_dir and done < args.steps:
+        save(args.steps)
+    if saving is not None:
+        saving.wait()
     wall = time.perf_counter() - t_start
     step.close()  # ends the offload worker thread; the store stays open until store.close()
     if bar is not None:
@@ -149,6 +189,12 @@ def main(argv=None) -> dict:
                                f"{len(losses)} of {len(losses)}")
         log(f"timeline of step {len(losses)}: {tl.path} ({tl.step_seconds:.3f} s, overlap {tl.overlap:.0%})")
 
+    if args.export:  # a collective: rank 0 gets model.state_dict() of the trained model, unit by unit
+        sd = fs.full_state_dict(state, rank0_only=True)
+        if rank == 0:
+            torch.save(sd, args.export)
+            log(f"exported {len(sd)} entries to {args.export}")
+        del sd
     full = fs.full_params(state)  # collective: every rank must call it
     norm = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in full.values()))
     steady = sorted(times[1:] or times)

@@ -26,14 +26,18 @@ from ._layout import views
 from ._state import TrainState
 
 
-def full_state_dict(state: TrainState) -> dict[str, Any]:
+def full_state_dict(state: TrainState, *, rank0_only: bool = False) -> dict[str, Any]:
     """Collective: ``model.state_dict()`` of the model that ``state`` was made from, at full size, with the trained
     values. The keys and their order are exactly the model's: every name of a tied parameter (the same tensor
     under each, as in ``model.state_dict()``, so ``lm_head.weight`` is ``transformer.wte.weight``), persistent
     buffers from ``state.buffers``, non-persistent buffers left out, as ``state_dict`` leaves them out (they stay
     in ``state.buffers``). So ``model.load_state_dict(fs.full_state_dict(state))`` loads with ``strict=True``,
     tied HF models included. Every parameter is a tensor of its own (safetensors can save the dict), on the mesh's
-    device, in its master dtype; buffers are copies, so the dict shares no tensor with ``state``."""
+    device, in its master dtype; buffers are copies, so the dict shares no tensor with ``state``.
+
+    ``rank0_only=True``: only rank 0 gets the dict (the others get ``{}``), gathered to it unit by unit, so no rank
+    holds more than the dict and one unit's flat buffer, and the others hold no full parameter: the export for
+    inference, ``torch.save`` or safetensors on rank 0."""
     if not isinstance(state, TrainState):
         raise ArgumentError(f"fs.full_state_dict(state): state must be the fs.TrainState that fs.init or a step "
                             f"returned, not {type(state).__name__}.")
@@ -50,7 +54,9 @@ def full_state_dict(state: TrainState) -> dict[str, Any]:
                                 "nor a buffer of the model (a state_dict hook or _save_to_state_dict made it), so "
                                 "fshard has no value for it. Build the dict from fs.full_params(state) and "
                                 "state.buffers instead.")
-    params = _gather(state)
+    params = _gather(state, rank0_only)
+    if rank0_only and spec.mesh.rank != 0:
+        return {}
     buffers = {n: b.detach().clone() for n, b in state.buffers.items()}
     out = {}
     for key, t in entries.items():
@@ -63,13 +69,19 @@ def full_state_dict(state: TrainState) -> dict[str, Any]:
     return out
 
 
-def _gather(state: TrainState) -> dict[str, torch.Tensor]:
-    """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time."""
+def _gather(state: TrainState, rank0_only: bool) -> dict[str, torch.Tensor]:
+    """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time (with
+    ``rank0_only``, on rank 0 only: the others return {})."""
     spec = state.spec
     comm, out = Comm(spec.mesh), {}
+    receives = not rank0_only or spec.mesh.rank == 0
     for u in spec.units:
-        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
-        comm.all_gather(flat, state.params[u.name], u.name)
-        out.update((n, v.clone()) for n, v in views(flat, u).items())
+        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None
+        if rank0_only:
+            comm.gather_to_first(flat, state.params[u.name], u.name)
+        else:
+            comm.all_gather(flat, state.params[u.name], u.name)
+        if receives:
+            out.update((n, v.clone()) for n, v in views(flat, u).items())
         del flat
     return out

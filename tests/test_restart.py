@@ -1,0 +1,80 @@
+"""Automatic restart and export (issue #21): examples/train_gpt.py under ``torchrun --max-restarts=2``, a rank killed
+with SIGKILL mid-training, resumes from fs.latest(--checkpoint-dir) and ends with parameters bitwise equal to an
+uninterrupted run's (NVMe-offloaded moments with blocking saves; asynchronous saves). The export it writes is
+``fs.full_state_dict(state, rank0_only=True)``, which gathers to rank 0 only, unit by unit (memory measured)."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+import fshard as fs
+from _dist import run_ranks
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 10
+
+
+def _train(tmp, name: str, *flags: str, restarts: int = 0):
+    export = tmp / f"{name}.pt"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+           f"--max-restarts={restarts}", os.path.join(_ROOT, "examples", "train_gpt.py"), "--tiny", "--steps",
+           str(STEPS), "--threads", "1", "--log-every", "0", "--export", str(export), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: none may outlive the test
+        log, _ = proc.communicate()
+        raise AssertionError(f"{name}: no result within 240 s\n{log[-5000:]}") from None
+    assert proc.returncode == 0, log[-5000:]
+    return torch.load(export), log
+
+
+def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
+    ref, _ = _train(tmp_path, "uninterrupted")
+    # (resumed from): the kill before step 7 finds step 6 saved when saves block; an asynchronous save of step 6
+    # may still be running then, and the restart takes step 3, the newest complete one
+    runs = {"offloaded, blocking": (["--nvme-dir", str(tmp_path / "nvme")], ("(step 6)",)),
+            "async": (["--async-save"], ("(step 3)", "(step 6)"))}
+    for name, (flags, resumed) in runs.items():
+        d = tmp_path / name.replace(", ", "-")
+        got, log = _train(tmp_path, d.name, "--checkpoint-dir", str(d), "--save-every", "3", "--fault-at", "7",
+                          *flags, restarts=2)
+        assert any(f"{d}/step-0000000{r[-2]} {r}" in log for r in resumed), (name, log[-3000:])
+        assert sorted(p.name for p in d.iterdir()) == ["step-00000009", "step-00000010"], name  # keep_last 2
+        assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref), name
+
+
+def _export(_):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    mesh = fs.Mesh.from_env()
+    state = fs.init(model, mesh, fs.adamw())
+    fs.full_state_dict(state, rank0_only=True)  # the first-use costs of gloo's gather are not measured
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS, from here
+    before = _status("VmRSS:")
+    sd = fs.full_state_dict(state, rank0_only=True)
+    growth = _status("VmHWM:") - before
+    ok = mesh.rank != 0 or all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    return len(sd), growth, ok
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def test_full_state_dict_rank0_only_gathers_to_rank_0_unit_by_unit():
+    (n0, grow0, ok0), (n1, grow1, _) = run_ranks(_export, 2, None)
+    unit = 1024 * 1024 * 4 + 4096  # one Linear's parameters, fp32
+    assert ok0 and n0 == 8 and n1 == 0
+    assert grow0 <= 4 * unit + 2 * unit + 8 * 2**20, grow0  # the dict, one unit's flat buffer and its clones
+    assert grow1 <= 2 * 2**20, grow1  # no full parameter on the other ranks (all-gathered: 21 MB each)
