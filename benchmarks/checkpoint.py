@@ -6,9 +6,10 @@ Run (2 ranks over gloo on this machine, serialized with other benchmarks):
 
 Async: the example GPT (``--layers`` blocks of dim 512; 6 by default: 27.4M parameters, a 329 MB checkpoint with
 the moments) with gather_ahead, bucket_reduce, clipping and bf16, batch 8 per rank, ``--threads`` torch threads per
-rank. Each round runs ``--steps`` steps without a save, then starts an async save and runs steps until it is done on
-every rank (an all-reduce of a flag after each step), then a blocking save. Step times are medians over all rounds (rank 0's; every step synchronizes the
-ranks), steps during a save only while it ran. The peer is the same step without a save, in the same processes.
+rank. Each round runs ``--steps`` steps without a save, then starts an async save and runs steps until it is done
+on every rank (an all-reduce of a flag after each step), then a blocking save. Step times are medians over all
+rounds (rank 0's; every step synchronizes the ranks), steps during a save only while it ran. The peer is the same
+step without a save, in the same processes.
 
 Memory: one unit of 4096 x 4096 (16.8M parameters, 134 MB of moments) trained 2 steps with the moments in an
 NVMeStore (4 MiB chunks); VmHWM (peak RSS) reset before training, before the save and before the load.

@@ -92,8 +92,10 @@ def main(argv=None) -> dict:
         lr = fs.schedules.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
     opt = fs.adamw(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
                    weight_decay_mask=None if args.decay_all else (lambda name, p: p.ndim >= 2))
+    latest = fs.latest(args.checkpoint_dir) if args.checkpoint_dir else None
     torch.manual_seed(args.seed)
-    state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed)
+    # resuming: an abstract state (shapes only) to load into, so the initial weights are never made
+    state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed, abstract=latest is not None)
     del model  # the state owns the (sharded) parameters now
 
     transforms = [fs.gather_ahead(args.depth)] if args.depth else []
@@ -110,7 +112,7 @@ def main(argv=None) -> dict:
         offload = fs.offload_state(store, fraction=args.offload_fraction)
         transforms.append(offload)
     done = 0  # steps (batches) already trained: a checkpoint's update and skip counts
-    if args.checkpoint_dir and (latest := fs.latest(args.checkpoint_dir)):
+    if latest is not None:
         state = fs.load(latest, like=state, offload=offload)  # moments straight into the store, if offloaded
         done = int(state.step) + int(state.skipped)
         log(f"resumed from {latest} (step {done})")

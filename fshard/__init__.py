@@ -26,10 +26,10 @@ from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy
 from ._bucket_reduce import bucket_reduce
 from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
-from ._errors import (ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError, DonatedStateError,
-                      FrozenStateError, FshardError, InitError, LossError, MeshMismatchError, PolicyError,
-                      RankDivergenceError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
-                      TemplateCallError, TransformConflictError, UnboundParameterError)
+from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
+                      DonatedStateError, FrozenStateError, FshardError, InitError, LossError, MeshMismatchError,
+                      PolicyError, RankDivergenceError, RecomputeError, SaveInProgressError, ScheduleError,
+                      StepClosedError, TemplateCallError, TransformConflictError, UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
@@ -71,10 +71,10 @@ __all__ = [
     # stores
     "Store", "CPUStore", "NVMeStore",
     # errors: every one an FshardError
-    "FshardError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError", "DonatedStateError",
-    "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError", "PolicyError",
-    "RankDivergenceError", "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError",
-    "TemplateCallError", "TransformConflictError", "UnboundParameterError",
+    "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
+    "DonatedStateError", "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError",
+    "PolicyError", "RankDivergenceError", "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError",
+    "StoreError", "TemplateCallError", "TransformConflictError", "UnboundParameterError",
 ]
 
 

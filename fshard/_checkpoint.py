@@ -198,7 +198,8 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     dev = mesh.device
     params = {u.name: torch.zeros(u.shard_numel, dtype=u.dtype, device=dev) for u in spec.units}
     opt_state = _new_moments(like, offload, reader.targets)
-    buffers = {n: b.detach().clone() for n, b in like.buffers.items()}
+    buffers = {n: torch.empty(b.shape, dtype=b.dtype, device=dev) if b.is_meta else b.detach().clone()
+               for n, b in like.buffers.items()}  # (an abstract like's meta buffers: the checkpoint must hold them)
     full = _entries(like, params, opt_state, buffers, for_load=True, window=reader.window)
     want = {}
     for key, v in full["model"].items():
@@ -222,6 +223,12 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     for n, b in full["fshard"]["buffers"].items():
         if f"fshard.buffers.{n}" in saved:
             want[f"fshard.buffers.{n}"] = b
+    filled = {id(v) for v in want.values()}
+    unset = [n for n, b in like.buffers.items() if b.is_meta and id(buffers[n]) not in filled]
+    if unset:
+        raise CheckpointError(f"fs.load: {path} has no value for the buffer(s) {', '.join(unset)}, and like is "
+                              "abstract (fs.init(..., abstract=True)), so there is no initial value to keep either. "
+                              "Make like with fs.init without abstract=True.")
     ts_keys = [k for k in saved if k.startswith("fshard.transform_state.")]
     for k in ts_keys:
         want[k] = None

@@ -80,3 +80,7 @@ class CheckpointError(FshardError, RuntimeError):
 
 class SaveInProgressError(CheckpointError):
     """A step composed with donate=True was given a state that an unfinished fs.save(..., blocking=False) reads."""
+
+
+class AbstractStateError(FshardError, ValueError):
+    """A state from fs.init(..., abstract=True), which has no values, was given where values are needed."""

@@ -30,7 +30,7 @@ ROOT = "<root>"
 
 def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
          init_fn: Callable[[nn.Module], None] | None = None,
-         seed: int | None = None, align_bytes: int = ALIGN_BYTES) -> TrainState:
+         seed: int | None = None, align_bytes: int = ALIGN_BYTES, abstract: bool = False) -> TrainState:
     """Shard ``model`` over ``mesh`` and make the optimizer state of each shard.
 
     units: module paths (or modules) that each form one unit; by default every child of every ModuleList or
@@ -49,6 +49,10 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     module of a unit, on a copy whose other units are empty placeholders: ``init_fn(module)`` may write the
     parameters and buffers of ``module`` and of its submodules in the same unit, not those of other units. For an
     HF model pass ``init_fn=model._init_weights``.
+    abstract: materialise nothing, as ``jax.eval_shape``: the shards, moments and (for a meta model) buffers are
+    tensors on the meta device with the shapes and dtypes of the real ones. Such a state is only a ``like`` for
+    ``fs.load``, which allocates each rank's shards and fills them, so resuming never holds the model whole; a
+    step, a save or ``fs.full_params`` refuses it.
     """
     device = _check_devices(model, mesh)
     opt = opt.bind(model)  # evaluates the optimizer's per-parameter choices (a weight-decay mask) once
@@ -57,7 +61,11 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     owners, aliases = _assign(model, unit_mods)
     layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)
     buffers: dict[str, torch.Tensor] = {}
-    if device.type == "meta":
+    if abstract:  # shapes and dtypes only
+        values = ((u, None) for u in layouts)
+        buffers.update((n, b.detach().to(mesh.device, copy=True) if device.type != "meta" else b.detach())
+                       for n, b in model.named_buffers())
+    elif device.type == "meta":
         values = _materialize(model, unit_mods, aliases, layouts, mesh.device, init_fn,
                               torch.initial_seed() if seed is None else seed, buffers)
     else:
@@ -67,7 +75,8 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
 
     params, opt_state = {}, {}
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
-        params[u.name] = shard(u, full, mesh.rank, mesh.device)
+        params[u.name] = (shard(u, full, mesh.rank, mesh.device) if not abstract else
+                          torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
         state = opt.init(u, mesh.rank, params[u.name])
         if state is not None:

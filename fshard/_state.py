@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import DonatedStateError, FrozenStateError, SaveInProgressError
+from ._errors import AbstractStateError, DonatedStateError, FrozenStateError, SaveInProgressError
 from ._layout import UnitLayout
 
 NAMESPACE = "fshard"
@@ -175,7 +175,17 @@ class TrainState:
     def mesh(self):
         return self.spec.mesh
 
+    @property
+    def abstract(self) -> bool:
+        """Whether this state has shapes but no values (``fs.init(..., abstract=True)``)."""
+        return any(p.is_meta for p in self.params.values())
+
     def check_usable(self) -> None:
+        if self.abstract:
+            raise AbstractStateError(
+                "this TrainState is abstract (fs.init(..., abstract=True)): it has shapes and dtypes but no values. "
+                "Load values into one like it, state = fs.load(path, like=state), or make it with fs.init without "
+                "abstract=True.")
         if self.donation.done:
             raise DonatedStateError(
                 f"this TrainState was donated to a step (compose(..., donate=True)) at step {self.donation.step}, "
