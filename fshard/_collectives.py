@@ -290,16 +290,6 @@ class CollectivesView(Collectives):
     def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         return self._comm.all_reduce(t, tag)
 
-    def gather_to_first(self, out: torch.Tensor | None, shard: torch.Tensor, tag: str) -> None:
-        """Blocking gather of every rank's shard into rank 0's ``out`` (the others pass None and get nothing):
-        fs.full_state_dict(rank0_only=True)."""
-        self._note("gather_to_first", tag, shard)
-        if self.mesh.group is None:
-            out.copy_(shard)
-        elif not self.dry:
-            pieces = list(out.split(shard.numel())) if self.mesh.rank == 0 else None
-            dist.gather(shard, gather_list=pieces, group_dst=0, group=self.mesh.group)
-
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         return self._comm.reduce_scatter(out, full, tag)
 

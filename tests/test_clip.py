@@ -5,8 +5,8 @@
   from rank to rank (ops/torch_norm.cpp), whatever the cut.
 - Against DDP + clip_grad_norm_: bitwise norm and parameters after AdamW (impl="torch") at world sizes 1 and 2. At
   3 the gradients themselves differ in the last bit (DDP sums the ranks in another order; test_ddp_equivalence),
-  so the norm is held to 3e-7 relative (measured 2.5e-7, on the awkward model with buckets) and the parameters
-  to 1e-5.
+  so the norm is held to fp32's 1e-6 relative (measured 2.5e-7 with buckets on one machine, 3.4e-7 on another)
+  and the parameters to 1e-5.
 - The kernel: every tail length and random cuts give torch's bits (a property test).
 - Where torch's order cannot be repeated (no native build), each parameter's norm is the correctly rounded one.
 
@@ -60,7 +60,8 @@ def test_the_global_norm_is_clip_grad_norms(name, world_size):
         if world_size <= 2:
             assert norm_diff == 0.0 and bitwise, (norm_diff, param_diff)
         else:
-            assert norm_diff <= 3e-7 and param_diff <= 1e-5, (norm_diff, param_diff)
+            # (the module docstring: DDP sums the 3 ranks' gradients in another order)
+            assert norm_diff <= 1e-6 and param_diff <= 1e-5, (norm_diff, param_diff)
 
 
 class _Capture(fs.Transform):
