@@ -13,6 +13,8 @@ step without a save, in the same processes.
 
 Memory: one unit of 4096 x 4096 (16.8M parameters, 134 MB of moments) trained 2 steps with the moments in an
 NVMeStore (4 MiB chunks); VmHWM (peak RSS) reset before training, before the save and before the load.
+``--offload``: the async part with the moments in an NVMeStore too (the save reads them under store.lock, taking
+turns with the step's streamed update).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 
 
-def _async(rounds: int, steps: int, layers: int, threads: int, directory: str):
+def _async(rounds: int, steps: int, layers: int, threads: int, directory: str, offload: bool):
     import fshard as fs
     from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
 
@@ -42,8 +44,9 @@ def _async(rounds: int, steps: int, layers: int, threads: int, directory: str):
     state = fs.init(GPT(cfg), mesh, fs.adamw(lr=1e-4))
     batches = synthetic_batches(cfg, 8, 10_000, rank=mesh.rank, world_size=mesh.world_size)
     plain, during, async_s, blocking_s, steps_per_save = [], [], [], [], []
+    extra = [fs.offload_state(fs.NVMeStore(os.path.join(directory, f"store{mesh.rank}")))] if offload else []
     with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), fs.clip_by_global_norm(1.0),
-                    fs.mixed_precision(torch.bfloat16)) as step:
+                    fs.mixed_precision(torch.bfloat16), *extra) as step:
         for _ in range(3):
             state, _ = step(state, next(batches))
         for r in range(rounds):
@@ -128,13 +131,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--offload", action="store_true", help="the async part with offload_state(NVMeStore) too")
     args = ap.parse_args()
     from _dist import run_ranks
     n = args.world_size
     with tempfile.TemporaryDirectory(prefix="fshard-ckpt-bench-") as d:
-        a = run_ranks(_async, n, args.rounds, args.steps, args.layers, args.threads, d, timeout_s=1800)[0]
+        a = run_ranks(_async, n, args.rounds, args.steps, args.layers, args.threads, d, args.offload,
+                      timeout_s=1800)[0]
     print(f"world size {n}, {os.cpu_count()} cores, {args.threads} torch thread(s) per rank, GPT {args.layers} layers "
-          f"({a['params'] / 1e6:.1f}M parameters, checkpoint {a['bytes'] / 1e6:.0f} MB per rank file set), "
+          f"({a['params'] / 1e6:.1f}M parameters, a {a['bytes'] / 1e6:.0f} MB checkpoint), "
+          f"{'moments in an NVMeStore, ' if args.offload else ''}"
           f"{args.rounds} rounds")
     print(f"  step without a save       {a['plain'] * 1e3:8.1f} ms  (median of {a['n_plain']})")
     print(f"  step while a save runs    {a['during'] * 1e3:8.1f} ms  (median of {a['n_during']})  "

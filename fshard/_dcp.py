@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .store._protocol import locked
+
 
 def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
     """Boxes (offsets, sizes, flat start) that tile elements [lo, hi) of a row-major tensor of ``shape``, in order;
@@ -96,7 +98,8 @@ class _Chunks:
     def read(self, items, c: int) -> torch.Tensor:
         if self.key != (items.key, c):
             self.tensor = None  # drop the previous item before reading the next
-            self.tensor = items.store.get((items.key, c)).wait()
+            with locked(items.store):  # a background save shares the store with the step's offload
+                self.tensor = items.store.get((items.key, c)).wait()
             self.key = (items.key, c)
         return self.tensor
 
@@ -198,6 +201,7 @@ class _StreamingReader(FileSystemReader):
             self.window.key = ("load", items.key, c)
             if where in by_chunk:
                 super().read_data(dataclasses.replace(plan, items=by_chunk[where]), planner).wait()
-            items.store.put((items.key, c), self.window.tensor).wait()
+            with locked(items.store):
+                items.store.put((items.key, c), self.window.tensor).wait()
             self.window.key = self.window.tensor = None
         return super().read_data(dataclasses.replace(plan, items=[]), planner)

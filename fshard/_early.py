@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .store._protocol import locked
+
 
 class Streamed(NamedTuple):
     """One unit's update through the store: its parameter shard (written), gradient shard, the optimizer's runs,
@@ -53,8 +55,9 @@ class _Early:
             self.future.result()
         except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
             pass
-        for k in self.created:
-            _quiet_delete(self.store, k)
+        with locked(self.store):
+            for k in self.created:
+                _quiet_delete(self.store, k)
         self.created = []
 
 

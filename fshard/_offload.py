@@ -40,6 +40,7 @@ from ._optim import AdamWState
 from ._stored import Stored, _Items, _location, _stored_state
 from ._transforms import Transform
 from .store import Store, StoreError
+from .store._protocol import locked
 from .store._stream import check_depth
 
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
@@ -165,7 +166,8 @@ class OffloadUpdate(UpdatePolicy):
             taken = self._take_early(step.scratch(self), grads, state, active, m, created)
         except Exception as e:  # nothing of the input was written yet, but with donate the step already took it
             return self._fail(e, created, donate)
-        self.store.collect()  # versions no state refers to any more; only now: the worker is done with the store
+        with locked(self.store):  # versions no state refers to any more; only now: the worker is done with it
+            self.store.collect()
         chosen = self._choose(spec, state)
         stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
         # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
@@ -216,8 +218,9 @@ class OffloadUpdate(UpdatePolicy):
         return params, opt_state, m, copies
 
     def _fail(self, e, created, donate):
-        for k in created:
-            _quiet_delete(self.store, k)
+        with locked(self.store):
+            for k in created:
+                _quiet_delete(self.store, k)
         if donate:  # the step took the input before the update, which may have begun to write it in place
             lost = ("The input state was donated (compose(..., donate=True)), so it may be partly updated in place "
                     "and can no longer be used; restart from a checkpoint (fs.load(fs.latest(dir), like=...)), or "
@@ -234,6 +237,10 @@ class OffloadUpdate(UpdatePolicy):
     # --- the pipeline --------------------------------------------------------------------------------------------
 
     def _stream(self, opt, work, scale, created, m, donate, record) -> None:
+        with locked(self.store):  # the store serves one thread at a time (a background save reads it too)
+            self._stream_locked(opt, work, scale, created, m, donate, record)
+
+    def _stream_locked(self, opt, work, scale, created, m, donate, record) -> None:
         keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
         where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
         t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
@@ -272,6 +279,10 @@ class OffloadUpdate(UpdatePolicy):
 
     def _put(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         """Move a unit's in-memory moments into the store as chunk items."""
+        with locked(self.store):
+            return self._put_locked(name, s, created, m, record)
+
+    def _put_locked(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         n, t0 = s.exp_avg.numel(), time.perf_counter()
         chunks, key = _chunks(n, self.chunk), self._key(name)
         handles = []

@@ -1,6 +1,6 @@
 """Automatic restart and export (issue #21): examples/train_gpt.py under ``torchrun --max-restarts=2``, a rank killed
 with SIGKILL mid-training, resumes from fs.latest(--checkpoint-dir) and ends with parameters bitwise equal to an
-uninterrupted run's (NVMe-offloaded moments with blocking saves; asynchronous saves). The export it writes is
+uninterrupted run's (NVMe-offloaded moments, saved blocking and in the background). The export it writes is
 ``fs.full_state_dict(state, rank0_only=True)``, which gathers to rank 0 only, unit by unit (memory measured)."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
     # (resumed from): the kill before step 7 finds step 6 saved when saves block; an asynchronous save of step 6
     # may still be running then, and the restart takes step 3, the newest complete one
     runs = {"offloaded, blocking": (["--nvme-dir", str(tmp_path / "nvme")], ("(step 6)",)),
-            "async": (["--async-save"], ("(step 3)", "(step 6)"))}
+            "offloaded, async": (["--nvme-dir", str(tmp_path / "nvme2"), "--async-save"], ("(step 3)", "(step 6)"))}
     for name, (flags, resumed) in runs.items():
         d = tmp_path / name.replace(", ", "-")
         got, log = _train(tmp_path, d.name, "--checkpoint-dir", str(d), "--save-every", "3", "--fault-at", "7",

@@ -1,6 +1,8 @@
 """The Store protocol shared by CPUStore and NVMeStore, and the per-item metadata they keep in memory."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Optional, Protocol, Tuple, runtime_checkable
@@ -83,6 +85,9 @@ class DeferredDeletes:
 
     def _init_deferred(self) -> None:
         self._later: deque = deque()  # append and popleft are atomic: safe from a finalizer in another thread
+        # Held around a sequence of operations by each thread that uses the store (the step's offload, a background
+        # save reading items), so that two never use it at once; the store's own operations do not take it.
+        self.lock = threading.RLock()
 
     def delete_later(self, keys: Iterable[Hashable]) -> None:
         """Delete ``keys`` at the store's next operation (missing keys are ignored); safe from any thread."""
@@ -101,3 +106,9 @@ class DeferredDeletes:
                 self.delete(key)
             except MissingKeyError:
                 pass
+
+
+def locked(store):
+    """``store.lock`` held (a context manager), or nothing for a store that has no lock."""
+    lock = getattr(store, "lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
