@@ -13,8 +13,8 @@ step without a save, in the same processes.
 
 Memory: one unit of 4096 x 4096 (16.8M parameters, 134 MB of moments) trained 2 steps with the moments in an
 NVMeStore (4 MiB chunks); VmHWM (peak RSS) reset before training, before the save and before the load.
-``--offload``: the async part with the moments in an NVMeStore too (the save reads them under store.lock, taking
-turns with the step's streamed update).
+``--offload``: the async part with the moments in an NVMeStore too (the save reads them under
+store.session_lock, taking turns with the step's streamed update).
 """
 from __future__ import annotations
 

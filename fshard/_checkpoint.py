@@ -109,8 +109,8 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     Returns the path; with ``blocking=False``, at once a ``SaveHandle`` whose ``wait()`` returns it, while the save
     runs in a thread beside training. The state needs no copy, as a step that does not donate never changes its
     input; a step composed with ``donate=True`` refuses a state whose save was not waited for. Moments in a store
-    are read under ``store.lock``, which the step's offload holds while it streams, so the two take turns; the
-    items the save reads stay on disk until it is done (a step writes new versions beside them)."""
+    are read under ``store.session_lock``, which the step's offload holds while it streams, so the two take turns;
+    the items the save reads stay on disk until it is done (a step writes new versions beside them)."""
     if not isinstance(state, TrainState):
         raise ArgumentError(f"fs.save(path, state): state must be an fs.TrainState, not {type(state).__name__}.")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -121,12 +121,12 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     path = Path(path)
     if blocking:
         return _write(path, state, mesh.group, keep_last)
-    unlocked = {type(s).__name__ for s in _stores(state) if getattr(s, "lock", None) is None}
+    unlocked = {type(s).__name__ for s in _stores(state) if getattr(s, "session_lock", None) is None}
     if unlocked:
-        raise CheckpointError(f"fs.save(..., blocking=False): this state's moments are in a store without a lock "
-                              f"({', '.join(sorted(unlocked))}), which the step's offload would use at the same time; "
-                              "give the store a `lock` (a threading.RLock, as CPUStore and NVMeStore have) or save "
-                              "with blocking=True.")
+        raise CheckpointError(f"fs.save(..., blocking=False): this state's moments are in a store without a "
+                              f"session_lock ({', '.join(sorted(unlocked))}), which the step's offload would use at "
+                              "the same time; give the store a `session_lock` (a threading.RLock, as CPUStore and "
+                              "NVMeStore have) or save with blocking=True.")
     group, pool = mesh.background()  # the save's collectives never interleave with the step's
     handle = SaveHandle(str(path), pool.submit(_write, path, state, group, keep_last), state.donation)
     state.donation.saves.append(handle)

@@ -261,7 +261,9 @@ def _killed_save(d: str, where: str):
     fs.save(os.path.join(d, "ckpt"), state)  # the same path: replaced only once complete
 
 
-def _disk_full(d: str):
+def _disk_full(d: str, blocking: bool = True):
+    """A full disk while DCP writes the second save (in the background with ``blocking=False``, raising from
+    wait()): the first checkpoint stays the latest, and loads."""
     import errno
 
     import torch.distributed.checkpoint.filesystem as fsys
@@ -273,7 +275,10 @@ def _disk_full(d: str):
         raise OSError(errno.ENOSPC, "No space left on device")
     fsys._write_item = full
     with pytest.raises(fs.CheckpointError, match="No space left.*is unchanged"):
-        fs.save(os.path.join(d, "a"), state.replace(step=torch.tensor(7)))
+        handle = fs.save(os.path.join(d, "a"), state.replace(step=torch.tensor(7)), blocking=blocking)
+        if not blocking:
+            handle.wait()
+    assert not state.donation.saves  # a failed save is no longer registered
     return fs.latest(d), int(fs.load(fs.latest(d), like=state).step)
 
 

@@ -49,7 +49,10 @@ class Store(Protocol):
     reuse the tensor, `wait()` on a get returns a tensor equal to what was put (dtype, shape, bytes).
 
     `directory` is where the items live on disk, or None for a store in memory; `resident_bytes` is the host memory
-    the store holds. `delete_later` and `collect` give the store the lifetime of its items (`DeferredDeletes`)."""
+    the store holds. `delete_later` and `collect` give the store the lifetime of its items (`DeferredDeletes`).
+    `session_lock` (optional; CPUStore and NVMeStore have one, from `DeferredDeletes`): an RLock that each thread
+    using the store holds around its operations, the step's offload and a background fs.save; moments in a store
+    without one cannot be saved with blocking=False."""
 
     directory: Optional[str]
     resident_bytes: int
@@ -87,7 +90,7 @@ class DeferredDeletes:
         self._later: deque = deque()  # append and popleft are atomic: safe from a finalizer in another thread
         # Held around a sequence of operations by each thread that uses the store (the step's offload, a background
         # save reading items), so that two never use it at once; the store's own operations do not take it.
-        self.lock = threading.RLock()
+        self.session_lock = threading.RLock()
 
     def delete_later(self, keys: Iterable[Hashable]) -> None:
         """Delete ``keys`` at the store's next operation (missing keys are ignored); safe from any thread."""
@@ -109,6 +112,6 @@ class DeferredDeletes:
 
 
 def locked(store):
-    """``store.lock`` held (a context manager), or nothing for a store that has no lock."""
-    lock = getattr(store, "lock", None)
+    """``store.session_lock`` held (a context manager), or nothing for a store that has no lock."""
+    lock = getattr(store, "session_lock", None)
     return lock if lock is not None else contextlib.nullcontext()
