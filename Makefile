@@ -6,7 +6,7 @@ train: bootstrap
 	.venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --tiny --steps 300 --nvme-dir "$$(mktemp -d)"
 
 test: bootstrap
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2
 
 bootstrap:
 	@./scripts/bootstrap.sh

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -10,10 +11,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import MeshMismatchError
+from ._errors import ArgumentError, MeshMismatchError
 
 # A dead rank must make the others fail instead of hanging: collectives time out after this many seconds.
-DEFAULT_TIMEOUT_S = float(os.environ.get("FSHARD_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _timeout(value=None) -> float:
+    """The collective timeout in seconds: ``value`` if given, else $FSHARD_TIMEOUT_S, else 300. Read when a mesh
+    is made, not at import, so that a bad variable is an error naming it rather than a broken ``import fshard``."""
+    where = "fs.Mesh.from_env(timeout_s=...)"
+    if value is None:
+        value, where = os.environ.get("FSHARD_TIMEOUT_S", DEFAULT_TIMEOUT_S), "FSHARD_TIMEOUT_S (environment)"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ArgumentError(f"{where}: timeout_s must be a positive number of seconds, got {value!r}. It is how "
+                            "long a rank waits for the others in a collective before failing (default 300).")
+    return seconds
+
+
 _ids = itertools.count()
 
 
@@ -55,7 +74,7 @@ class Mesh:
     backend: str
     device: torch.device
     group: Any = None
-    timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    timeout: timedelta = field(default_factory=lambda: timedelta(seconds=_timeout()))
     id: int = field(default_factory=lambda: next(_ids))
     _background: list = field(default_factory=list, repr=False, compare=False)  # see background()
 
@@ -65,7 +84,7 @@ class Mesh:
 
         An already initialised default process group is reused as it is.
         """
-        timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+        timeout = timedelta(seconds=_timeout(timeout_s))
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if not dist.is_initialized() and env_world <= 1:
             return cls.local()

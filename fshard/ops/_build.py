@@ -7,6 +7,8 @@ and two checkouts never share a stale .so. Cache root, first match wins:
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -92,6 +94,34 @@ def check_toolchain() -> None:
                              "FSHARD_OPS_SRC to the ops/ source directory.")
 
 
+@contextlib.contextmanager
+def _exclusive(build_dir: Path):
+    """Hold fshard's own lock on ``build_dir`` (flock: the kernel releases it when its process dies, however) while
+    torch builds and loads there, and clear torch's lock file if one is left over. torch's lock (FileBaton, the file
+    ``lock``) is a file that exists while a build runs; a build killed halfway leaves it, and every later load
+    waits for it forever. Under fshard's lock no other fshard process is building, so a ``lock`` found is stale."""
+    with open(build_dir / "fshard.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            print(f"fshard.ops: waiting for the build in process {f.read().strip() or '?'} ({build_dir})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"fshard.ops: removing {stale}, left by a build that was killed halfway (no build holds "
+                  "fshard.lock); building again", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False):
     """Compile (if needed) and import the extension; returns the module."""
     from torch.utils import cpp_extension
@@ -114,14 +144,15 @@ def build(verbose: bool = False):
         sources += [str(SRC_DIR / s) for s in CUDA_SOURCES]
         cflags.append("-DFSHARD_WITH_CUDA")
     t0 = time.perf_counter()
-    try:
-        mod = cpp_extension.load(
-            name=name, sources=sources, extra_cflags=cflags, extra_ldflags=LDFLAGS,
-            extra_cuda_cflags=["-O3", "-DFSHARD_WITH_CUDA"] if cuda else None,
-            extra_include_paths=[str(SRC_DIR)], build_directory=str(build_dir), verbose=verbose,
-        )
-    except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError
-        raise BuildError(f"fshard.ops: building {name} in {build_dir} failed: {e}") from e
+    with _exclusive(build_dir):
+        try:
+            mod = cpp_extension.load(
+                name=name, sources=sources, extra_cflags=cflags, extra_ldflags=list(LDFLAGS),  # (torch appends)
+                extra_cuda_cflags=["-O3", "-DFSHARD_WITH_CUDA"] if cuda else None,
+                extra_include_paths=[str(SRC_DIR)], build_directory=str(build_dir), verbose=verbose,
+            )
+        except Exception as e:  # compiler errors surface as RuntimeError/CalledProcessError
+            raise BuildError(f"fshard.ops: building {name} in {build_dir} failed: {e}") from e
     if fresh:
         print(f"fshard.ops: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return mod
