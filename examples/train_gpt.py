@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --tiny --steps 50   # any N; gloo on CPU, nccl on CUDA
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20          # the 27.4M-parameter default GPT
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 4 --timeline docs/timeline.png  # the last step, drawn
-    torchrun --nproc-per-node 2 --max-restarts 2 examples/train_gpt.py --checkpoint-dir ckpt --save-every 20
-                                                       # resumes from fs.latest(ckpt) whenever it (re)starts
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 examples/train_gpt.py \
+        --checkpoint-dir ckpt --save-every 20  # resumes from fs.latest(ckpt) whenever it (re)starts (the variable:
+                                               # pytorch/pytorch#135712: a restarted rank read a dead peer's address)
 
 The model is built on the meta device and materialised by ``fs.init`` unit by unit with the GPT-2 init
 (``init_fn=init_weights``). Each rank draws its own slice of a deterministic global batch (``synthetic_batches``),

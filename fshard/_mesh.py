@@ -41,20 +41,6 @@ def _registered_groups():
     return _world.pg_map
 
 
-def _attempt_store(timeout: timedelta):
-    """The store for init_process_group under a torchrun that restarts on one node, keyed by attempt. torchrun's
-    agent keeps one store across restarts, and torch no longer prefixes the workers' keys by attempt
-    (pytorch/pytorch#135712), so a restarted rank can read the address a dead peer left there and fail to connect
-    ("Gloo connectFullMesh failed ... Connection refused": 3 of 5 restarted runs here). On one node the agent
-    restarts every worker together, so their restart counts agree and can prefix the keys; across nodes they need
-    not, and torch's own rendezvous is used (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there, as the issue says)."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
-        return None
-    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"fshard/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
-
-
 def _idle_priority() -> None:
     """Run the calling thread only when a core would otherwise idle (Linux SCHED_IDLE, per thread): background work
     at nice 5 took a quarter of each core from the step (1.35x its time, benchmarks/RESULTS.md, checkpoints); idle
@@ -93,12 +79,7 @@ class Mesh:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            store = _attempt_store(timeout)
-            if store is None:
-                dist.init_process_group(backend=backend, timeout=timeout)
-            else:
-                dist.init_process_group(backend=backend, timeout=timeout, store=store,
-                                        rank=int(os.environ["RANK"]), world_size=env_world)
+            dist.init_process_group(backend=backend, timeout=timeout)
         backend = dist.get_backend()
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
