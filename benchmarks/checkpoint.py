@@ -19,7 +19,6 @@ store.session_lock, taking turns with the step's streamed update).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -80,20 +79,9 @@ def _async(rounds: int, steps: int, layers: int, threads: int, directory: str, o
             "steps_per_save": statistics.median(steps_per_save), "n_plain": len(plain), "n_during": len(during)}
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS:")
-
-
 def _memory(directory: str):
     import fshard as fs
+    from _memory import reset_peak as _reset_peak, status as _status
 
     torch.set_num_threads(1)
     mesh = fs.Mesh.from_env()

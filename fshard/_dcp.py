@@ -20,6 +20,7 @@ import math
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.futures import Future
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -142,7 +143,7 @@ def slot_boxes(u, s, rank: int, dtype, flat=None, stored=None) -> _Boxes:
         boxes = [(o, sz, f - base, c) for a2, b2, c in cuts for o, sz, f in _boxes(s.shape, a2 + base, b2 + base)]
     if stored is None:
         return _Boxes(s.shape, dtype, flat, boxes)
-    return _StoredBoxes(s.shape, dtype, [(o, sz, f, c or 0) for o, sz, f, c in boxes], *stored)
+    return _StoredBoxes(s.shape, dtype, boxes, *stored)
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -204,4 +205,6 @@ class _StreamingReader(FileSystemReader):
             with locked(items.store):
                 items.store.put((items.key, c), self.window.tensor).wait()
             self.window.key = self.window.tensor = None
-        return super().read_data(dataclasses.replace(plan, items=[]), planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done

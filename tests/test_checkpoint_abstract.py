@@ -8,13 +8,12 @@
 """
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 import fshard as fs
 from _dist import run_ranks
+from _memory import reset_peak as _reset_peak, status as _status
 from models import Awkward, awkward_batches, awkward_loss
 from test_checkpoint import _model, _numpy, _run, _transforms
 
@@ -56,18 +55,10 @@ def test_an_abstract_like_loads_what_a_concrete_one_does(tmp_path, world_size):
     assert run_ranks(_both, world_size, path) == [(True, True)] * world_size
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
 def test_an_abstract_state_holds_nothing_and_is_refused_where_values_are_needed(tmp_path):
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])  # 67 MB of fp32
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS:")
+    before = _reset_peak()
     state = fs.init(model, fs.Mesh.from_env(), fs.adamw(), abstract=True)
     assert _status("VmHWM:") - before < 8 * 2**20
     assert state.nbytes()["params"] == 0 or all(p.is_meta for p in state.params.values())

@@ -10,7 +10,6 @@ fs.load streams them into one, chunk by chunk (fshard/_dcp.py).
 """
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 
@@ -18,6 +17,7 @@ import torch
 
 import fshard as fs
 from _dist import run_ranks
+from _memory import reset_peak as _reset_peak, status as _status
 from models import awkward_batches, awkward_loss
 from test_checkpoint import STEPS, _model, _numpy, _transforms
 
@@ -105,18 +105,6 @@ def test_offloaded_moments_reshard_and_rechunk(tmp_path):
     for n in (1, 3):
         sums = run_ranks(_load_placed, n, path)
         assert any(v[0] > 0 for r in sums for v in r.values())  # the moments are not all zero
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (the peak RSS) to the current RSS
-        f.write("5")
-    return _status("VmRSS:")
 
 
 def _memory(d: str):

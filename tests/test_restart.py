@@ -4,7 +4,6 @@ uninterrupted run's (NVMe-offloaded moments, saved blocking and in the backgroun
 ``fs.full_state_dict(state, rank0_only=True)``, which gathers to rank 0 only, unit by unit (memory measured)."""
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import torch
 
 import fshard as fs
 from _dist import run_ranks
+from _memory import reset_peak as _reset_peak, status as _status
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -59,19 +59,11 @@ def _export(_):
     mesh = fs.Mesh.from_env()
     state = fs.init(model, mesh, fs.adamw())
     fs.full_state_dict(state, rank0_only=True)  # the first-use costs of gloo's gather are not measured
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak RSS, from here
-    before = _status("VmRSS:")
+    before = _reset_peak()  # the peak RSS, from here
     sd = fs.full_state_dict(state, rank0_only=True)
     growth = _status("VmHWM:") - before
     ok = mesh.rank != 0 or all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     return len(sd), growth, ok
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
 def test_full_state_dict_rank0_only_gathers_to_rank_0_unit_by_unit():
