@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: none)")
     p.add_argument("--save", default=None, help="save_pretrained the trained model here (rank 0)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank: fs.init checks it)")
     return p.parse_args(argv)
 
 
@@ -80,7 +81,8 @@ def train(args, mesh, store=None):
         model = T.AutoModelForCausalLM.from_pretrained(args.model)
     if args.checkpointing:
         model.activation_checkpointing_enable()
-    state = fs.init(model, mesh, fs.adamw(lr=args.lr, weight_decay=0.1), init_fn=model._init_weights)
+    state = fs.init(model, mesh, fs.adamw(lr=args.lr, weight_decay=0.1), init_fn=model._init_weights,
+                    seed=args.seed)
     losses = []
     with fs.compose(loss_fn, *transforms(args, store)) as step:
         for batch in batches(cfg, args, mesh.rank, mesh.world_size):

@@ -27,9 +27,10 @@ from ._bucket_reduce import bucket_reduce
 from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
 from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
-                      DonatedStateError, FrozenStateError, FshardError, InitError, LossError, MeshMismatchError,
-                      PolicyError, RankDivergenceError, RecomputeError, SaveInProgressError, ScheduleError,
-                      StepClosedError, TemplateCallError, TransformConflictError, UnboundParameterError)
+                      CollectiveError, ConcurrentStepError, DonatedStateError, FrozenStateError, FshardError, InitError,
+                      LossError, MeshMismatchError, PolicyError, RankDivergenceError, RankFailedError, RecomputeError,
+                      SaveInProgressError, ScheduleError, StepClosedError, TemplateCallError, TransformConflictError,
+                      UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
@@ -72,9 +73,9 @@ __all__ = [
     "Store", "CPUStore", "NVMeStore",
     # errors: every one an FshardError
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
-    "DonatedStateError", "FrozenStateError", "InitError", "LossError", "MeshMismatchError", "OffloadError",
-    "PolicyError", "RankDivergenceError", "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError",
-    "StoreError", "TemplateCallError", "TransformConflictError", "UnboundParameterError",
+    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "FrozenStateError", "InitError", "LossError",
+    "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError", "RecomputeError",
+    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError", "TransformConflictError", "UnboundParameterError",
 ]
 
 

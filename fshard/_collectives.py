@@ -1,7 +1,8 @@
 """The collectives of one step: torch.distributed calls, plus a record of what was issued.
 
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
-compare at the end of the step so that a divergence is an error rather than silently mixed data, (b) seconds spent
+compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
+``verify`` checks each one across ranks before it is issued (fshard/_agreement.py), (b) seconds spent
 per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
 optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
@@ -22,15 +23,13 @@ import time
 import zlib
 from collections import defaultdict
 
-import optree
 import torch
 import torch.distributed as dist
 
+from ._agreement import HASH_BITS, exchange, wait_works
 from ._base import Collectives
-from ._errors import ArgumentError, BatchMismatchError, RankDivergenceError
+from ._errors import ArgumentError
 from ._mesh import Mesh
-
-HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see agree())
 GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
 _FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_single
 
@@ -73,8 +72,7 @@ class Flight:
         # timeline: a wait is exposed if the collective was still running when compute asked for it (issuing, in
         # _flight, is exposed too)
         blocked = self._comm.spans is not None and not all(w.is_completed() for w in self.works)
-        for w in self.works:
-            w.wait()
+        wait_works(self.works, self._comm, f"its {self.phase} of {self.tag!r}")
         if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
             torch.cuda.current_stream().wait_stream(self._comm.stream)
         t1 = time.perf_counter()
@@ -88,9 +86,11 @@ class Flight:
 
 class Comm:
     def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False, dry: bool = False,
-                 verify: bool = False):
+                 verify: bool = False, context: str = ""):
         self.mesh = mesh
         self.verify = verify  # compare each collective across ranks before issuing it (``_check``)
+        self.context = context  # where this Comm works, for messages ("step 5")
+        self.closed = False  # every rank knows this step failed (a check said so, or the transport broke)
         self.dry = dry  # step.plan: every collective is recorded and counted as usual, but moves nothing
         self.trace: list[tuple] | None = [] if trace else None
         # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
@@ -130,25 +130,39 @@ class Comm:
         if self.trace is not None:
             self.trace.append(entry)
 
-    def _check(self, entry: tuple) -> None:
-        """With ``verify``: before a collective, one all-reduce of two numbers (the same size on every rank, so it
-        cannot mismatch) tells whether every rank is about to issue the same one. Ranks whose next collectives
-        differ in size would otherwise meet in mismatched collectives, which gloo answers by aborting the process.
-        Every rank raises at the same pair, so none is left waiting."""
-        if not self.verify or self.mesh.group is None or self.dry:
+    def _check(self, entry: tuple, force: bool = False) -> None:
+        """With ``verify`` (or ``force``): before a collective, one all-reduce of three numbers tells whether every
+        rank is about to issue the same one and none has failed (fshard/_agreement.py: ``exchange``). Every rank
+        raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
+        (which it answers by aborting the process)."""
+        if not (self.verify or force) or self.mesh.group is None or self.dry or self.closed:
             return
-        h = float(zlib.crc32(repr(entry).encode()) & ((1 << HASH_BITS) - 1))
-        buf = torch.tensor([h, h * h], dtype=torch.float64, device=self.mesh.device)
-        dist.all_reduce(buf, group=self.mesh.group)
-        self.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
-        if not all_equal(self.mesh.world_size, [buf[0].item()], [buf[1].item()])[0]:
-            kind, tag, _, numel = entry
-            raise RankDivergenceError(
-                f"ranks were about to issue different collectives: this rank a {kind} of {tag!r} ({numel} elements), "
-                "another rank something else. Nothing was updated. Every rank must gather and reduce the same "
-                "units in the same order; if a module calls some of its children depending on the data (the "
-                "experts of a mixture of experts), declare it with fs.init(..., routed=[module path]), and each "
-                "child becomes a unit that every rank gathers and reduces at each call of that module.")
+        exchange(self, entry)
+
+    def vote(self, tag: str) -> None:
+        """A check with no collective after it, made whether or not ``verify`` is on: the step's commit. Returns on
+        every rank or raises on every rank (``RankFailedError`` if one has failed)."""
+        self._check(("vote", tag, "", 0), force=True)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank raised ``error`` mid-step: complete what is in flight, then post the failure at the other
+        ranks' next check, where each raises ``RankFailedError`` naming this rank's error. Only where every
+        collective is checked (otherwise the others may be waiting in a collective this rank never issues: they
+        time out with a ``CollectiveError``); not for KeyboardInterrupt (every rank gets its own), nor when the
+        ranks already know (``closed``)."""
+        self.drain()
+        if (not self.verify or self.closed or self.mesh.group is None or self.dry
+                or not isinstance(error, Exception)):
+            return
+        try:
+            exchange(self, ("fail", "", "", 0), failure=error)
+        except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
+            pass
+
+    def unanimous(self, error: Exception) -> Exception:
+        """Mark ``error`` as one every rank raises at this point (from values they agreed on): no rank posts it."""
+        self.closed = True
+        return error
 
     # --- gathers -------------------------------------------------------------------------------------------------
 
@@ -272,7 +286,7 @@ class Comm:
         if self.mesh.group is not None:
             self.bytes["control"] += t.nbytes
             if not self.dry:
-                dist.all_reduce(t, op=op, group=self.mesh.group)
+                wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self, f"its {tag!r}")
         t1 = time.perf_counter()
         self.seconds["control"] += t1 - t0
         if self.spans is not None:
@@ -295,55 +309,3 @@ class CollectivesView(Collectives):
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         return self._comm.reduce_each(sections, tag)
-
-
-def all_equal(n: int, sums: list[float], sq_sums: list[float]) -> list[bool]:
-    """For each small integer hash, from its sum ``sums[j]`` and sum of squares ``sq_sums[j]`` over ``n`` ranks:
-    does every rank hold the same one? All n values are equal iff n * sum(h^2) == sum(h)^2 (Cauchy-Schwarz).
-
-    The check is exact: each h < 2**HASH_BITS, so every partial sum of h (< n * 2**20) and of h^2 (< n * 2**40),
-    and both n * sum(h^2) and sum(h)^2 (< n^2 * 2**40), are integers below 2**53 for n <= 8 (indeed n <= 90),
-    which float64 holds exactly whatever order the all-reduce adds them in."""
-    return [n * q == s * s for s, q in zip(sums, sq_sums)]
-
-
-def agree(comm: Comm, values: list[float], hashes: list[int]) -> tuple[list[float], list[bool]]:
-    """One all-reduce that sums ``values`` over ranks and tells, for each small integer in ``hashes``, whether
-    every rank holds the same one: all n values are equal iff n * sum(h^2) == sum(h)^2 (Cauchy-Schwarz).
-    All entries stay exact in float64, so the check is exact (``all_equal``)."""
-    n = comm.mesh.world_size
-    buf = torch.tensor(values + [float(h) for h in hashes] + [float(h) ** 2 for h in hashes], dtype=torch.float64,
-                       device=comm.mesh.device)
-    comm.all_reduce(buf, "agree")
-    k, m = len(values), len(hashes)
-    sums, sq = buf[k:k + m].tolist(), buf[k + m:].tolist()
-    return buf[:k].tolist(), all_equal(n, sums, sq)
-
-
-def batch_hash(batch) -> int:
-    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
-    desc = [str(spec)] + [f"{l.dtype}/{l.dim()}" if isinstance(l, torch.Tensor) else type(l).__name__ for l in leaves]
-    return zlib.crc32(repr(desc).encode()) & ((1 << HASH_BITS) - 1)
-
-
-def check_ranks(comm: Comm, state: TrainState, batch) -> None:
-    """Before any gather: do all ranks run the same step of the same model on batches of the same structure?
-    A mismatch here would otherwise surface as a hang or as silently mixed shards."""
-    if comm.mesh.world_size == 1:
-        return
-    step = int(state.step) % (1 << HASH_BITS)
-    _, (same_batch, same_step, same_model) = agree(comm, [], [batch_hash(batch), step, state.spec.fingerprint])
-    if not same_batch:
-        leaves = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-                  for x in optree.tree_leaves(batch, none_is_leaf=True)]
-        raise BatchMismatchError(
-            "ranks passed batches of different structure to the same step (this rank's: "
-            f"{optree.tree_structure(batch, none_is_leaf=True)}, leaves {leaves}). "
-            "Every rank must pass the same kind of batch (same containers, keys and tensor dtypes and ranks); "
-            "only sizes may differ. Check the data loader of each rank.")
-    if not same_model:
-        raise RankDivergenceError("ranks hold states of different models or layouts; call fs.init with the same "
-                                  "model, units and world size on every rank.")
-    if not same_step:
-        raise RankDivergenceError("ranks are at different steps of training; every rank must call step(state, "
-                                  "batch) with the state returned by its previous step.")

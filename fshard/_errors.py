@@ -21,7 +21,22 @@ class BatchMismatchError(FshardError):
 
 
 class RankDivergenceError(FshardError):
-    """Ranks issued different collectives, or disagree on the step or the model."""
+    """Ranks issued different collectives, or disagree on the step, the model, its initial values, the optimizer's
+    hyperparameters or the composed transforms."""
+
+
+class RankFailedError(FshardError, RuntimeError):
+    """Another rank raised during the same step (or eval pass); this rank stopped at its next collective, and no rank
+    committed the step. The failing rank raises its own error; the message names it."""
+
+
+class CollectiveError(FshardError, RuntimeError):
+    """A collective failed in the transport (a timeout, a closed connection): a rank is hung, dead, or running other
+    collectives. The message names the step, the collective, and the ranks that had not arrived where known."""
+
+
+class ConcurrentStepError(FshardError, RuntimeError):
+    """Two steps ran at once on one step function, or on states of one fs.init (which share the model template)."""
 
 
 class LossError(FshardError, ValueError):

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from ._accumulate import Accumulator
-from ._collectives import Comm, agree, check_ranks
+from ._agreement import agree, check_ranks
+from ._collectives import Comm
 from ._errors import RankDivergenceError
 from ._unit import StepRun
 
@@ -41,41 +42,48 @@ def train_mode(module: nn.Module, training: bool):
 def evaluate(step, state, batch) -> tuple[float, dict]:
     """The body of ``Step.eval`` (see the module docstring)."""
     t0 = time.perf_counter()
-    spec = step._check_state(state)
-    state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
+    spec = step._spec(state)
     comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
-                verify=step.check_collectives or not step._checked)
-    check_ranks(comm, state, batch)  # the same rank check as a training step's (same model, step, batch)
-    run, ok = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False), False
-    try:
-        # clones: a module may still write a buffer in eval mode, and the state must not change
-        buffers = {k: b.clone() for k, b in state.buffers.items()}
-        t1 = time.perf_counter()
-        with train_mode(spec.template, False), torch.no_grad(), run._active():
-            step.policy.gather.start(run)
-            loss = step._forward(run, buffers, batch)
-            gather_metrics = step.policy.gather.finish(run)
-        run._release_all()
-        t2 = time.perf_counter()
-        (total,), (same,) = agree(comm, [float(loss)], [comm.seq_hash])
-        if not same:
-            raise RankDivergenceError(
-                "ranks issued different gathers in this eval pass (different units, order or sizes), so gathered "
-                "parameters may be mixed up. Every rank must run the same units in the same order; make control "
-                f"flow independent of the rank's data. This rank ran units in the order {run.order}.")
-        gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
-        m = {"loss": total / spec.mesh.world_size, "step": int(state.step), "time/eval": time.perf_counter() - t0,
-             "time/gather": gather, "time/gather_exposed": exposed, "time/compute": max(0.0, t2 - t1 - exposed),
-             "mem/peak_gathered_bytes": run._peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-             **gather_metrics}
-        if comm.trace is not None:
-            m["trace/collectives"] = tuple(comm.trace)
-        if comm.spans is not None:
-            comm.span("compute", "eval forward", t1, t2)
-            m["trace/timeline"] = comm.timeline(t0)
-        ok = True
-        return m["loss"], m
-    finally:
-        if not ok:
-            comm.drain()  # an error mid-pass: no gather may still be writing into our buffers
-        run._close()
+                verify=step._verify(spec.mesh), context=f"eval at step {int(state.step)}")
+    run, ok = None, False
+    with step._exclusive(spec):
+        try:
+            step._check_usable(state)
+            state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
+            check_ranks(comm, state, batch, step._chain)  # the same rank check as a training step's
+            run = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False)
+            # clones: a module may still write a buffer in eval mode, and the state must not change
+            buffers = {k: b.clone() for k, b in state.buffers.items()}
+            t1 = time.perf_counter()
+            with train_mode(spec.template, False), torch.no_grad(), run._active():
+                step.policy.gather.start(run)
+                loss = step._forward(run, buffers, batch)
+                gather_metrics = step.policy.gather.finish(run)
+            run._release_all()
+            t2 = time.perf_counter()
+            (total,), (same,) = agree(comm, [float(loss)], [comm.seq_hash])
+            if not same:
+                raise comm.unanimous(RankDivergenceError(
+                    "ranks issued different gathers in this eval pass (different units, order or sizes), so gathered "
+                    "parameters may be mixed up. Every rank must run the same units in the same order; make control "
+                    f"flow independent of the rank's data. This rank ran units in the order {run.order}."))
+            gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
+            m = {"loss": total / spec.mesh.world_size, "step": int(state.step), "time/eval": time.perf_counter() - t0,
+                 "time/gather": gather, "time/gather_exposed": exposed, "time/compute": max(0.0, t2 - t1 - exposed),
+                 "mem/peak_gathered_bytes": run._peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+                 **gather_metrics}
+            if comm.trace is not None:
+                m["trace/collectives"] = tuple(comm.trace)
+            if comm.spans is not None:
+                comm.span("compute", "eval forward", t1, t2)
+                m["trace/timeline"] = comm.timeline(t0)
+            ok = True
+            return m["loss"], m
+        except BaseException as e:
+            comm.fail(e)  # the other ranks raise RankFailedError at their next check
+            raise
+        finally:
+            if not ok:
+                comm.drain()  # an error mid-pass: no gather may still be writing into our buffers
+            if run is not None:
+                run._close()

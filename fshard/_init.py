@@ -17,11 +17,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ._collectives import HASH_BITS, Comm
-from ._errors import InitError
+from ._agreement import HASH_BITS, agree
+from ._collectives import Comm
+from ._errors import InitError, RankDivergenceError
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
 from ._state import ShardSpec, TrainState
+from .store._checksum import checksum
 from ._route import route_units
 from ._routed import route_groups, routed_groups
 
@@ -73,8 +75,10 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
         values = ((u, {s.name: params_of[s.name] for s in u.slots}) for u in layouts)
         buffers.update((n, b.detach().to(mesh.device, copy=True)) for n, b in model.named_buffers())
 
-    params, opt_state = {}, {}
+    params, opt_state, digests = {}, {}, {}
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
+        if mesh.group is not None and full is not None:
+            digests[u.name] = _digest(full[s.name] for s in u.slots)
         params[u.name] = (shard(u, full, mesh.rank, mesh.device) if not abstract else
                           torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
@@ -92,7 +96,38 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     spec = ShardSpec(template, tuple(layouts), names, mesh, opt,
                      zlib.crc32(repr((layouts, names, tuple(buffers), groups)).encode()) & ((1 << HASH_BITS) - 1),
                      groups)
+    if mesh.group is not None:  # (a mesh without a process group has no other rank to agree with)
+        _agree_on_values(mesh, spec.fingerprint, digests,
+                         {} if abstract else {n: _digest([b]) for n, b in buffers.items()})
     return TrainState(params, opt_state, torch.zeros((), dtype=torch.int64), buffers, spec)
+
+
+def _digest(tensors) -> int:
+    """A hash of the tensors' bytes, the same on every rank that holds the same values (fshard.store's checksum)."""
+    h = 0
+    for t in tensors:
+        u8 = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        h = zlib.crc32(checksum(u8).to_bytes(16, "little") + str(t.dtype).encode(), h)
+    return h & ((1 << HASH_BITS) - 1)
+
+
+def _agree_on_values(mesh: Mesh, fingerprint: int, units: dict, buffers: dict) -> None:
+    """Do all ranks hold the same model, layout and initial values? Every rank shards what it holds, so ranks that
+    built the model under different seeds would otherwise stitch shards of different models together (DDP
+    broadcasts rank 0's parameters at construction for the same reason). One all-reduce; every rank raises alike."""
+    comm = Comm(mesh, context="fs.init")
+    _, same = agree(comm, [], [fingerprint, *units.values(), *buffers.values()])
+    if not same[0]:
+        raise RankDivergenceError("fs.init: ranks built different models (parameter names, shapes, dtypes, units or "
+                                  "buffers differ); build the same model with the same units on every rank.")
+    bad = [n for n, ok in zip(list(units) + list(buffers), same[1:]) if not ok]
+    if bad:
+        raise RankDivergenceError(
+            f"fs.init: ranks hold different initial values for {len(bad)} unit(s) or buffer(s): {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}. Each rank keeps its shard of what it holds, so training would stitch "
+            "together pieces of different models. Seed every rank alike before building the model "
+            "(torch.manual_seed(s) on each rank), or load the same weights everywhere; a model built on the meta "
+            "device is initialised by fs.init from seed=, which must then be the same on every rank.")
 
 
 def full_params(state: TrainState) -> dict[str, torch.Tensor]:
@@ -100,7 +135,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     state.check_usable()
     spec = state.spec
     spec.mesh.check_alive()
-    comm, out = Comm(spec.mesh), {}
+    comm, out = Comm(spec.mesh, verify=True, context="fs.full_params"), {}
     for u in spec.units:
         flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
         comm.all_gather(flat, state.params[u.name], u.name)

@@ -63,6 +63,7 @@ class Mesh:
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=_timeout()))
     id: int = field(default_factory=lambda: next(_ids))
     _background: list = field(default_factory=list, repr=False, compare=False)  # see background()
+    checks: list = field(default_factory=lambda: [0], repr=False, compare=False)  # checks made (fshard/_agreement.py)
 
     @classmethod
     def from_env(cls, backend: str | None = None, timeout_s: float | None = None) -> "Mesh":

@@ -393,5 +393,10 @@ class offload_state(Transform):
         return OffloadUpdate(update, self.store, self.fraction, self.chunk_numel, self.depth, self.overlap_backward,
                              self.worker_nice)
 
+    def fingerprint(self) -> str:
+        """The kind of store and the placement, not its directory: each rank may offload to a disk of its own."""
+        return (f"fs.offload_state({type(self.store).__name__}, fraction={self.fraction}, chunk_mb={self.chunk_mb}, "
+                f"depth={self.depth}, overlap_backward={self.overlap_backward})")
+
     def __repr__(self) -> str:
         return f"fs.offload_state({_location(self.store)}, fraction={self.fraction})"

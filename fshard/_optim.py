@@ -62,13 +62,17 @@ class AdamW:
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ArgumentError(f"fs.adamw(impl={self.impl!r}) is not one of {_IMPLS}.")
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2 and all(map(_number, self.betas))):
+            raise ArgumentTypeError(f"fs.adamw(betas={self.betas!r}): betas must be two numbers, e.g. (0.9, 0.95).")
         if not 0.0 <= self.betas[0] < 1.0 or not 0.0 <= self.betas[1] < 1.0:
             raise ArgumentError(f"fs.adamw(betas={self.betas}): each beta must be in [0, 1).")
-        if not callable(self.lr) and not isinstance(self.lr, (int, float)):
+        if not callable(self.lr) and not _number(self.lr):
             raise ArgumentTypeError(f"fs.adamw(lr={self.lr!r}): lr must be a number or a schedule lr(count) -> "
                                     "float, e.g. fs.schedules.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000).")
-        if (not callable(self.lr) and self.lr < 0) or self.eps < 0 or self.weight_decay < 0:
-            raise ArgumentError(f"fs.adamw: lr, eps and weight_decay must be >= 0, got {self}.")
+        for what, v in (("eps", self.eps), ("weight_decay", self.weight_decay)) + (
+                (("lr", self.lr),) if not callable(self.lr) else ()):
+            if not _number(v) or not math.isfinite(v) or v < 0:  # nan would pass a plain v < 0 and ruin training
+                raise ArgumentError(f"fs.adamw({what}={v!r}): lr, eps and weight_decay must be finite numbers >= 0.")
         if self.weight_decay_mask is not None and not callable(self.weight_decay_mask):
             raise ArgumentTypeError(f"fs.adamw(weight_decay_mask={self.weight_decay_mask!r}) must be a callable "
                                     "mask(name, param) -> bool, e.g. lambda name, p: p.ndim >= 2.")
@@ -84,6 +88,13 @@ class AdamW:
             raise ArgumentError(f"fs.adamw: the learning-rate schedule {self.lr!r} returned {lr!r} for count "
                                 f"{count}; a schedule must return a finite number >= 0.")
         return float(lr)
+
+    def fingerprint(self, count: int) -> tuple:
+        """What every rank must agree on for the update that follows ``count`` updates: the hyperparameters (the
+        schedule's value at ``count``, not the schedule object, whose repr differs between processes), the
+        implementation, and the parameters that decay. The step's rank check compares it (fshard/_agreement.py)."""
+        return (self.lr_at(count), tuple(self.betas), self.eps, self.weight_decay, self.impl,
+                None if self.decay is None else sorted(self.decay))
 
     def bind(self, model: torch.nn.Module) -> "AdamW":
         """This optimizer with ``weight_decay_mask`` evaluated on ``model``'s parameters (``fs.init`` calls it)."""
@@ -218,4 +229,9 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
           weight_decay: float = 0.01, impl: str = "auto", weight_decay_mask: Callable | None = None) -> AdamW:
     """AdamW with the same math (and defaults) as ``torch.optim.AdamW``; ``lr`` may be a schedule and
     ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay (see ``AdamW``)."""
-    return AdamW(lr, tuple(betas), eps, weight_decay, impl, weight_decay_mask)
+    return AdamW(lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps, weight_decay, impl,
+                 weight_decay_mask)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -27,7 +27,8 @@ import torch
 
 from ._accumulate import Accumulator
 from ._base import Grads, UpdatePolicy
-from ._collectives import Comm, CollectivesView, agree
+from ._agreement import CHECKED, agree
+from ._collectives import Comm, CollectivesView
 from ._init import ROOT
 from ._state import NAMESPACE
 from ._unit import StepRun
@@ -173,8 +174,8 @@ def plan(step, state, batch, observed=None) -> Plan:
                               update=_NoUpdate())  # copies: planning must not change the real policies
     comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
     ctrl = _dry_comm(mesh, "cpu")  # control messages: tiny real tensors, as agree() and the grads stage make them
-    if mesh.world_size > 1:  # the rank check before any gather (check_ranks): three hashes
-        agree(ctrl, [], [0, 0, 0])
+    if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
+        agree(ctrl, [], [0] * CHECKED)
     k = len(pol.batches(batch))
     fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
                                               for u in spec.units}, copies={})

@@ -7,6 +7,7 @@ registered with optree under the "fshard" namespace: ``optree.tree_leaves(state,
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,24 @@ def register_node(cls):
     return cls
 
 
+class Busy:
+    """A non-blocking lock that copies and pickles as a new, free one (a copied spec has a template of its own)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __reduce__(self):
+        return Busy, ()
+
+
 @dataclass(frozen=True, eq=False)
 class ShardSpec:
     """What never changes during training: the static half of a TrainState."""
@@ -50,6 +69,8 @@ class ShardSpec:
     optimizer: Any
     fingerprint: int              # identical on every rank that built the same model: checked each step
     groups: tuple = ()            # (container path, member unit names) per routed container (fs.init(routed=...))
+    # held while a step or eval pass runs the template (functional_call swaps its tensors): a second one is refused
+    busy: Any = field(default_factory=lambda: Busy(), repr=False, compare=False)
 
     def unit(self, name: str) -> UnitLayout:
         return next(u for u in self.units if u.name == name)

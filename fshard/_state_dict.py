@@ -73,7 +73,7 @@ def _gather(state: TrainState, rank0_only: bool) -> dict[str, torch.Tensor]:
     """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time (with
     ``rank0_only``, on rank 0 only: the others return {})."""
     spec = state.spec
-    comm, out = Comm(spec.mesh), {}
+    comm, out = Comm(spec.mesh, verify=True, context="fs.full_state_dict"), {}
     receives = not rank0_only or spec.mesh.rank == 0
     for u in spec.units:
         flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None

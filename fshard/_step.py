@@ -12,6 +12,7 @@ The data flow of one step, as the code below reads:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -20,9 +21,10 @@ from torch.func import functional_call
 
 from ._accumulate import Accumulator
 from ._base import Grads
-from ._collectives import Comm, agree, check_ranks
+from ._agreement import agree, check_ranks, small_hash
+from ._collectives import Comm
 from ._eval import evaluate, train_mode
-from ._errors import (ArgumentTypeError, LossError, MeshMismatchError, PolicyError,
+from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError, PolicyError,
                       RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
@@ -54,15 +56,17 @@ class Step:
     """
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
-                 timeline: bool = False, check_collectives: bool = False):
+                 timeline: bool = False, check_collectives: bool | None = None):
         if not callable(loss_fn):
             raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
                                     f"{loss_fn!r}.")
         self.loss_fn, self.transforms = loss_fn, tuple(transforms)
         self.donate, self.trace, self.mesh, self.timeline = donate, trace, mesh, bool(timeline)
-        self.check_collectives = bool(check_collectives)
-        self._checked = False  # a step has passed its agreement (until then every collective is checked first)
+        self.check_collectives = None if check_collectives is None else bool(check_collectives)
+        self._checked = False  # a step has completed (until then every collective is checked first)
+        self._busy = threading.Lock()  # held while a step or eval pass runs (_exclusive)
         self.policy = fold(self.transforms)
+        self._chain = small_hash([t.fingerprint() for t in self.transforms])  # ranks compare it (check_ranks)
         self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
@@ -130,58 +134,65 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
-        spec = self._check_state(state)
-        state = self.init(state)
+        spec = self._spec(state)  # (no TrainState or a dead mesh: no other rank can be told, this one raises alone)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
-                    timeline=self.timeline, verify=self.check_collectives or not self._checked)
-        check_ranks(comm, state, batch)  # first: a batch that is wrong on one rank fails on all of them
-        micro = self.policy.batches(batch)
-        acc, scratch, runs, ok, accum = Accumulator(len(micro)), {}, [], False, 0
-        try:
-            buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
-            loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
-            t1 = time.perf_counter()
-            losses = []
-            with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
-                for i, mb in enumerate(micro):
-                    runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
-                    mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
-                    losses.append(mb_loss)
-                    accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
-            loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
-            t2 = time.perf_counter()
-            run = runs[-1]
-            loss, active = self._agree(comm, run, acc, loss)
-            self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
-            self._checked = True
-            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
-                                                      active=active, transform_state=state.transform_state))
-            t3 = time.perf_counter()
-            if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
-                new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
-                                    buffers=buffers)
-                update_metrics = {}
-            else:
-                if self.donate:
-                    state.donation.take(int(state.step))  # from here on the input's tensors change in place
-                params, opt_state, update_metrics, copies = _updated(
-                    self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
-                new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
-                                 transform_state=grads.transform_state, copies=copies)
-            t4 = time.perf_counter()
-            comm.span("update", "skipped" if grads.skip else "update", t3, t4)
-            ok = True
-            m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
-                              t0, t1, t2, t3, t4)
-            return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
-                         **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
-        finally:
-            if not ok:
-                comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
-            if runs:  # work begun during backward that no update took (the step failed, or skipped the update)
-                self.policy.update.abort(runs[-1])
-            for run in runs:
-                run._close()  # free this step's buffers now, also when it raised
+                    timeline=self.timeline, verify=self._verify(spec.mesh), context=f"step {int(state.step)}")
+        runs, ok, accum = [], False, 0
+        with self._exclusive(spec):
+            try:
+                self._check_usable(state)
+                state = self.init(state)
+                check_ranks(comm, state, batch, self._chain)  # first: a batch wrong on one rank fails on all of them
+                micro = self.policy.batches(batch)
+                acc, scratch = Accumulator(len(micro)), {}
+                buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+                loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
+                t1 = time.perf_counter()
+                losses = []
+                with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
+                    for i, mb in enumerate(micro):
+                        runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
+                        mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro),
+                                                                         loss_scale)
+                        losses.append(mb_loss)
+                        accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
+                loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
+                t2 = time.perf_counter()
+                run = runs[-1]
+                loss, active = self._agree(comm, run, acc, loss)
+                self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
+                grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
+                                                          active=active, transform_state=state.transform_state))
+                t3 = time.perf_counter()
+                if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
+                    new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
+                                        buffers=buffers)
+                    update_metrics = {}
+                else:
+                    if self.donate:
+                        state.donation.take(int(state.step))  # from here on the input's tensors change in place
+                    params, opt_state, update_metrics, copies = _updated(
+                        self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
+                    new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
+                                     transform_state=grads.transform_state, copies=copies)
+                t4 = time.perf_counter()
+                comm.span("update", "skipped" if grads.skip else "update", t3, t4)
+                m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
+                                  t0, t1, t2, t3, t4)
+                comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
+                ok = self._checked = True
+                return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
+                             **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
+            except BaseException as e:
+                comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
+                raise
+            finally:
+                if not ok:
+                    comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
+                if runs:  # work begun during backward that no update took (the step failed, or skipped the update)
+                    self.policy.update.abort(runs[-1])
+                for run in runs:
+                    run._close()  # free this step's buffers now, also when it raised
 
     def eval(self, state: TrainState, batch) -> tuple[float, dict]:
         """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
@@ -191,23 +202,61 @@ class Step:
         return evaluate(self, state, batch)
 
     def _check_state(self, state):
-        if self._closed:
-            raise StepClosedError(f"{self!r} was closed (step.close(), or the end of its with block); compose a "
-                                  "new step function with fs.compose(...) to go on training.")
+        """Everything ``_spec`` and ``_check_usable`` check, for callers outside a step (``step.plan``)."""
+        spec = self._spec(state)
+        self._check_usable(state)
+        return spec
+
+    def _spec(self, state) -> "ShardSpec":
+        """The state's static half, after the checks without which no collective can be made."""
         if not isinstance(state, TrainState):
             raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous "
                                     f"step, got {type(state).__name__}.")
+        state.spec.mesh.check_alive()
+        return state.spec
+
+    def _check_usable(self, state) -> None:
+        """Checks of the call that the other ranks learn of if they fail on one rank (``Comm.fail``)."""
+        if self._closed:
+            raise StepClosedError(f"{self!r} was closed (step.close(), or the end of its with block); compose a "
+                                  "new step function with fs.compose(...) to go on training.")
         state.check_usable()
         if self.donate:
             state.donation.check_not_saving()
-        spec = state.spec
-        if self.mesh is not None and not self.mesh.same_as(spec.mesh):
+        if self.mesh is not None and not self.mesh.same_as(state.spec.mesh):
             raise MeshMismatchError(
-                f"this step runs on {self.mesh} but the state was made on {spec.mesh}. Shards belong to the mesh "
-                "they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "
+                f"this step runs on {self.mesh} but the state was made on {state.spec.mesh}. Shards belong to the "
+                "mesh they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "
                 "step with the state's mesh (fs.compose(loss_fn, mesh=state.mesh)).")
-        spec.mesh.check_alive()
-        return spec
+
+    def _verify(self, mesh) -> bool:
+        """Check every collective across ranks before it is issued (fshard/_agreement.py)? ``check_collectives``
+        if given; by default always on a CPU mesh, and until a step has completed on others (the check's
+        all-reduce reads its result on the host: on CUDA a device sync per collective)."""
+        if self.check_collectives is not None:
+            return self.check_collectives or not self._checked
+        return mesh.device.type == "cpu" or not self._checked
+
+    @contextlib.contextmanager
+    def _exclusive(self, spec):
+        """One step (or eval pass) at a time per step function and per model template (states of one ``fs.init``
+        share it, and functional_call swaps its tensors): a second, concurrent one is refused, not interleaved."""
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentStepError(
+                f"{self!r} is already running a step in another thread. A step function runs one step at a time "
+                "(its policies keep per-step state); compose one per thread, or wait for the running step.")
+        try:
+            if not spec.busy.acquire():
+                raise ConcurrentStepError(
+                    "a step or eval pass is already running on a state of this fs.init in another thread: all states "
+                    "of one fs.init share one model template, whose tensors a step swaps while it runs. Run their "
+                    "steps one after another, or fs.init the model again for each concurrent run.")
+            try:
+                yield
+            finally:
+                spec.busy.release()
+        finally:
+            self._busy.release()
 
     def _forward_backward(self, run: StepRun, buffers, batch, k: int, loss_scale: float):
         with run._active():
@@ -217,6 +266,12 @@ class Step:
             tb = time.perf_counter()
             run.phase = "backward"
             leaves = [u.shard for u in run.units.values() if u._flat is not None and u.trainable]
+            if leaves and not loss.requires_grad:
+                raise LossError(
+                    "loss_fn returned a loss with no path to any trainable parameter (loss.requires_grad is False), "
+                    "so the step would train nothing: it ran under torch.no_grad(), or detached the loss (.item(), "
+                    ".detach()), or computed it from the batch alone. Return the differentiable loss; to evaluate, "
+                    "use step.eval(state, batch). Nothing was updated.")
             if loss.requires_grad and leaves:
                 # gradients land in the units (reduce policy); k micro-batches: the average, as loss / k would
                 out = loss if k == 1 else loss / k
@@ -248,6 +303,7 @@ class Step:
         if root is not None:
             self.policy.gather.after_forward(run, root)
         _check_loss(loss)
+        _check_template(run.spec)
         return loss
 
     def _agree(self, comm: Comm, run: StepRun, acc: Accumulator, loss: float):
@@ -255,11 +311,11 @@ class Step:
         got = [float(g) for name, u in run.units.items() for g in acc.got.get(name, u._got)]
         sums, (same_seq,) = agree(comm, [loss] + got, [comm.seq_hash])
         if not same_seq:
-            raise RankDivergenceError(
+            raise comm.unanimous(RankDivergenceError(
                 "ranks issued different collectives in this step (different units, order or sizes), so gathered "
                 "parameters or reduced gradients may be mixed up. The state was not updated. Every rank must run "
                 "the same units in the same order in forward and backward; make control flow independent of the "
-                f"rank's data. This rank ran units in the order {run.order}.")
+                f"rank's data. This rank ran units in the order {run.order}."))
         active, i = {}, 1
         for name, u in run.units.items():
             active[name] = [s > 0 for s in sums[i:i + len(u._got)]]
@@ -334,6 +390,18 @@ def _check_loss(loss) -> None:
                         "to one number inside loss_fn, e.g. return loss.mean().")
 
 
+def _check_template(spec) -> None:
+    """Outside a step the template's parameters are meta tensors; one that is not was created by forward (a lazy
+    module, or an nn.Parameter made in forward): fs.init never saw it, so no step would ever train it."""
+    made = [n for n, p in spec.template.named_parameters() if not p.is_meta]
+    if made:
+        raise InitError(
+            f"forward created parameters that fs.init never saw: {made[:5]}{' ...' if len(made) > 5 else ''}. They "
+            "are not in the state, so no step would train them (a lazy module, e.g. nn.LazyLinear, or an "
+            "nn.Parameter made inside forward). Create every parameter before fs.init (run one forward on a dummy "
+            "batch to materialise lazy modules, or make it in __init__). Nothing was updated.")
+
+
 def _copies(state: TrainState, gather):
     """The parameter copies a step with this gather policy keeps: ``state.copies`` itself when it holds exactly
     those; else each unit's shard cast once to ``param_dtype`` (round to nearest, as a gather would cast it), or
@@ -365,7 +433,7 @@ def _updated(policy, out, state: TrainState):
 
 
 def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
-            timeline: bool = False, check_collectives: bool = False) -> Step:
+            timeline: bool = False, check_collectives: bool | None = None) -> Step:
     """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
 
     donate: update the input state's tensors in place instead of copies (the input state is then unusable).
@@ -374,9 +442,13 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
     timeline: add ``metrics["trace/timeline"]``, this rank's spans ``(lane, label, start_s, end_s)`` since the
       step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
       with ``fs.timeline(metrics, path)``.
-    check_collectives: before every collective of every step, one tiny all-reduce checks that all ranks are about
-      to issue the same one (else ``RankDivergenceError`` on every rank, where mismatched collectives would abort
-      the process in gloo). The steps up to the first that completes always check; this keeps checking.
+    check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
+      one and that none has failed (fshard/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
+      one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
+      process or the others would wait for the timeout. None (the default): on CPU meshes at every step (measured
+      within the noise of the example's step, benchmarks/RESULTS.md); on CUDA until a step has completed (each
+      check reads its result on the host). True: every step; False: until a step has completed. Whatever the
+      setting, a step ends with one such check (its commit), so it returns on every rank or raises on every rank.
     """
     return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline,
                 check_collectives=check_collectives)

@@ -60,6 +60,12 @@ class Transform:
         calls it for each of its transforms before it runs (``Step.init``)."""
         return None
 
+    def fingerprint(self) -> str:
+        """What every rank must compose alike (the step's rank check compares the chain's): ``repr(self)`` by
+        default, so a transform's arguments count. A transform whose repr holds what may differ between ranks (a
+        rank's own directory) returns the rest."""
+        return repr(self)
+
     def __repr__(self) -> str:
         return f"fs.{self.name}()"
 

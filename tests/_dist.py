@@ -24,6 +24,7 @@ def _worker(rank, world_size, port, fn, args, out, timeout_s):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same default on every rank (torch seeds each process at random), as a script seeds
     try:
         out.put((rank, "ok", fn(*args)))
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent

@@ -81,7 +81,13 @@ def _misuse():
     except fs.RankDivergenceError as e:
         out["divergence"] = str(e)
     step = fs.compose(lambda m, b: m(*b))
-    step(state, (torch.randn(2, 4), False))  # the same order on every rank: checked, then no more checks
+    step(state, (torch.randn(2, 4), False))  # the same order on every rank
+    try:  # on a CPU mesh every step checks each collective by default
+        step(state, (torch.randn(2, 4), True))
+    except fs.RankDivergenceError as e:
+        out["later"] = str(e)
+    step = fs.compose(lambda m, b: m(*b), check_collectives=False)
+    step(state, (torch.randn(2, 4), False))  # checked until a step completes, then no more checks
     try:  # later steps: the agreement after backward sees it (same sizes, so no collective failed)
         step(state, (torch.randn(2, 4), True))
     except fs.RankDivergenceError as e:
@@ -115,6 +121,7 @@ def _misuse():
 def test_misuse_across_ranks_raises_clear_errors_and_never_hangs():
     for out in run_ranks(_misuse, 2, timeout_s=120):
         assert "ranks were about to issue different collectives" in out["divergence"] and "routed=" in out["divergence"]
+        assert "rank 0: all_gather of 'blocks.0'" in out["later"] and "rank 1: all_gather of 'blocks.1'" in out["later"]
         assert "ranks issued different collectives" in out["agreement"] and out["unchanged"]
         assert "batches of different structure" in out["batch"] and "data loader" in out["batch"]
         assert "but the state was made on" in out["mesh"]
@@ -125,6 +132,7 @@ def _dies():
     import fshard as fs
     from models import Awkward, awkward_batches, awkward_loss
     mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
     state = fs.init(Awkward(), mesh, fs.adamw())
     if mesh.rank == 1:
         os._exit(3)  # a crashed rank

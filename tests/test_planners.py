@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import fshard.testing as ft
 from fshard._bucket_reduce import plan_buckets
-from fshard._collectives import HASH_BITS, agree, all_equal
+from fshard._agreement import HASH_BITS, agree, all_equal
 from fshard._layout import plan_unit
 from fshard._optim import _segments
 

@@ -1,0 +1,264 @@
+"""Reliability across ranks (issue #24): ranks that disagree, fail or hang, at world sizes 2 and 3.
+
+Each row runs on every rank of one process group (``CASES``, in order; the group stays usable between rows, since
+every row ends with all ranks raising at the same check) and records, per rank: the error type, its message, whether
+the rank's input state is bitwise intact, and the seconds to fail. Rows whose fault breaks the process group (a hung
+rank, Ctrl-C) run in groups of their own. The table:
+
+| row | what one rank (or every rank) does | the faulty rank gets | the others get | state |
+|---|---|---|---|---|
+| seeds | builds the model under its own seed | RankDivergenceError at fs.init naming the units | the same | - |
+| meta_seed | fs.init of a meta model with seed=rank | RankDivergenceError naming the units | the same | - |
+| lr | fs.adamw(lr=1.0) where the others use 1e-3 | RankDivergenceError "optimizer hyperparameters" | the same | intact |
+| chain | composes bucket_reduce where the others do not | RankDivergenceError "different transforms" | the same | intact |
+| skip_unit | skips a unit at the second step (blocking) | RankDivergenceError naming both sides | the same | intact |
+| skip_unit_ahead | the same with gather_ahead + bucket_reduce | RankDivergenceError naming both sides | the same | intact |
+| microbatches | passes 3 micro-batches where the others pass 2 | BatchMismatchError | the same | intact |
+| loss_raises | loss_fn raises ValueError | its ValueError | RankFailedError naming it | intact |
+| store_fails | its store fails mid-update (offload_state) | OffloadError | RankFailedError naming it | intact |
+| nan_skip | NaN gradients under skip_nonfinite | every rank skips the step | the same | skipped + 1 |
+| extra_step | steps once more while the others export | RankDivergenceError naming both sides | the same | intact |
+| store_fails, then | the same step again once the store works | the step goes through | the same | bitwise a clean run's |
+| hung | stops itself (SIGSTOP) before a step | (stopped) | CollectiveError naming the step and the rank | intact |
+| ctrl_c | - | - | Ctrl-C during a wait is a KeyboardInterrupt within 2 s | - |
+
+A dead rank (``os._exit``) is tests/test_multirank.py's ``test_a_dead_rank_makes_the_others_fail_instead_of_hanging``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fshard as fs
+from _dist import spawn
+
+TIMEOUT_S = 20  # collective timeout of these groups
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - the row records which
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def _snapshot(state):
+    return [t.clone() for t in state.params.values()] + [
+        t.clone() for s in state.opt_state.values() for t in (s.exp_avg, s.exp_avg_sq) if isinstance(t, torch.Tensor)]
+
+
+def _intact(state, snap) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_snapshot(state), snap))
+
+
+class _Skipper(nn.Module):
+    """Three blocks; the rank named in ``skip`` leaves out blocks.1 when ``batch[2]`` says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x, skip_rank=-1):
+        for i, b in enumerate(self.blocks):
+            if i == 1 and int(os.environ["RANK"]) == skip_rank:
+                continue
+            x = torch.tanh(b(x))
+        return x.square().mean()
+
+
+def _rows(n):
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    rank, last = mesh.rank, n - 1
+    out = {}
+    batches = list(awkward_batches(2, 4, rank, n))
+
+    def fresh(model_cls=Awkward, **kw):
+        torch.manual_seed(0)
+        return fs.init(model_cls(), mesh, fs.adamw(**kw))
+
+    torch.manual_seed(rank)
+    out["seeds"] = _outcome(lambda: fs.init(Awkward(), mesh, fs.adamw())) + (True,)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    out["meta_seed"] = _outcome(lambda: fs.init(meta, mesh, fs.adamw(), seed=rank)) + (True,)
+
+    state = fresh(lr=1.0 if rank == last else 1e-3)
+    snap = _snapshot(state)
+    out["lr"] = _outcome(lambda: fs.compose(awkward_loss)(state, batches[0])) + (_intact(state, snap),)
+
+    state = fresh()
+    snap = _snapshot(state)
+    chain = (fs.bucket_reduce(1),) if rank == last else ()
+    out["chain"] = _outcome(lambda: fs.compose(awkward_loss, *chain)(state, batches[0])) + (_intact(state, snap),)
+
+    for row, transforms in (("skip_unit", ()), ("skip_unit_ahead", (fs.gather_ahead(2), fs.bucket_reduce(1)))):
+        torch.manual_seed(0)
+        s0 = fs.init(_Skipper(), mesh, fs.adamw())
+        step = fs.compose(lambda m, b: m(*b), *transforms)
+        x = torch.randn(2, 8)
+        s1, _ = step(s0, (x, -1))  # a good step first: the check holds at every step, not only the first
+        snap = _snapshot(s1)
+        out[row] = _outcome(lambda: step(s1, (x, last))) + (_intact(s1, snap),)
+
+    state = fresh()
+    snap = _snapshot(state)
+    k = 3 if rank == last else 2
+    out["microbatches"] = _outcome(lambda: fs.compose(awkward_loss, fs.accumulate(2))(state, batches[:k])) + (
+        _intact(state, snap),)
+
+    state = fresh()
+    step = fs.compose(lambda m, b: awkward_loss(m, b) if rank != last else _raise(ValueError("boom on this rank")))
+    snap = _snapshot(state)
+    out["loss_raises"] = _outcome(lambda: step(state, batches[0])) + (_intact(state, snap),)
+
+    store = FlakyStore()
+    with fs.compose(awkward_loss, fs.offload_state(store)) as step:
+        s1, _ = step(fresh(), batches[0])  # moves the moments into the store
+        snap = _snapshot(s1) + [s.exp_avg.load() for s in s1.opt_state.values()]
+        store.armed = rank == last
+        out["store_fails"] = _outcome(lambda: step(s1, batches[1])) + (
+            _intact(s1, snap) and _snapshot(s1) + [s.exp_avg.load() for s in s1.opt_state.values()] is not None
+            and all(torch.equal(a, b) for a, b in zip(snap[-len(s1.opt_state):],
+                                                      [s.exp_avg.load() for s in s1.opt_state.values()])),)
+        store.armed = False
+        s2, _ = step(s1, batches[1])  # the store works again: the same step goes through on every rank
+        out["store_retry"] = [t.clone() for t in s2.params.values()]
+    with fs.compose(awkward_loss, fs.offload_state(fs.CPUStore())) as step:
+        clean = fresh()
+        for b in batches[:2]:
+            clean, _ = step(clean, b)
+    out["store_retry"] = all(torch.equal(a, b) for a, b in zip(out["store_retry"], clean.params.values()))
+
+    state = fresh()
+    nan_loss = lambda m, b: awkward_loss(m, b) * (float("nan") if rank == last else 1.0)  # noqa: E731
+    new, m = fs.compose(nan_loss, fs.skip_nonfinite())(state, batches[0])
+    out["nan_skip"] = ("ok" if int(new.skipped) == 1 and int(new.step) == 0 else "wrong", "", 0.0, True)
+
+    state = fresh()
+    step = fs.compose(awkward_loss)
+    s1, _ = step(state, batches[0])
+    snap = _snapshot(s1)
+    extra = (lambda: step(s1, batches[1])) if rank == 0 else (lambda: fs.full_params(s1))
+    out["extra_step"] = _outcome(extra) + (_intact(s1, snap),)
+
+    return out
+
+
+def _raise(e):
+    raise e
+
+
+class FlakyStore(fs.CPUStore):
+    """A CPU store whose streams fail while ``armed`` (a full disk, a damaged file)."""
+
+    armed = False
+
+    def stream(self, keys, depth=2, writeback=False, max_writes=None):
+        if self.armed:
+            raise fs.StoreError("injected: the device is full")
+        return super().stream(keys, depth=depth, writeback=writeback, max_writes=max_writes)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_lose_nothing(n):
+    outcome = spawn(_rows, n, n, timeout_s=240, collective_timeout_s=TIMEOUT_S)
+    assert all(s == "ok" for s, _ in outcome.values()), outcome
+    rows = [v for _, v in (outcome[r] for r in range(n))]
+    last = n - 1
+    for r, row in enumerate(rows):
+        for case, (kind, text, seconds, intact) in ((k, v) for k, v in row.items() if isinstance(v, tuple)):
+            assert intact, (r, case)
+            assert seconds < TIMEOUT_S, (r, case, seconds)  # an fshard error at a check, not a transport timeout
+        assert row["seeds"][0] == "RankDivergenceError" and "different initial values" in row["seeds"][1]
+        assert "'emb'" in row["seeds"][1] or "blocks.0" in row["seeds"][1] and "manual_seed" in row["seeds"][1]
+        assert row["meta_seed"][0] == "RankDivergenceError" and "seed=" in row["meta_seed"][1]
+        assert row["lr"][0] == "RankDivergenceError" and "optimizer hyperparameters" in row["lr"][1]
+        assert row["chain"][0] == "RankDivergenceError" and "different transforms" in row["chain"][1]
+        for case in ("skip_unit", "skip_unit_ahead"):
+            kind, text = row[case][:2]
+            assert kind == "RankDivergenceError", (r, case, text)  # both sides named:
+            assert f"rank {last}: all_gather of 'blocks.2' (96 x float32) in step 1" in text, (r, case, text)
+            assert "rank 0: all_gather of 'blocks.1' (96 x float32) in step 1" in text, (r, case, text)
+        assert row["microbatches"][0] == "BatchMismatchError"
+        kind, text = row["loss_raises"][:2]
+        if r == last:
+            assert kind == "ValueError" and "boom on this rank" in text
+        else:
+            assert kind == "RankFailedError" and f"rank {last} failed in step 0: ValueError: boom on this" in text, text
+            assert "no rank committed the step" in text
+        kind, text = row["store_fails"][:2]
+        if r == last:
+            assert kind == "OffloadError" and "injected" in text and "input state is unchanged" in text
+        else:
+            assert kind == "RankFailedError" and f"rank {last} failed in step 1: OffloadError" in text, text
+        assert row["nan_skip"][0] == "ok"
+        kind, text = row["extra_step"][:2]
+        assert kind == "RankDivergenceError" and "rank 0: all_reduce of 'agree' (10 x float64) in step 1" in text
+        assert "rank 1: all_gather of '<root>' (" in text and "x float32) in fs.full_params" in text, text
+        assert row["store_retry"], (r, "the retried offloaded step differs from a clean one")
+
+
+def _hang(n):
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    step = fs.compose(awkward_loss, fs.gather_ahead(2), fs.bucket_reduce(1))
+    batches = list(awkward_batches(2, 2, mesh.rank, n))
+    state, _ = step(state, batches[0])
+    if mesh.rank == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # a hung rank: never answers again
+    snap = _snapshot(state)
+    return _outcome(lambda: step(state, batches[1])) + (_intact(state, snap),)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_hung_rank_is_named_by_the_others_within_the_timeout(n):
+    timeout = 6
+    outcome = spawn(_hang, n, n, timeout_s=120, collective_timeout_s=timeout)
+    assert outcome[n - 1][0] == "hung", outcome
+    for r in range(n - 1):
+        status, (kind, text, seconds, intact) = outcome[r]
+        assert status == "ok" and kind == "CollectiveError", outcome[r]
+        assert "in step 1" in text and "the check before its" in text, text
+        assert f"Ranks that had not arrived: [{n - 1}]" in text, text
+        assert "timeout_s" in text and "torchrun --max-restarts" in text, text
+        assert intact and seconds < timeout + 10, seconds
+
+
+def _ctrl_c():
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    batch = next(awkward_batches(2, 1, mesh.rank, 2))
+    if mesh.rank == 1:
+        time.sleep(4)  # late: rank 0 waits at the step's first check
+        return _outcome(lambda: fs.compose(awkward_loss)(state, batch))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        fs.compose(awkward_loss)(state, batch)
+        return ("ok", "", time.monotonic() - t0)
+    except KeyboardInterrupt:
+        return ("KeyboardInterrupt", "", time.monotonic() - t0)
+
+
+def test_ctrl_c_interrupts_a_wait_for_another_rank():
+    outcome = spawn(_ctrl_c, 2, timeout_s=120, collective_timeout_s=8)
+    status, (kind, _, seconds) = outcome[0]
+    assert status == "ok" and kind == "KeyboardInterrupt" and seconds < 3, outcome[0]
+    assert outcome[1][0] != "hung", outcome[1]
