@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ._agreement import HASH_BITS, agree
 from ._collectives import Comm
-from ._errors import InitError, RankDivergenceError
+from ._errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
 from ._state import ShardSpec, TrainState
@@ -56,6 +56,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     ``fs.load``, which allocates each rank's shards and fills them, so resuming never holds the model whole; a
     step, a save or ``fs.full_params`` refuses it.
     """
+    _check_args(model, mesh, opt, units, init_fn, seed, align_bytes)
     device = _check_devices(model, mesh)
     opt = opt.bind(model)  # evaluates the optimizer's per-parameter choices (a weight-decay mask) once
     unit_mods = _find_units(model, units)
@@ -132,6 +133,8 @@ def _agree_on_values(mesh: Mesh, fingerprint: int, units: dict, buffers: dict) -
 
 def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Collective: every parameter at full size, keys and order as in ``model.named_parameters()``."""
+    if not isinstance(state, TrainState):
+        raise ArgumentTypeError(f"fs.full_params(state): state must be an fs.TrainState, got {type(state).__name__}.")
     state.check_usable()
     spec = state.spec
     spec.mesh.check_alive()
@@ -141,6 +144,45 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         comm.all_gather(flat, state.params[u.name], u.name)
         out.update(views(flat, u))
     return {n: out[n] for n in spec.param_names}
+
+
+def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
+    """fs.init's arguments, each refused with what it takes (rather than an AttributeError deep inside)."""
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(f"fs.init(model, mesh, opt): model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(mesh, Mesh):
+        raise ArgumentTypeError(f"fs.init(model, mesh, opt): mesh must be an fs.Mesh (fs.Mesh.from_env() under "
+                                f"torchrun, fs.Mesh.local() for one rank), got {type(mesh).__name__}.")
+    if not all(callable(getattr(opt, m, None)) for m in ("bind", "init", "plan", "apply", "fingerprint")):
+        raise ArgumentTypeError(
+            f"fs.init(model, mesh, opt): opt must be an fshard optimizer such as fs.adamw(lr=...), got "
+            f"{type(opt).__module__}.{type(opt).__name__}. fshard keeps the optimizer state sharded in the TrainState, "
+            "so a torch.optim optimizer cannot be used; fs.adamw has torch.optim.AdamW's arithmetic and arguments.")
+    if units is not None and (isinstance(units, (str, nn.Module)) or not hasattr(units, "__iter__")):
+        raise ArgumentTypeError(f"fs.init(units={units!r}): units must be a list of module paths or modules, e.g. "
+                                "units=['blocks.0', 'blocks.1'].")
+    for u in units or ():
+        if isinstance(u, str):
+            try:
+                model.get_submodule(u)
+            except AttributeError:
+                raise InitError(f"fs.init(units=...): {u!r} is not a submodule of the model. Pass module paths as in "
+                                "model.named_modules() (e.g. 'blocks.0') or the submodules themselves.") from None
+    if init_fn is not None and not callable(init_fn):
+        raise ArgumentTypeError(f"fs.init(init_fn={init_fn!r}): init_fn must be callable as init_fn(module), e.g. "
+                                "model._init_weights for a Hugging Face model.")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ArgumentTypeError(f"fs.init(seed={seed!r}): seed must be an int (the same on every rank).")
+    if not isinstance(align_bytes, int) or align_bytes < 16 or align_bytes % 16:
+        raise ArgumentError(f"fs.init(align_bytes={align_bytes!r}): align_bytes must be a positive multiple of 16 "
+                            f"(default {ALIGN_BYTES}: each parameter and shard starts on a cache line).")
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise InitError(f"fs.init: the model has uninitialized (lazy) parameters {lazy[:5]}, whose shapes forward "
+                        "decides. Run one forward on a dummy batch before fs.init, so that they exist.")
+    if not any(True for _ in model.parameters()):
+        raise InitError(f"fs.init: the model ({type(model).__name__}) has no parameters, so there is nothing to shard "
+                        "or train.")
 
 
 def _check_devices(model: nn.Module, mesh: Mesh) -> torch.device:

@@ -10,6 +10,19 @@ message (the fix it names), run under a timeout. Cases so far:
   made, not a broken ``import fshard``; ``Mesh.from_env(timeout_s=...)`` is checked the same way.
 - ``state.replace(...)`` checks what it is given against the state's spec: a fractional step, a shard one element
   short, a missing unit, a moment of the wrong dtype each name the field and the fix.
+- Hyperparameters that cannot train (``fs.adamw(lr=nan)``, ``eps=nan``, ``weight_decay=inf``, malformed betas) are an
+  ``ArgumentError`` or ``ArgumentTypeError`` naming the argument.
+- Each ``fs.init`` argument of the wrong kind (``INIT_MISUSE``: a model that is no module, no mesh, a torch.optim
+  optimizer, units as a string or naming no submodule, init_fn, seed, align_bytes, a model without parameters,
+  lazy parameters) is an fshard error naming what it takes.
+- A loss with no path to any parameter (detached, a constant, computed under no_grad) is a ``LossError`` naming
+  ``step.eval`` for evaluation; a parameter created in forward is an ``InitError``; the state is unchanged and
+  still trains.
+- A second step while one runs, on the same step function, on a state of the same ``fs.init``, or an eval pass, is
+  a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
+  calls step in parallel, bitwise.
+
+The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
 from __future__ import annotations
 
@@ -17,13 +30,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 import fshard as fs
-from models import Awkward
+import fshard.testing as ft
+from models import Awkward, awkward_batches, awkward_loss
 
 
 def _python(code: str, timeout: float = 180, **env) -> subprocess.CompletedProcess:
@@ -121,3 +136,134 @@ def test_replace_checks_what_it_is_given(case):
     with pytest.raises(fs.ArgumentError, match=fragment):
         state.replace(**change(state))
     state.replace(step=torch.tensor(4), params=dict(state.params))  # right ones pass
+
+
+# --- inputs that cannot train -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(lr=float("nan")), r"lr=nan.*finite numbers >= 0"), (dict(lr=float("inf")), r"lr=inf"),
+    (dict(eps=float("nan")), r"eps=nan"), (dict(weight_decay=float("inf")), r"weight_decay=inf"),
+    (dict(betas=(0.9, float("nan"))), r"each beta must be in \[0, 1\)"), (dict(betas=0.9), r"betas must be two")])
+def test_non_finite_or_malformed_hyperparameters_are_refused(kwargs, fragment):
+    with pytest.raises(fs.FshardError, match=fragment):
+        fs.adamw(**kwargs)
+
+
+INIT_MISUSE = [  # (arguments of fs.init, the error type, the message fragment)
+    (lambda m: ("model", fs.Mesh.local(), fs.adamw()), fs.ArgumentTypeError, "model must be a torch.nn.Module"),
+    (lambda m: (m, None, fs.adamw()), fs.ArgumentTypeError, r"fs.Mesh.local\(\) for one rank"),
+    (lambda m: (m, fs.Mesh.local(), torch.optim.AdamW(m.parameters())), fs.ArgumentTypeError,
+     "a torch.optim optimizer cannot be used"),
+    (lambda m: (m, fs.Mesh.local(), fs.adamw(), dict(units="blocks.0")), fs.ArgumentTypeError, r"units=\['blocks.0'"),
+    (lambda m: (m, fs.Mesh.local(), fs.adamw(), dict(units=["nope"])), fs.InitError, "'nope' is not a submodule"),
+    (lambda m: (m, fs.Mesh.local(), fs.adamw(), dict(init_fn=3)), fs.ArgumentTypeError, r"init_fn\(module\)"),
+    (lambda m: (m, fs.Mesh.local(), fs.adamw(), dict(seed="0")), fs.ArgumentTypeError, "seed must be an int"),
+    (lambda m: (m, fs.Mesh.local(), fs.adamw(), dict(align_bytes=3)), fs.ArgumentError, "multiple of 16"),
+    (lambda m: (torch.nn.ReLU(), fs.Mesh.local(), fs.adamw()), fs.InitError, "has no parameters"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(INIT_MISUSE)))
+def test_init_misuse_is_an_fshard_error_naming_the_fix(case):
+    args, kind, fragment = INIT_MISUSE[case]
+    args = args(Awkward())
+    with pytest.raises(kind, match=fragment):
+        fs.init(*args[:3], **(args[3] if len(args) > 3 else {}))
+
+
+def test_a_loss_with_no_path_to_a_parameter_is_refused_and_changes_nothing():
+    state = _state()
+    snap = ft.snapshot(state)
+    for detached in (lambda m, b: awkward_loss(m, b).detach(), lambda m, b: torch.tensor(1.0),
+                     lambda m, b: _no_grad(awkward_loss, m, b)):
+        with pytest.raises(fs.LossError, match=r"no path to any trainable parameter.*step.eval"):
+            fs.compose(detached)(state, next(awkward_batches(2, 1)))
+    ft.check_unchanged(state, snap)
+    fs.compose(awkward_loss)(state, next(awkward_batches(2, 1)))  # still trains
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
+class _Lazy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.LazyLinear(3)
+
+    def forward(self, x):
+        return self.b(self.a(x)).square().mean()
+
+
+class _MadeInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.extra = torch.nn.Parameter(torch.ones(4))
+        return (self.a(x) * self.extra).square().mean()
+
+
+def test_parameters_created_in_forward_are_refused():
+    with pytest.raises(fs.InitError, match=r"uninitialized \(lazy\) parameters \['b.weight'.*dummy batch"):
+        fs.init(_Lazy(), fs.Mesh.local(), fs.adamw())
+    torch.manual_seed(0)
+    state = fs.init(_MadeInForward(), fs.Mesh.local(), fs.adamw())
+    snap = ft.snapshot(state)
+    with pytest.raises(fs.InitError, match=r"forward created parameters that fs.init never saw: \['extra'"):
+        fs.compose(lambda m, x: m(x))(state, torch.randn(2, 4))
+    ft.check_unchanged(state, snap)
+
+
+# --- concurrent steps ---------------------------------------------------------------------------------------------
+
+def test_a_concurrent_step_is_refused_and_the_running_one_is_unaffected():
+    state = _state()
+    batch = next(awkward_batches(2, 1))
+    expected, _ = fs.compose(awkward_loss)(state, batch)
+    inside, tried = threading.Event(), threading.Event()
+
+    def held(m, b):  # the first step waits inside its forward until the second has tried
+        inside.set()
+        assert tried.wait(30)
+        return awkward_loss(m, b)
+
+    step, other_step, errors, results = fs.compose(held), fs.compose(awkward_loss), [], []
+    first = threading.Thread(target=lambda: results.append(step(state, batch)))
+    first.start()
+    assert inside.wait(30)
+    for attempt in (lambda: step(state, batch),  # the same step function
+                    lambda: other_step(state, batch),  # another one, on a state of the same fs.init
+                    lambda: other_step.eval(state, batch)):
+        try:
+            attempt()
+        except fs.ConcurrentStepError as e:
+            errors.append(str(e))
+    tried.set()
+    first.join(30)
+    assert len(errors) == 3, errors
+    assert "already running a step in another thread" in errors[0] and "compose one per thread" in errors[0]
+    assert "share one model template" in errors[1] and "fs.init the model again" in errors[1]
+    (new, _), = results
+    for a, b in zip(new.params.values(), expected.params.values()):
+        assert torch.equal(a, b)  # the running step's result is what it would have been alone
+    fs.compose(awkward_loss)(state, batch)  # and the lock is released
+
+
+def test_concurrent_steps_on_separate_inits_run_in_parallel_bitwise():
+    states = [_state() for _ in range(2)]  # the same values, separate templates
+    batch = next(awkward_batches(2, 1))
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, fs.compose(awkward_loss)(states[i], batch)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    alone, _ = fs.compose(awkward_loss)(states[0], batch)
+    for new, _ in results:
+        for a, b in zip(new.params.values(), alone.params.values()):
+            assert torch.equal(a, b)
