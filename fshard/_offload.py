@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -165,7 +166,7 @@ class OffloadUpdate(UpdatePolicy):
         try:
             taken = self._take_early(step.scratch(self), grads, state, active, m, created)
         except Exception as e:  # nothing of the input was written yet, but with donate the step already took it
-            return self._fail(e, created, donate)
+            return self._fail(e, created, donate, state)
         with locked(self.store):  # versions no state refers to any more; only now: the worker is done with it
             self.store.collect()
         chosen = self._choose(spec, state)
@@ -211,13 +212,13 @@ class OffloadUpdate(UpdatePolicy):
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record)
         except Exception as e:
-            self._fail(e, created, donate)
+            self._fail(e, created, donate, state)
         m["store/resident_bytes"] = int(self.store.resident_bytes)
         t0 = min([t0] + [work.started for *_, work in taken.values()])  # I/O began with the first early update
         m["io/gbps"] = (m["io/read_bytes"] + m["io/write_bytes"]) / max(time.perf_counter() - t0, 1e-9) / 1e9
         return params, opt_state, m, copies
 
-    def _fail(self, e, created, donate):
+    def _fail(self, e, created, donate, state):
         with locked(self.store):
             for k in created:
                 _quiet_delete(self.store, k)
@@ -230,9 +231,8 @@ class OffloadUpdate(UpdatePolicy):
         if isinstance(e, FshardError) and not isinstance(e, StoreError):
             raise e
         raise OffloadError(
-            f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} Free "
-            "space in the store's directory, choose another one, or offload less "
-            "(fs.offload_state(store, fraction=...)).") from e
+            f"offload_state could not move optimizer state through {_location(self.store)}: {e}. {lost} "
+            f"{_disk_need(self.store, state, self._choose(state.spec, state))}") from e
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
@@ -318,6 +318,26 @@ def choose_units(spec, opt_state, fraction: float) -> frozenset:
         names.add(name)
         acc += b
     return frozenset(names)
+
+def _disk_need(store, state, chosen) -> str:
+    """What the store needs at its peak on this rank, what its directory has free, and the options that lower it."""
+    moments = sum(2 * s.exp_avg.nbytes for n, s in state.opt_state.items() if n in chosen)  # both moments
+    free = ""
+    if store.directory is not None:
+        try:
+            free = f", and {store.directory} has {_bytes(shutil.disk_usage(store.directory).free)} free"
+        except OSError:
+            pass
+    return (f"This rank's store needs about {_bytes(2 * moments)} at its peak (2x its {_bytes(moments)} of "
+            "moments: a step writes the new version beside the input state's, "
+            f"design/OFFLOAD.md){free}. Free space there, choose a larger directory, offload less "
+            "(fs.offload_state(store, fraction=...)), or compose with donate=True and "
+            "fs.offload_state(..., overlap_backward=False), which writes in place (about 1.3x measured).")
+
+
+def _bytes(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
 
 def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:

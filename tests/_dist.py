@@ -34,9 +34,12 @@ def _worker(rank, world_size, port, fn, args, out, timeout_s):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60):
+def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60,
+          wait_for=None):
     """fn(*args) on every rank. Returns rank -> ("ok", value) | ("error", traceback) | ("died", exitcode) |
-    ("hung", None); never waits past ``timeout_s``."""
+    ("hung", None); never waits past ``timeout_s``, nor, with ``wait_for`` (ranks), past the moment those reported
+    (a test that stops a rank on purpose)."""
+    wanted = set(range(world_size) if wait_for is None else wait_for)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -46,7 +49,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
         p.start()
     outcome, deadline = {}, time.monotonic() + timeout_s
     try:
-        while len(outcome) < world_size and time.monotonic() < deadline:
+        while not wanted <= set(outcome) and time.monotonic() < deadline:
             try:
                 rank, status, value = out.get(timeout=0.5)
                 outcome[rank] = (status, value)
@@ -56,10 +59,11 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
                     if r not in outcome and p.exitcode is not None and out.empty():
                         outcome[r] = ("died", p.exitcode)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for r, p in enumerate(procs):
+            p.join(timeout=10 if r in wanted else 0)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
     return {r: outcome.get(r, ("hung", None)) for r in range(world_size)}
 
 

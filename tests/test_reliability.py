@@ -267,3 +267,73 @@ def test_concurrent_steps_on_separate_inits_run_in_parallel_bitwise():
     for new, _ in results:
         for a, b in zip(new.params.values(), alone.params.values()):
             assert torch.equal(a, b)
+
+
+# --- the store's disk needs ---------------------------------------------------------------------------------------
+
+def _store_peak(tmp_path, donate: bool, overlap: bool, steps: int = 4) -> tuple[float, float]:
+    """Peak bytes on disk of an NVMe store (allocated blocks, sampled every millisecond while ``steps`` steps run)
+    over the bytes of the moments it holds, and the same ratio at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    state = fs.init(model, fs.Mesh.local(), fs.adamw())
+    moments = sum(2 * s.exp_avg.nbytes for s in state.opt_state.values())
+    d = tmp_path / f"store-{donate}-{overlap}"
+    du = lambda: sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())  # noqa: E731
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], du())
+            except FileNotFoundError:  # a slot file removed while listed
+                pass
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with fs.NVMeStore(d) as store, fs.compose(lambda m, x: m(x).square().mean(),
+                                                   fs.offload_state(store, overlap_backward=overlap),
+                                                   donate=donate) as step:
+            for _ in range(steps):
+                state, _ = step(state, torch.randn(4, 256))
+            end = du()
+    finally:
+        stop.set()
+        sampler.join()
+    return peak[0] / moments, end / moments
+
+
+def test_the_stores_disk_peak_is_what_the_design_says(tmp_path):
+    """design/OFFLOAD.md: a step writes each updated unit's new version beside the input's, so the store peaks at 2x
+    the moments (the version a step replaced is deleted at the next step's first store operation, before it writes);
+    with donate=True and overlap_backward=False chunks are written back in place: the moments plus depth + 1 chunk
+    items (the writes in flight, and the slot the last one freed, kept for reuse)."""
+    for donate, overlap in ((False, True), (False, False), (True, True)):
+        peak, end = _store_peak(tmp_path, donate, overlap)
+        assert 1.9 < peak <= 2.05 and end <= 2.05, (donate, overlap, peak, end)
+    peak, end = _store_peak(tmp_path, True, False)  # 6 units of one chunk item each, depth 2
+    assert peak <= 1 + 3 / 6 + 0.01, peak  # the moments, the depth's writes in flight and the slot just freed
+
+
+def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
+    class Full(fs.CPUStore):
+        directory = str(tmp_path)
+        fail = False
+
+        def stream(self, keys, depth=2, writeback=False, max_writes=None):
+            if self.fail:
+                raise fs.StoreError(f"write failed (No space left on device) in {tmp_path}")
+            return super().stream(keys, depth=depth, writeback=writeback, max_writes=max_writes)
+
+    state = _state()
+    store = Full()
+    with fs.compose(awkward_loss, fs.offload_state(store, overlap_backward=False)) as step:
+        s1, _ = step(state, next(awkward_batches(2, 1)))
+        snap = ft.snapshot(s1)
+        store.fail = True
+        with pytest.raises(fs.OffloadError, match=r"needs about [\d.]+ (MiB|GiB) at its peak \(2x its .* free\. .*"
+                                                  r"fraction=.*donate=True and .*overlap_backward=False"):
+            step(s1, next(awkward_batches(2, 1)))
+        ft.check_unchanged(s1, snap)

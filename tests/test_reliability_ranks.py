@@ -226,7 +226,7 @@ def _hang(n):
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_hung_rank_is_named_by_the_others_within_the_timeout(n):
     timeout = 6
-    outcome = spawn(_hang, n, n, timeout_s=120, collective_timeout_s=timeout)
+    outcome = spawn(_hang, n, n, timeout_s=120, collective_timeout_s=timeout, wait_for=range(n - 1))
     assert outcome[n - 1][0] == "hung", outcome
     for r in range(n - 1):
         status, (kind, text, seconds, intact) = outcome[r]
