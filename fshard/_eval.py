@@ -23,6 +23,7 @@ import torch.nn as nn
 from ._accumulate import Accumulator
 from ._agreement import agree, check_ranks
 from ._collectives import Comm
+from ._guards import check_usable, exclusive, spec_of
 from ._errors import RankDivergenceError
 from ._unit import StepRun
 
@@ -42,13 +43,13 @@ def train_mode(module: nn.Module, training: bool):
 def evaluate(step, state, batch) -> tuple[float, dict]:
     """The body of ``Step.eval`` (see the module docstring)."""
     t0 = time.perf_counter()
-    spec = step._spec(state)
+    spec = spec_of(state)
     comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
                 verify=step._verify(spec.mesh), context=f"eval at step {int(state.step)}")
     run, ok = None, False
-    with step._exclusive(spec):
+    with exclusive(step, spec):
         try:
-            step._check_usable(state)
+            check_usable(step, state)
             state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
             check_ranks(comm, state, batch, step._chain)  # the same rank check as a training step's
             run = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False)

@@ -24,9 +24,6 @@ parameter comes back (not run on a GPU yet).
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -35,10 +32,10 @@ from typing import Any
 import torch
 
 from ._base import UpdatePolicy
-from ._early import Streamed, _Early, _quiet_delete, _settle
+from ._early import Streamed, _Early, _lower_priority, _quiet_delete, _settle
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
-from ._stored import Stored, _Items, _location, _stored_state
+from ._stored import Stored, _disk_need, _Items, _location, _stored_state
 from ._transforms import Transform
 from .store import Store, StoreError
 from .store._protocol import locked
@@ -319,26 +316,6 @@ def choose_units(spec, opt_state, fraction: float) -> frozenset:
         acc += b
     return frozenset(names)
 
-def _disk_need(store, state, chosen) -> str:
-    """What the store needs at its peak on this rank, what its directory has free, and the options that lower it."""
-    moments = sum(2 * s.exp_avg.nbytes for n, s in state.opt_state.items() if n in chosen)  # both moments
-    free = ""
-    if store.directory is not None:
-        try:
-            free = f", and {store.directory} has {_bytes(shutil.disk_usage(store.directory).free)} free"
-        except OSError:
-            pass
-    return (f"This rank's store needs about {_bytes(2 * moments)} at its peak (2x its {_bytes(moments)} of "
-            "moments: a step writes the new version beside the input state's, "
-            f"design/OFFLOAD.md){free}. Free space there, choose a larger directory, offload less "
-            "(fs.offload_state(store, fraction=...)), or compose with donate=True and "
-            "fs.offload_state(..., overlap_backward=False), which writes in place (about 1.3x measured).")
-
-
-def _bytes(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
-
-
 def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:
     (step, grad scale, lr, weight decay); ``copy``: the shard's low-precision copy, written in the same pass."""
@@ -353,17 +330,6 @@ def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> N
     p[a:b].copy_(ph, non_blocking=True)
     if copy is not None:
         copy[a:b].copy_(ph.to(copy.dtype), non_blocking=True)
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
-    their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
-    lower the whole process, so it is left alone there; a refusal only costs speed."""
-    if nice and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
-        except OSError:
-            pass
 
 
 class offload_state(Transform):

@@ -2,12 +2,16 @@
 
 The data flow of one step, as the code below reads:
 
-    check   ranks agree on the step, the model and the batch's structure   (one tiny all-reduce)
+    check   ranks agree on the step, model, optimizer, transforms and batch structure   (one tiny all-reduce)
     forward gather each unit, bind it, compute, free it                     (policy.gather)
     backward re-gather units autograd needs; reduce each unit's gradient     (policy.gather, policy.reduce)
     agree   mean loss, which parameters got a gradient, same collectives     (one tiny all-reduce)
     grads   transform the gradient shards                                    (policy.grads)
     update  optimizer on the shards -> new TrainState                        (policy.update)
+    commit  did any rank fail? every rank returns, or every rank raises     (one tiny all-reduce)
+
+``Step.__call__`` wraps that flow (``Step._step``) in what keeps ranks together (fshard/_agreement.py): a rank that
+raises tells the others at their next check, and the step ends with a commit vote.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from ._base import Grads
 from ._agreement import agree, check_ranks, small_hash
 from ._collectives import Comm
 from ._eval import evaluate, train_mode
-from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError, PolicyError,
-                      RankDivergenceError, StepClosedError, TransformConflictError, UnboundParameterError)
+from ._guards import check_loss, check_template, check_usable, exclusive, spec_of
+from ._errors import (ArgumentTypeError, LossError, PolicyError, RankDivergenceError, TransformConflictError,
+                      UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
 from ._recompute import with_buffers
@@ -134,55 +139,17 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         t0 = time.perf_counter()
-        spec = self._spec(state)  # (no TrainState or a dead mesh: no other rank can be told, this one raises alone)
+        spec = spec_of(state)  # (no TrainState or a dead mesh: no other rank can be told, this one raises alone)
         comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
                     timeline=self.timeline, verify=self._verify(spec.mesh), context=f"step {int(state.step)}")
-        runs, ok, accum = [], False, 0
-        with self._exclusive(spec):
+        runs, ok = [], False
+        with exclusive(self, spec):
             try:
-                self._check_usable(state)
-                state = self.init(state)
-                check_ranks(comm, state, batch, self._chain)  # first: a batch wrong on one rank fails on all of them
-                micro = self.policy.batches(batch)
-                acc, scratch = Accumulator(len(micro)), {}
-                buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
-                loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
-                t1 = time.perf_counter()
-                losses = []
-                with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
-                    for i, mb in enumerate(micro):
-                        runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
-                        mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro),
-                                                                         loss_scale)
-                        losses.append(mb_loss)
-                        accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
-                loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
-                t2 = time.perf_counter()
-                run = runs[-1]
-                loss, active = self._agree(comm, run, acc, loss)
-                self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
-                grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
-                                                          active=active, transform_state=state.transform_state))
-                t3 = time.perf_counter()
-                if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
-                    new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
-                                        buffers=buffers)
-                    update_metrics = {}
-                else:
-                    if self.donate:
-                        state.donation.take(int(state.step))  # from here on the input's tensors change in place
-                    params, opt_state, update_metrics, copies = _updated(
-                        self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
-                    new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
-                                     transform_state=grads.transform_state, copies=copies)
-                t4 = time.perf_counter()
-                comm.span("update", "skipped" if grads.skip else "update", t3, t4)
-                m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
-                                  t0, t1, t2, t3, t4)
+                check_usable(self, state)
+                new, metrics = self._step(comm, runs, state, batch, t0)
                 comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
                 ok = self._checked = True
-                return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
-                             **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
+                return new, metrics
             except BaseException as e:
                 comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
                 raise
@@ -194,6 +161,48 @@ class Step:
                 for run in runs:
                     run._close()  # free this step's buffers now, also when it raised
 
+    def _step(self, comm: Comm, runs: list, state: TrainState, batch, t0: float):
+        """The data flow of one step (the module docstring), into ``runs`` (closed by the caller)."""
+        spec, accum = state.spec, 0
+        state = self.init(state)
+        check_ranks(comm, state, batch, self._chain)  # first: a batch wrong on one rank fails on all of them
+        micro = self.policy.batches(batch)
+        acc, scratch = Accumulator(len(micro)), {}
+        buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+        loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
+        t1 = time.perf_counter()
+        losses = []
+        with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
+            for i, mb in enumerate(micro):
+                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
+                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
+                losses.append(mb_loss)
+                accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
+        loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
+        t2 = time.perf_counter()
+        run = runs[-1]
+        loss, active = self._agree(comm, run, acc, loss)
+        self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
+        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
+                                                  active=active, transform_state=state.transform_state))
+        t3 = time.perf_counter()
+        if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
+            new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state, buffers=buffers)
+            update_metrics = {}
+        else:
+            if self.donate:
+                state.donation.take(int(state.step))  # from here on the input's tensors change in place
+            params, opt_state, update_metrics, copies = _updated(
+                self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
+            new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
+                             transform_state=grads.transform_state, copies=copies)
+        t4 = time.perf_counter()
+        comm.span("update", "skipped" if grads.skip else "update", t3, t4)
+        m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
+                          t0, t1, t2, t3, t4)
+        return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
+                     **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
+
     def eval(self, state: TrainState, batch) -> tuple[float, dict]:
         """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
         included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
@@ -202,32 +211,10 @@ class Step:
         return evaluate(self, state, batch)
 
     def _check_state(self, state):
-        """Everything ``_spec`` and ``_check_usable`` check, for callers outside a step (``step.plan``)."""
-        spec = self._spec(state)
-        self._check_usable(state)
+        """The checks of a step's call, for callers outside one (``step.plan``)."""
+        spec = spec_of(state)
+        check_usable(self, state)
         return spec
-
-    def _spec(self, state) -> "ShardSpec":
-        """The state's static half, after the checks without which no collective can be made."""
-        if not isinstance(state, TrainState):
-            raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous "
-                                    f"step, got {type(state).__name__}.")
-        state.spec.mesh.check_alive()
-        return state.spec
-
-    def _check_usable(self, state) -> None:
-        """Checks of the call that the other ranks learn of if they fail on one rank (``Comm.fail``)."""
-        if self._closed:
-            raise StepClosedError(f"{self!r} was closed (step.close(), or the end of its with block); compose a "
-                                  "new step function with fs.compose(...) to go on training.")
-        state.check_usable()
-        if self.donate:
-            state.donation.check_not_saving()
-        if self.mesh is not None and not self.mesh.same_as(state.spec.mesh):
-            raise MeshMismatchError(
-                f"this step runs on {self.mesh} but the state was made on {state.spec.mesh}. Shards belong to the "
-                "mesh they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "
-                "step with the state's mesh (fs.compose(loss_fn, mesh=state.mesh)).")
 
     def _verify(self, mesh) -> bool:
         """Check every collective across ranks before it is issued (fshard/_agreement.py)? ``check_collectives``
@@ -236,27 +223,6 @@ class Step:
         if self.check_collectives is not None:
             return self.check_collectives or not self._checked
         return mesh.device.type == "cpu" or not self._checked
-
-    @contextlib.contextmanager
-    def _exclusive(self, spec):
-        """One step (or eval pass) at a time per step function and per model template (states of one ``fs.init``
-        share it, and functional_call swaps its tensors): a second, concurrent one is refused, not interleaved."""
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentStepError(
-                f"{self!r} is already running a step in another thread. A step function runs one step at a time "
-                "(its policies keep per-step state); compose one per thread, or wait for the running step.")
-        try:
-            if not spec.busy.acquire():
-                raise ConcurrentStepError(
-                    "a step or eval pass is already running on a state of this fs.init in another thread: all states "
-                    "of one fs.init share one model template, whose tensors a step swaps while it runs. Run their "
-                    "steps one after another, or fs.init the model again for each concurrent run.")
-            try:
-                yield
-            finally:
-                spec.busy.release()
-        finally:
-            self._busy.release()
 
     def _forward_backward(self, run: StepRun, buffers, batch, k: int, loss_scale: float):
         with run._active():
@@ -302,8 +268,8 @@ class Step:
                                    {"m." + k: v for k, v in binding.items()}, (batch,))
         if root is not None:
             self.policy.gather.after_forward(run, root)
-        _check_loss(loss)
-        _check_template(run.spec)
+        check_loss(loss)
+        check_template(run.spec)
         return loss
 
     def _agree(self, comm: Comm, run: StepRun, acc: Accumulator, loss: float):
@@ -380,26 +346,6 @@ def _meta_reads(what: str):
         if "meta" not in str(e):
             raise
         raise UnboundParameterError(f"{what} ({e})") from e
-
-
-def _check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
-                else type(loss).__name__)
-        raise LossError(f"loss_fn must return a floating-point scalar tensor (0-dim), but returned {what}. Reduce it "
-                        "to one number inside loss_fn, e.g. return loss.mean().")
-
-
-def _check_template(spec) -> None:
-    """Outside a step the template's parameters are meta tensors; one that is not was created by forward (a lazy
-    module, or an nn.Parameter made in forward): fs.init never saw it, so no step would ever train it."""
-    made = [n for n, p in spec.template.named_parameters() if not p.is_meta]
-    if made:
-        raise InitError(
-            f"forward created parameters that fs.init never saw: {made[:5]}{' ...' if len(made) > 5 else ''}. They "
-            "are not in the state, so no step would train them (a lazy module, e.g. nn.LazyLinear, or an "
-            "nn.Parameter made inside forward). Create every parameter before fs.init (run one forward on a dummy "
-            "batch to materialise lazy modules, or make it in __init__). Nothing was updated.")
 
 
 def _copies(state: TrainState, gather):

@@ -1,4 +1,5 @@
-"""The state leaf of offload_state: ``Stored``, one row of a unit's moment chunks held in a store.
+"""The state leaf of offload_state: ``Stored``, one row of a unit's moment chunks held in a store; and what a store
+needs on disk (``_disk_need``, for the message of a full disk).
 
 It is data like any other leaf: ``print(state)`` shows its key, bytes and location, and ``load()`` reads it back.
 ``_Items`` ties the chunk keys of one version to the leaves that refer to them: once no state refers to them any
@@ -6,6 +7,7 @@ more, the store is told to delete them (``store.delete_later``), whichever step 
 """
 from __future__ import annotations
 
+import shutil
 import weakref
 from dataclasses import dataclass, field
 
@@ -73,3 +75,23 @@ def _location(store) -> str:
 
 def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
     return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
+
+
+def _disk_need(store, state, chosen) -> str:
+    """What the store needs at its peak on this rank, what its directory has free, and the options that lower it."""
+    moments = sum(2 * s.exp_avg.nbytes for n, s in state.opt_state.items() if n in chosen)  # both moments
+    free = ""
+    if store.directory is not None:
+        try:
+            free = f", and {store.directory} has {_bytes(shutil.disk_usage(store.directory).free)} free"
+        except OSError:
+            pass
+    return (f"This rank's store needs about {_bytes(2 * moments)} at its peak (2x its {_bytes(moments)} of "
+            "moments: a step writes the new version beside the input state's, "
+            f"design/OFFLOAD.md){free}. Free space there, choose a larger directory, offload less "
+            "(fs.offload_state(store, fraction=...)), or compose with donate=True and "
+            "fs.offload_state(..., overlap_backward=False), which writes in place (about 1.3x measured).")
+
+
+def _bytes(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"

@@ -1,0 +1,78 @@
+"""What a step checks before and while it runs, so that a misuse is an error naming the fix and changes nothing:
+the state is usable and its mesh alive, one step at a time per step function and per model template, the loss is a
+differentiable scalar, forward created no parameter."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError,
+                      StepClosedError)
+from ._state import ShardSpec, TrainState
+
+
+def spec_of(state) -> ShardSpec:
+    """The state's static half, after the checks without which no collective can be made."""
+    if not isinstance(state, TrainState):
+        raise ArgumentTypeError(f"step(state, batch): state must be the fs.TrainState from fs.init or a previous "
+                                f"step, got {type(state).__name__}.")
+    state.spec.mesh.check_alive()
+    return state.spec
+
+
+def check_usable(step, state) -> None:
+    """Checks of the call that the other ranks learn of if they fail on one rank (``Comm.fail``)."""
+    if step._closed:
+        raise StepClosedError(f"{step!r} was closed (step.close(), or the end of its with block); compose a "
+                              "new step function with fs.compose(...) to go on training.")
+    state.check_usable()
+    if step.donate:
+        state.donation.check_not_saving()
+    if step.mesh is not None and not step.mesh.same_as(state.spec.mesh):
+        raise MeshMismatchError(
+            f"this step runs on {step.mesh} but the state was made on {state.spec.mesh}. Shards belong to the "
+            "mesh they were made on: build the state on this mesh with fs.init(model, mesh, opt), or compose the "
+            "step with the state's mesh (fs.compose(loss_fn, mesh=state.mesh)).")
+
+
+@contextlib.contextmanager
+def exclusive(step, spec):
+    """One step (or eval pass) at a time per step function and per model template (states of one ``fs.init``
+    share it, and functional_call swaps its tensors): a second, concurrent one is refused, not interleaved."""
+    if not step._busy.acquire(blocking=False):
+        raise ConcurrentStepError(
+            f"{step!r} is already running a step in another thread. A step function runs one step at a time "
+            "(its policies keep per-step state); compose one per thread, or wait for the running step.")
+    try:
+        if not spec.busy.acquire():
+            raise ConcurrentStepError(
+                "a step or eval pass is already running on a state of this fs.init in another thread: all states "
+                "of one fs.init share one model template, whose tensors a step swaps while it runs. Run their "
+                "steps one after another, or fs.init the model again for each concurrent run.")
+        try:
+            yield
+        finally:
+            spec.busy.release()
+    finally:
+        step._busy.release()
+
+
+def check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise LossError(f"loss_fn must return a floating-point scalar tensor (0-dim), but returned {what}. Reduce it "
+                        "to one number inside loss_fn, e.g. return loss.mean().")
+
+
+def check_template(spec) -> None:
+    """Outside a step the template's parameters are meta tensors; one that is not was created by forward (a lazy
+    module, or an nn.Parameter made in forward): fs.init never saw it, so no step would ever train it."""
+    made = [n for n, p in spec.template.named_parameters() if not p.is_meta]
+    if made:
+        raise InitError(
+            f"forward created parameters that fs.init never saw: {made[:5]}{' ...' if len(made) > 5 else ''}. They "
+            "are not in the state, so no step would train them (a lazy module, e.g. nn.LazyLinear, or an "
+            "nn.Parameter made inside forward). Create every parameter before fs.init (run one forward on a dummy "
+            "batch to materialise lazy modules, or make it in __init__). Nothing was updated.")
