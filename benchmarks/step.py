@@ -254,9 +254,11 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
-register("fshard+checked")(lambda ctx: fshard_runner(ctx, check_collectives=True))
-register("fshard+ahead+buckets+checked")(
-    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=True))
+# check_collectives=False: collectives checked across ranks in a step function's first step only (the default checks
+# every step on CPU meshes; fshard/_agreement.py)
+register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
+register("fshard+ahead+buckets+unchecked")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=False))
 def _bf16(copies=False):  # copies: persistent bf16 copies written by the update, instead of a cast per gather
     import fshard as fs
     return fs.mixed_precision(torch.bfloat16, torch.float32, param_copies=copies)

@@ -22,9 +22,9 @@ not arrived. Waits return to the interpreter every second, so Ctrl-C interrupts 
 """
 from __future__ import annotations
 
-import threading
 import time
 import zlib
+from datetime import timedelta
 
 import optree
 import torch
@@ -35,6 +35,8 @@ from ._errors import BatchMismatchError, CollectiveError, RankDivergenceError, R
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see all_equal)
 _DESC_BYTES = 320  # one rank's descriptor in the all-gather after a failed check
 _REPORT_S = 3.0  # after a transport error, how long to wait for the other ranks' reports in the store
+_SLICE = timedelta(seconds=1)  # a wait returns to the interpreter this often (Ctrl-C)
+_SLICE_EXPIRED = "Operation timed out!"  # gloo's message when such a slice ends, the work still running
 
 
 def small_hash(obj) -> int:
@@ -106,29 +108,25 @@ def _descriptors(comm, mine: str) -> list[str]:
 
 # --- waits ---------------------------------------------------------------------------------------------------------
 
-def wait_works(works: list, comm, what: str, futures: list | None = None) -> None:
+def wait_works(works: list, comm, what: str) -> None:
     """Wait for ``works``; a transport error becomes a ``CollectiveError`` naming ``what``. On a CPU mesh the wait
-    goes back to the interpreter every second, so Ctrl-C (KeyboardInterrupt) is not held off until the timeout."""
+    returns to the interpreter every second (gloo's ``wait(timeout)`` leaves the work running when it expires), so
+    Ctrl-C (KeyboardInterrupt) is not held off until the process group's timeout."""
     try:
-        for i, w in enumerate(works):
-            if comm.mesh.device.type == "cpu" and not w.is_completed():
-                fut = futures[i] if futures else _future(w)
-                if fut is not None:
-                    done = threading.Event()
-                    fut.add_done_callback(lambda _f: done.set())
-                    while not done.wait(1.0):
-                        pass
-            w.wait()
+        for w in works:
+            if comm.mesh.device.type != "cpu":
+                w.wait()
+                continue
+            while True:
+                try:
+                    w.wait(timeout=_SLICE)
+                    break
+                except RuntimeError as e:
+                    if _SLICE_EXPIRED not in str(e):
+                        raise
     except (RuntimeError, dist.DistError) as e:
         comm.closed = True
         raise CollectiveError(explain(comm, what, e)) from e
-
-
-def _future(work):
-    try:
-        return work.get_future()
-    except RuntimeError:  # some gloo works have none (reduce_scatter): waited for without interruption
-        return None
 
 
 def explain(comm, what: str, error: BaseException) -> str:
