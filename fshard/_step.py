@@ -391,10 +391,11 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
     check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
       one and that none has failed (fshard/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
       one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
-      process or the others would wait for the timeout. None (the default): on CPU meshes at every step (measured
-      within the noise of the example's step, benchmarks/RESULTS.md); on CUDA until a step has completed (each
-      check reads its result on the host). True: every step; False: until a step has completed. Whatever the
-      setting, a step ends with one such check (its commit), so it returns on every rank or raises on every rank.
+      process or the others would wait for the timeout. None (the default): on CPU meshes at every step (the
+      example's step: 0.98x blocking, 1.04x with gather_ahead + bucket_reduce, benchmarks/RESULTS.md); on CUDA
+      until a step has completed (each check reads its result on the host). True: every step; False: until a step
+      has completed. Whatever the setting, a step ends with one such check (its commit), so it returns on every
+      rank or raises on every rank.
     """
     return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline,
                 check_collectives=check_collectives)
