@@ -91,6 +91,7 @@ class Comm:
         self.verify = verify  # compare each collective across ranks before issuing it (``_check``)
         self.context = context  # where this Comm works, for messages ("step 5")
         self.closed = False  # every rank knows this step failed (a check said so, or the transport broke)
+        self.vote_next = False  # the other ranks' next collective is the commit vote (a check), whatever ``verify``
         self.dry = dry  # step.plan: every collective is recorded and counted as usual, but moves nothing
         self.trace: list[tuple] | None = [] if trace else None
         # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
@@ -136,6 +137,8 @@ class Comm:
         rank is about to issue the same one and none has failed (fshard/_agreement.py: ``exchange``). Every rank
         raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
         (which it answers by aborting the process)."""
+        if not force:
+            self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
         if not (self.verify or force) or self.mesh.group is None or self.dry or self.closed:
             return
         exchange(self, entry)
@@ -152,7 +155,7 @@ class Comm:
         time out with a ``CollectiveError``); not for KeyboardInterrupt (every rank gets its own), nor when the
         ranks already know (``closed``)."""
         self.drain()
-        if (not self.verify or self.closed or self.mesh.group is None or self.dry
+        if (not (self.verify or self.vote_next) or self.closed or self.mesh.group is None or self.dry
                 or not isinstance(error, Exception)):
             return
         try:

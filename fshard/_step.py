@@ -186,6 +186,7 @@ class Step:
         grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
                                                   active=active, transform_state=state.transform_state))
         t3 = time.perf_counter()
+        comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
         if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
             new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state, buffers=buffers)
             update_metrics = {}

@@ -16,6 +16,7 @@ rank, Ctrl-C) run in groups of their own. The table:
 | microbatches | passes 3 micro-batches where the others pass 2 | BatchMismatchError | the same | intact |
 | loss_raises | loss_fn raises ValueError | its ValueError | RankFailedError naming it | intact |
 | store_fails | its store fails mid-update (offload_state) | OffloadError | RankFailedError naming it | intact |
+| store_fails_unchecked | the same with check_collectives=False | OffloadError | RankFailedError (at the commit vote) | intact |
 | nan_skip | NaN gradients under skip_nonfinite | every rank skips the step | the same | skipped + 1 |
 | extra_step | steps once more while the others export | RankDivergenceError naming both sides | the same | intact |
 | store_fails, then | the same step again once the store works | the step goes through | the same | bitwise a clean run's |
@@ -139,6 +140,14 @@ def _rows(n):
             clean, _ = step(clean, b)
     out["store_retry"] = all(torch.equal(a, b) for a, b in zip(out["store_retry"], clean.params.values()))
 
+    store = FlakyStore()  # the same with check_collectives=False: the failure is posted at the commit vote
+    with fs.compose(awkward_loss, fs.offload_state(store), check_collectives=False) as step:
+        s1, _ = step(fresh(), batches[0])
+        snap = _snapshot(s1)
+        store.armed = rank == last
+        out["store_fails_unchecked"] = _outcome(lambda: step(s1, batches[1])) + (_intact(s1, snap),)
+        store.armed = False
+
     state = fresh()
     nan_loss = lambda m, b: awkward_loss(m, b) * (float("nan") if rank == last else 1.0)  # noqa: E731
     new, m = fs.compose(nan_loss, fs.skip_nonfinite())(state, batches[0])
@@ -201,6 +210,9 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_lose_nothing(n):
             assert kind == "OffloadError" and "injected" in text and "input state is unchanged" in text
         else:
             assert kind == "RankFailedError" and f"rank {last} failed in step 1: OffloadError" in text, text
+        kind, text = row["store_fails_unchecked"][:2]
+        assert kind == ("OffloadError" if r == last else "RankFailedError"), (r, kind, text)
+        assert r == last or "commit vote" in text, text
         assert row["nan_skip"][0] == "ok"
         kind, text = row["extra_step"][:2]
         assert kind == "RankDivergenceError" and "rank 0: all_reduce of 'agree' (10 x float64) in step 1" in text
