@@ -17,6 +17,8 @@ rank, Ctrl-C) run in groups of their own. The table:
 | loss_raises | loss_fn raises ValueError | its ValueError | RankFailedError naming it | intact |
 | store_fails | its store fails mid-update (offload_state) | OffloadError | RankFailedError naming it | intact |
 | store_fails_unchecked | the same with check_collectives=False | OffloadError | RankFailedError (at the commit vote) | intact |
+| donate_before_update | loss_fn raises, donate=True | its ValueError | RankFailedError | intact, usable |
+| donate_in_update | its store fails mid-update, donate=True | OffloadError "restart from a checkpoint" | RankFailedError | donated on every rank (DonatedStateError on reuse) |
 | nan_skip | NaN gradients under skip_nonfinite | every rank skips the step | the same | skipped + 1 |
 | extra_step | steps once more while the others export | RankDivergenceError naming both sides | the same | intact |
 | store_fails, then | the same step again once the store works | the step goes through | the same | bitwise a clean run's |
@@ -148,6 +150,22 @@ def _rows(n):
         out["store_fails_unchecked"] = _outcome(lambda: step(s1, batches[1])) + (_intact(s1, snap),)
         store.armed = False
 
+    # donate=True: a failure before the update leaves every input usable; one during it loses the state everywhere
+    with fs.compose(lambda m, b: awkward_loss(m, b) if rank != last else _raise(ValueError("boom")),
+                    donate=True) as step:
+        state = fresh()
+        snap = _snapshot(state)
+        out["donate_before_update"] = _outcome(lambda: step(state, batches[0])) + (
+            _intact(state, snap) and not state.donation.done,)
+    store = FlakyStore()
+    with fs.compose(awkward_loss, fs.offload_state(store), donate=True) as step:
+        s1, _ = step(fresh(), batches[0])
+        store.armed = rank == last
+        kind, text, seconds = _outcome(lambda: step(s1, batches[1]))
+        store.armed = False
+        out["donate_in_update"] = (kind, text, seconds, True)
+        out["donate_in_update_reuse"] = list(_outcome(lambda: step(s1, batches[1]))[:2])
+
     state = fresh()
     nan_loss = lambda m, b: awkward_loss(m, b) * (float("nan") if rank == last else 1.0)  # noqa: E731
     new, m = fs.compose(nan_loss, fs.skip_nonfinite())(state, batches[0])
@@ -214,6 +232,13 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_lose_nothing(n):
         assert kind == ("OffloadError" if r == last else "RankFailedError"), (r, kind, text)
         assert r == last or "commit vote" in text, text
         assert row["nan_skip"][0] == "ok"
+        assert row["donate_before_update"][0] == ("ValueError" if r == last else "RankFailedError")
+        kind, text = row["donate_in_update"][:2]
+        if r == last:
+            assert kind == "OffloadError" and "was donated" in text and "restart from a checkpoint" in text, text
+        else:
+            assert kind == "RankFailedError" and "unless it was donated and its update had begun" in text, text
+        assert row["donate_in_update_reuse"][0] == "DonatedStateError", row["donate_in_update_reuse"]
         kind, text = row["extra_step"][:2]
         assert kind == "RankDivergenceError" and "rank 0: all_reduce of 'agree' (10 x float64) in step 1" in text
         assert "rank 1: all_gather of '<root>' (" in text and "x float32) in fs.full_params" in text, text
