@@ -98,19 +98,27 @@ class OffloadUpdate(UpdatePolicy):
         """Store traffic, assuming every trainable parameter gets a gradient: a stored unit's chunks are read and
         written once (both moments); a chosen unit still in memory is written once (the first step). New tensors:
         each unit's step count; its parameter (and its copy) unless donated and updated in place (an update begun
-        during backward writes a clone); in-memory moments only for units that stay in memory, without donate."""
+        during backward writes a clone); in-memory moments only for units that stay in memory, without donate.
+        ``store/peak_bytes``, the most the store holds during the step (design/OFFLOAD.md, "Disk needs"): an updated
+        unit's new version beside the input's (2x its moments), except where donate writes in place (1x, plus depth
+        + 1 chunk items in flight for the whole update); a unit moved in or left alone, 1x."""
         spec, f = step.spec, {"io/read_bytes": 0, "io/write_bytes": 0, "mem/new_state_bytes": 0}
         chosen = self._choose(spec, state)
         early = self.overlap_backward and step.grads_unchanged and spec.mesh.device.type == "cpu"
+        peak, in_place = 0, 0  # in_place: the largest chunk item written back in place
         for u in spec.units:
             s, on = state.opt_state.get(u.name), any(active.get(u.name, ()))
             if s is None:
                 continue
             stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
             f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
+            clone = not donate or (stored and early and step.units[u.name].got_all())
+            if stored or u.name in chosen:
+                peak += moments * (2 if stored and on and clone else 1)
+                if stored and on and not clone:
+                    in_place = max(in_place, min(moments, 2 * self.chunk * s.exp_avg.dtype.itemsize))
             if not on:
                 continue
-            clone = not donate or (stored and early and step.units[u.name].got_all())
             copy = state.copies.get(u.name)
             f["mem/new_state_bytes"] += (state.params[u.name].nbytes + (0 if copy is None else copy.nbytes)
                                          if clone else 0)
@@ -121,6 +129,7 @@ class OffloadUpdate(UpdatePolicy):
                 f["io/write_bytes"] += moments
             elif not donate:
                 f["mem/new_state_bytes"] += moments
+        f["store/peak_bytes"] = peak + (self.depth + 1) * in_place
         return f
 
     def close(self) -> None:

@@ -67,6 +67,9 @@ class Plan:
       rank, world_size, micro_batches, donate, params: the setting it was made for (params: parameters in the
         model, for the DDP comparison line).
       unknown: stages whose policy says nothing of its cost (their figures count as 0).
+      bounds: figures a step does not measure, name -> bytes: ``store/peak_bytes``, the most the optimizer's store
+        (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore; tests/test_reliability.py
+        samples it).
     """
 
     figures: dict
@@ -76,6 +79,7 @@ class Plan:
     donate: bool
     params: int
     unknown: tuple = ()
+    bounds: dict = dataclasses.field(default_factory=dict)
 
     def __getitem__(self, key: str) -> int:
         return self.figures[key]
@@ -85,8 +89,11 @@ class Plan:
         lines = [f"fshard step plan: rank {self.rank} of {self.world_size}, {self.micro_batches} micro-batch(es), "
                  f"donate={self.donate}", "memory on this rank"]
         lines += [f"  {what:48s}{_size(f[k])}" for k, what in MEMORY]
-        lines += [f"  {'optimizer state in a store':48s}{_size(f['mem/store_bytes'])}",
-                  f"  {'peak of fshard-owned memory':48s}{_size(f['mem/peak_bytes'])}  (+ activations)",
+        lines += [f"  {'optimizer state in a store':48s}{_size(f['mem/store_bytes'])}"]
+        if "store/peak_bytes" in self.bounds:
+            lines.append(f"  {'the store at its peak (disk for NVMe), at most':48s}"
+                         f"{_size(self.bounds['store/peak_bytes'])}")
+        lines += [f"  {'peak of fshard-owned memory':48s}{_size(f['mem/peak_bytes'])}  (+ activations)",
                   "moved per step by this rank"]
         lines += [f"  {what:48s}{_size(f[k])}" for k, what in TRAFFIC]
         ddp = 16 * self.params  # fp32 param + grad + two moments, replicated
@@ -208,9 +215,10 @@ def plan(step, state, batch, observed=None) -> Plan:
         unknown = ("update",)
     else:
         f.update(update)
+    bounds = {k: f.pop(k) for k in ("store/peak_bytes",) if k in f}
     f["mem/peak_bytes"] = peak_bytes(f)
     params = sum(s.numel for u in spec.units for s in u.slots)
-    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown)
+    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown, bounds)
 
 
 def _simulate(pol, run: StepRun, observed) -> None:

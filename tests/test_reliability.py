@@ -271,9 +271,10 @@ def test_concurrent_steps_on_separate_inits_run_in_parallel_bitwise():
 
 # --- the store's disk needs ---------------------------------------------------------------------------------------
 
-def _store_peak(tmp_path, donate: bool, overlap: bool, steps: int = 4) -> tuple[float, float]:
+def _store_peak(tmp_path, donate: bool, overlap: bool, steps: int = 4) -> tuple[float, float, float]:
     """Peak bytes on disk of an NVMe store (allocated blocks, sampled every millisecond while ``steps`` steps run)
-    over the bytes of the moments it holds, and the same ratio at the end."""
+    over the bytes of the moments it holds, the same ratio at the end, and step.plan's bound for the second step on
+    (``store/peak_bytes``) over the moments."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
     state = fs.init(model, fs.Mesh.local(), fs.adamw())
@@ -296,25 +297,30 @@ def _store_peak(tmp_path, donate: bool, overlap: bool, steps: int = 4) -> tuple[
         with fs.NVMeStore(d) as store, fs.compose(lambda m, x: m(x).square().mean(),
                                                    fs.offload_state(store, overlap_backward=overlap),
                                                    donate=donate) as step:
-            for _ in range(steps):
-                state, _ = step(state, torch.randn(4, 256))
+            bound = None
+            for i in range(steps):
+                batch = torch.randn(4, 256)
+                if i == 1:  # the moments are in the store from the first step on
+                    bound = step.plan(state, batch).bounds["store/peak_bytes"]
+                state, _ = step(state, batch)
             end = du()
     finally:
         stop.set()
         sampler.join()
-    return peak[0] / moments, end / moments
+    return peak[0] / moments, end / moments, bound / moments
 
 
-def test_the_stores_disk_peak_is_what_the_design_says(tmp_path):
+def test_the_stores_disk_peak_is_what_the_design_and_the_plan_say(tmp_path):
     """design/OFFLOAD.md: a step writes each updated unit's new version beside the input's, so the store peaks at 2x
     the moments (the version a step replaced is deleted at the next step's first store operation, before it writes);
     with donate=True and overlap_backward=False chunks are written back in place: the moments plus depth + 1 chunk
     items (the writes in flight, and the slot the last one freed, kept for reuse)."""
     for donate, overlap in ((False, True), (False, False), (True, True)):
-        peak, end = _store_peak(tmp_path, donate, overlap)
+        peak, end, bound = _store_peak(tmp_path, donate, overlap)
         assert 1.9 < peak <= 2.05 and end <= 2.05, (donate, overlap, peak, end)
-    peak, end = _store_peak(tmp_path, True, False)  # 6 units of one chunk item each, depth 2
-    assert peak <= 1 + 3 / 6 + 0.01, peak  # the moments, the depth's writes in flight and the slot just freed
+        assert bound == 2.0 and peak <= bound * 1.01, (donate, overlap, peak, bound)  # step.plan says so
+    peak, end, bound = _store_peak(tmp_path, True, False)  # 6 units of one chunk item each, depth 2
+    assert bound == 1 + 3 / 6 and peak <= bound * 1.01, (peak, bound)  # the moments + depth + 1 items in flight
 
 
 def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
