@@ -1,13 +1,13 @@
 """What a step checks before and while it runs, so that a misuse is an error naming the fix and changes nothing:
 the state is usable and its mesh alive, one step at a time per step function and per model template, the loss is a
-differentiable scalar, forward created no parameter."""
+differentiable scalar, forward created no parameter, the update policy returned what the protocol says."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError,
+from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError, PolicyError,
                       StepClosedError)
 from ._state import ShardSpec, TrainState
 
@@ -76,3 +76,20 @@ def check_template(spec) -> None:
             "are not in the state, so no step would train them (a lazy module, e.g. nn.LazyLinear, or an "
             "nn.Parameter made inside forward). Create every parameter before fs.init (run one forward on a dummy "
             "batch to materialise lazy modules, or make it in __init__). Nothing was updated.")
+
+
+def checked_update(policy, out, state: TrainState):
+    """The update policy's ``(params, opt_state, metrics, copies)``, checked: a copy for each unit the state holds
+    one for, in its dtype and size (a policy that ignored the copies would leave gathers reading stale weights)."""
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise PolicyError(f"the update policy {type(policy).__name__} returned {type(out).__name__}"
+                          f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; an UpdatePolicy returns "
+                          "(params, opt_state, metrics, copies), copies being the new TrainState.copies.")
+    copies = out[3]
+    bad = [n for n, c in state.copies.items()
+           if n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape]
+    if bad or set(copies) - set(state.copies):
+        raise PolicyError(f"the update policy {type(policy).__name__} returned copies for {sorted(copies)} where the "
+                          f"state holds copies of {sorted(state.copies)} (wrong or missing: {bad}); it must return "
+                          "each unit's copy, written with the new shard (fs.adamw's update(copy=...)).")
+    return out

@@ -28,8 +28,8 @@ from ._base import Grads
 from ._agreement import agree, check_ranks, small_hash
 from ._collectives import Comm
 from ._eval import evaluate, train_mode
-from ._guards import check_loss, check_template, check_usable, exclusive, spec_of
-from ._errors import (ArgumentTypeError, LossError, PolicyError, RankDivergenceError, TransformConflictError,
+from ._guards import check_loss, check_template, check_usable, checked_update, exclusive, spec_of
+from ._errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
                       UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
@@ -193,7 +193,7 @@ class Step:
         else:
             if self.donate:
                 state.donation.take(int(state.step))  # from here on the input's tensors change in place
-            params, opt_state, update_metrics, copies = _updated(
+            params, opt_state, update_metrics, copies = checked_update(
                 self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
             new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
                              transform_state=grads.transform_state, copies=copies)
@@ -360,23 +360,6 @@ def _copies(state: TrainState, gather):
     if set(state.copies) == want and all(c.dtype == dtype for c in state.copies.values()):
         return state.copies
     return {n: state.params[n].detach().to(dtype) for n in sorted(want)}
-
-
-def _updated(policy, out, state: TrainState):
-    """The update policy's ``(params, opt_state, metrics, copies)``, checked: a copy for each unit the state holds
-    one for, in its dtype and size (a policy that ignored the copies would leave gathers reading stale weights)."""
-    if not isinstance(out, tuple) or len(out) != 4:
-        raise PolicyError(f"the update policy {type(policy).__name__} returned {type(out).__name__}"
-                          f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; an UpdatePolicy returns "
-                          "(params, opt_state, metrics, copies), copies being the new TrainState.copies.")
-    copies = out[3]
-    bad = [n for n, c in state.copies.items()
-           if n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape]
-    if bad or set(copies) - set(state.copies):
-        raise PolicyError(f"the update policy {type(policy).__name__} returned copies for {sorted(copies)} where the "
-                          f"state holds copies of {sorted(state.copies)} (wrong or missing: {bad}); it must return "
-                          "each unit's copy, written with the new shard (fs.adamw's update(copy=...)).")
-    return out
 
 
 def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
