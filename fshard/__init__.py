@@ -75,7 +75,8 @@ __all__ = [
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
     "CollectiveError", "ConcurrentStepError", "DonatedStateError", "FrozenStateError", "InitError", "LossError",
     "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError", "RecomputeError",
-    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError", "TransformConflictError", "UnboundParameterError",
+    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
+    "TransformConflictError", "UnboundParameterError",
 ]
 
 

@@ -149,7 +149,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
 def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
     """fs.init's arguments, each refused with what it takes (rather than an AttributeError deep inside)."""
     if not isinstance(model, nn.Module):
-        raise ArgumentTypeError(f"fs.init(model, mesh, opt): model must be a torch.nn.Module, got {type(model).__name__}.")
+        raise ArgumentTypeError(f"fs.init(model, mesh, opt): model must be a torch.nn.Module, got "
+                                f"{type(model).__name__}.")
     if not isinstance(mesh, Mesh):
         raise ArgumentTypeError(f"fs.init(model, mesh, opt): mesh must be an fs.Mesh (fs.Mesh.from_env() under "
                                 f"torchrun, fs.Mesh.local() for one rank), got {type(mesh).__name__}.")
