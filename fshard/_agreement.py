@@ -69,7 +69,8 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
     comm.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
     mesh.checks[0] += 1
-    wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm, f"the check before its {describe(entry)}")
+    wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm,
+               lambda: f"the check before its {describe(entry)}")
     s, q, failed = buf.tolist()
     if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
         return
@@ -102,14 +103,16 @@ def _descriptors(comm, mine: str) -> list[str]:
     t = torch.zeros(_DESC_BYTES, dtype=torch.uint8, device=mesh.device)
     t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
     out = [torch.empty_like(t) for _ in range(mesh.world_size)]
-    wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm, "the exchange of what each rank did")
+    wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm,
+               lambda: "the exchange of what each rank did")
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
 
 
 # --- waits ---------------------------------------------------------------------------------------------------------
 
-def wait_works(works: list, comm, what: str) -> None:
-    """Wait for ``works``; a transport error becomes a ``CollectiveError`` naming ``what``. On a CPU mesh the wait
+def wait_works(works: list, comm, what) -> None:
+    """Wait for ``works``; a transport error becomes a ``CollectiveError`` naming ``what()`` (a callable, so that the
+    text is only made when it is needed: waits are on the step's hot path). On a CPU mesh the wait
     returns to the interpreter every second (gloo's ``wait(timeout)`` leaves the work running when it expires), so
     Ctrl-C (KeyboardInterrupt) is not held off until the process group's timeout."""
     try:
@@ -126,7 +129,7 @@ def wait_works(works: list, comm, what: str) -> None:
                         raise
     except (RuntimeError, dist.DistError) as e:
         comm.closed = True
-        raise CollectiveError(explain(comm, what, e)) from e
+        raise CollectiveError(explain(comm, what(), e)) from e
 
 
 def explain(comm, what: str, error: BaseException) -> str:
@@ -156,7 +159,7 @@ def _absent_ranks(mesh) -> list[int] | None:
         while True:
             absent = [r for r in range(mesh.world_size) if not store.check([f"{prefix}/{r}"])]
             if not absent or time.monotonic() > deadline:
-                return [ranks[r] if r < len(ranks) else r for r in absent]
+                return [ranks[r] for r in absent]
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - no store (or it is gone with a dead rank): the message says less
         return None
@@ -182,7 +185,8 @@ def batch_hash(batch) -> int:
                                      for l in leaves])
 
 
-CHECKED = 5  # hashes check_ranks compares: batch, step, model, optimizer, transforms (step.plan counts them)
+_CHECKS = ("batch", "step", "model", "optimizer", "transforms")  # what check_ranks compares, in its order
+CHECKED = len(_CHECKS)  # (step.plan counts the hashes)
 
 
 def check_ranks(comm, state, batch, chain: int = 0) -> None:
@@ -194,10 +198,10 @@ def check_ranks(comm, state, batch, chain: int = 0) -> None:
         return
     step = int(state.step)
     opt = state.spec.optimizer
-    checks = {"batch": batch_hash(batch), "step": step % (1 << HASH_BITS), "model": state.spec.fingerprint,
-              "optimizer": small_hash(opt.fingerprint(step)), "transforms": chain}
-    _, same = agree(comm, [], list(checks.values()))
-    ok = dict(zip(checks, same))
+    hashes = (batch_hash(batch), step % (1 << HASH_BITS), state.spec.fingerprint, small_hash(opt.fingerprint(step)),
+              chain)
+    _, same = agree(comm, [], list(hashes))
+    ok = dict(zip(_CHECKS, same))
     if not ok["batch"]:
         leaves = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
                   for x in optree.tree_leaves(batch, none_is_leaf=True)]

@@ -72,7 +72,7 @@ class Flight:
         # timeline: a wait is exposed if the collective was still running when compute asked for it (issuing, in
         # _flight, is exposed too)
         blocked = self._comm.spans is not None and not all(w.is_completed() for w in self.works)
-        wait_works(self.works, self._comm, f"its {self.phase} of {self.tag!r}")
+        wait_works(self.works, self._comm, lambda: f"its {self.phase} of {self.tag!r}")
         if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
             torch.cuda.current_stream().wait_stream(self._comm.stream)
         t1 = time.perf_counter()
@@ -292,7 +292,8 @@ class Comm:
         if self.mesh.group is not None:
             self.bytes["control"] += t.nbytes
             if not self.dry:
-                wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self, f"its {tag!r}")
+                wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self,
+                           lambda: f"its {tag!r}")
         t1 = time.perf_counter()
         self.seconds["control"] += t1 - t0
         if self.spans is not None:

@@ -162,13 +162,6 @@ def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
     if units is not None and (isinstance(units, (str, nn.Module)) or not hasattr(units, "__iter__")):
         raise ArgumentTypeError(f"fs.init(units={units!r}): units must be a list of module paths or modules, e.g. "
                                 "units=['blocks.0', 'blocks.1'].")
-    for u in units or ():
-        if isinstance(u, str):
-            try:
-                model.get_submodule(u)
-            except AttributeError:
-                raise InitError(f"fs.init(units=...): {u!r} is not a submodule of the model. Pass module paths as in "
-                                "model.named_modules() (e.g. 'blocks.0') or the submodules themselves.") from None
     if init_fn is not None and not callable(init_fn):
         raise ArgumentTypeError(f"fs.init(init_fn={init_fn!r}): init_fn must be callable as init_fn(module), e.g. "
                                 "model._init_weights for a Hugging Face model.")
@@ -215,7 +208,10 @@ def _find_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
     else:
         found = []
         for u in units:
-            m = model.get_submodule(u) if isinstance(u, str) else u
+            try:
+                m = model.get_submodule(u) if isinstance(u, str) else u
+            except AttributeError:  # a path that names no submodule
+                m = None
             if id(m) not in paths or m is model:
                 raise InitError(f"fs.init(units=...): {u!r} is not a submodule of the model. Pass module paths as in "
                                 "model.named_modules() (e.g. 'blocks.0') or the submodules themselves.")

@@ -10,7 +10,9 @@ no weight decay, no moment update and no step count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,8 +95,14 @@ class AdamW:
         """What every rank must agree on for the update that follows ``count`` updates: the hyperparameters (the
         schedule's value at ``count``, not the schedule object, whose repr differs between processes), the
         implementation, and the parameters that decay. The step's rank check compares it (fshard/_agreement.py)."""
-        return (self.lr_at(count), tuple(self.betas), self.eps, self.weight_decay, self.impl,
-                None if self.decay is None else sorted(self.decay))
+        return (self.lr_at(count), *self._static_fingerprint)
+
+    @functools.cached_property
+    def _static_fingerprint(self) -> tuple:
+        """The part that never changes, made once (the decaying names as their count and a hash, not sorted and
+        hashed at every step)."""
+        decay = None if self.decay is None else (len(self.decay), zlib.crc32(repr(sorted(self.decay)).encode()))
+        return tuple(self.betas), self.eps, self.weight_decay, self.impl, decay
 
     def bind(self, model: torch.nn.Module) -> "AdamW":
         """This optimizer with ``weight_decay_mask`` evaluated on ``model``'s parameters (``fs.init`` calls it)."""
