@@ -79,8 +79,8 @@ def train(args, mesh, store=None):
         model = T.AutoModelForCausalLM.from_config(cfg)
     if args.pretrained:
         model = T.AutoModelForCausalLM.from_pretrained(args.model)
-    if args.checkpointing:
-        model.activation_checkpointing_enable()
+    if args.checkpointing:  # the name from transformers 5.2x on; gradient_checkpointing_enable before
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     state = fs.init(model, mesh, fs.adamw(lr=args.lr, weight_decay=0.1), init_fn=model._init_weights,
                     seed=args.seed)
     losses = []

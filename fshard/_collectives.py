@@ -12,7 +12,7 @@ least one gather was in flight. Blocking use (issue, then wait at once) makes th
 
 How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
 on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
-``all_gather_single``; on NCCL, ``all_gather_single`` is the native ring. ``FSHARD_GATHER`` overrides it
+``all_gather_into_tensor``; on NCCL, ``all_gather_into_tensor`` is the native ring. ``FSHARD_GATHER`` overrides it
 (``all_gather``, ``broadcast``, ``all_reduce``). Every implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ._base import Collectives
 from ._errors import ArgumentError
 from ._mesh import Mesh
 GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
-_FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_single
+_FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_into_tensor
 
 
 def gather_impl(mesh: Mesh) -> str:
@@ -196,7 +196,7 @@ class Comm:
             out.copy_(shard)
             works = []
         elif self.impl == "all_gather":
-            works = [dist.all_gather_single(out, shard, group=g, async_op=True)]
+            works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
         elif self.impl == "broadcast":
             parts = out.chunk(n)
             parts[rank].copy_(shard)
@@ -264,7 +264,7 @@ class Comm:
             out.copy_(full)
             works = []
         else:
-            works = [dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
+            works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
                                                 async_op=True)]
         return self._flight(works, t0, "reduce", tag)
 

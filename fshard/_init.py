@@ -22,6 +22,7 @@ from ._collectives import Comm
 from ._errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
+from ._place import placer
 from ._state import ShardSpec, TrainState
 from .store._checksum import checksum
 from ._route import route_units
@@ -32,7 +33,8 @@ ROOT = "<root>"
 
 def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
          init_fn: Callable[[nn.Module], None] | None = None,
-         seed: int | None = None, align_bytes: int = ALIGN_BYTES, abstract: bool = False) -> TrainState:
+         seed: int | None = None, align_bytes: int = ALIGN_BYTES, abstract: bool = False,
+         offload=None) -> TrainState:
     """Shard ``model`` over ``mesh`` and make the optimizer state of each shard.
 
     units: module paths (or modules) that each form one unit; by default every child of every ModuleList or
@@ -55,6 +57,8 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     tensors on the meta device with the shapes and dtypes of the real ones. Such a state is only a ``like`` for
     ``fs.load``, which allocates each rank's shards and fills them, so resuming never holds the model whole; a
     step, a save or ``fs.full_params`` refuses it.
+    offload: the ``fs.offload_state(store, ...)`` the step will be composed with: the moments it keeps in its store
+    are put there as each unit is made, so the device never holds more than one unit's moments (fshard/_place.py).
     """
     _check_args(model, mesh, opt, units, init_fn, seed, align_bytes)
     device = _check_devices(model, mesh)
@@ -77,6 +81,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
         buffers.update((n, b.detach().to(mesh.device, copy=True)) for n, b in model.named_buffers())
 
     params, opt_state, digests = {}, {}, {}
+    place = None if abstract else placer(offload, layouts, mesh)
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:
             digests[u.name] = _digest(full[s.name] for s in u.slots)
@@ -85,7 +90,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
         del full
         state = opt.init(u, mesh.rank, params[u.name])
         if state is not None:
-            opt_state[u.name] = state
+            opt_state[u.name] = state if place is None else place(u.name, state)
     params = {u.name: params[u.name] for u in layouts}  # layout order (the root may come last from _materialize)
     buffers = {n: buffers[n] for n, _ in model.named_buffers()}
     template = _make_template(model)

@@ -37,8 +37,8 @@ from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
 from ._stored import Stored, _disk_need, _Items, _location, _stored_state
 from ._transforms import Transform
-from .store import Store, StoreError
-from .store._protocol import locked
+from .store import StoreError
+from .store._protocol import is_store, locked
 from .store._stream import check_depth
 
 _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equal to the unchunked update)
@@ -363,7 +363,7 @@ class offload_state(Transform):
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
                  overlap_backward: bool | None = None, worker_nice: int = 5):
-        if not isinstance(store, Store):
+        if not is_store(store):
             raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory) (or "
                                     f"have every method and attribute of fs.Store), got {type(store).__name__}.")
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:

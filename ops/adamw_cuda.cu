@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_fp16.h>
+#include <cstdint>
 #include <cstring>
 #include "adamw.h"
 #include "adamw_ops.h"
@@ -56,31 +57,83 @@ __global__ void nonfinite_kernel(const Segment* segs, const Task* tasks, int64_t
   }
 }
 
+// One element's update: the arithmetic the CPU kernels and ATen's fused Adam do, FMAs where they have them.
+__device__ __forceinline__ void update(const AdamConsts& c, bool small, float g, float& p, float& m, float& v) {
+  g = __fmul_rn(g, c.grad_scale);
+  if (c.has_wd) {
+    if (c.adamw) p = __fmul_rn(p, c.wd_mul);
+    else g = __fmaf_rn(p, c.wd, g);
+  }
+  const float d = __fsub_rn(g, m);
+  m = small ? __fmaf_rn(c.lerp_w, d, m) : __fmaf_rn(c.lerp_w - 1.0f, d, g);
+  v = __fmaf_rn(__fmul_rn(c.sq_coeff, g), g, __fmul_rn(v, c.beta2));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), denom));
+}
+
+__device__ __forceinline__ void store_copy(const Segment& s, int64_t i, float p) {
+  if (s.ctype == kCopyBF16) static_cast<unsigned short*>(s.copy)[i] = to_bf16_bits(p);
+  else if (s.ctype == kCopyF16) static_cast<__half*>(s.copy)[i] = __float2half_rn(p);
+}
+
+// Four elements per thread with 16-byte loads and stores of p, m, v (and of an fp32 grad; 8 bytes of a 16-bit
+// grad or copy): the scalar loop issues four times the memory instructions, which kept it under the copy roof.
+__device__ __forceinline__ void update4(const AdamConsts& c, bool small, const Segment& s, int64_t i) {
+  float4 p = *reinterpret_cast<const float4*>(s.p + i);
+  float4 m = *reinterpret_cast<const float4*>(s.m + i);
+  float4 v = *reinterpret_cast<const float4*>(s.v + i);
+  float g[4];
+  if (s.gtype == kGradF32) {
+    const float4 g4 = *reinterpret_cast<const float4*>(static_cast<const float*>(s.g) + i);
+    g[0] = g4.x; g[1] = g4.y; g[2] = g4.z; g[3] = g4.w;
+  } else {
+    const ushort4 u = *reinterpret_cast<const ushort4*>(static_cast<const unsigned short*>(s.g) + i);
+    const unsigned short us[4] = {u.x, u.y, u.z, u.w};
+    for (int k = 0; k < 4; ++k)
+      g[k] = s.gtype == kGradBF16 ? __uint_as_float(static_cast<unsigned int>(us[k]) << 16)
+                                  : __half2float(__ushort_as_half(us[k]));
+  }
+  update(c, small, g[0], p.x, m.x, v.x);
+  update(c, small, g[1], p.y, m.y, v.y);
+  update(c, small, g[2], p.z, m.z, v.z);
+  update(c, small, g[3], p.w, m.w, v.w);
+  *reinterpret_cast<float4*>(s.m + i) = m;
+  *reinterpret_cast<float4*>(s.v + i) = v;
+  *reinterpret_cast<float4*>(s.p + i) = p;
+  if (s.ctype == kCopyBF16) {
+    *reinterpret_cast<ushort4*>(static_cast<unsigned short*>(s.copy) + i) =
+        make_ushort4(to_bf16_bits(p.x), to_bf16_bits(p.y), to_bf16_bits(p.z), to_bf16_bits(p.w));
+  } else if (s.ctype == kCopyF16) {
+    __half* h = static_cast<__half*>(s.copy) + i;
+    *reinterpret_cast<__half2*>(h) = __halves2half2(__float2half_rn(p.x), __float2half_rn(p.y));
+    *reinterpret_cast<__half2*>(h + 2) = __halves2half2(__float2half_rn(p.z), __float2half_rn(p.w));
+  }
+}
+
+__device__ __forceinline__ bool aligned(const void* ptr, uintptr_t bytes) {
+  return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0;
+}
+
 __global__ void adamw_kernel(const Segment* segs, const Task* tasks, int64_t ntasks, AdamConsts c,
                              const int* found) {
   if (found != nullptr && *found) return;  // whole update skipped: nothing is modified
   const bool small = fabsf(c.lerp_w) < 0.5f;
   for (int64_t t = blockIdx.x; t < ntasks; t += gridDim.x) {
     const Segment s = segs[tasks[t].seg];
-    const int64_t end = min(tasks[t].start + kChunk, s.n);
-    for (int64_t i = tasks[t].start + threadIdx.x; i < end; i += blockDim.x) {
-      float g = __fmul_rn(load_grad(s.g, s.gtype, i), c.grad_scale);
-      float p = s.p[i];
-      if (c.has_wd) {
-        if (c.adamw) p = __fmul_rn(p, c.wd_mul);
-        else g = __fmaf_rn(p, c.wd, g);
-      }
-      float m = s.m[i];
-      const float d = __fsub_rn(g, m);
-      m = small ? __fmaf_rn(c.lerp_w, d, m) : __fmaf_rn(c.lerp_w - 1.0f, d, g);
-      const float v = __fmaf_rn(__fmul_rn(c.sq_coeff, g), g, __fmul_rn(s.v[i], c.beta2));
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
-      p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), denom));
+    const int64_t start = tasks[t].start, end = min(start + kChunk, s.n);
+    // A task starts at a multiple of kChunk (of 4): the vector body runs where every pointer allows 16-byte
+    // (fp32) and 8-byte (16-bit) accesses, e.g. not on a shard slice at an odd offset, which takes the scalar loop.
+    const bool vec = aligned(s.p, 16) && aligned(s.m, 16) && aligned(s.v, 16) &&
+                     aligned(s.g, s.gtype == kGradF32 ? 16 : 8) && aligned(s.copy, 8);
+    const int64_t body = vec ? start + (end - start) / 4 * 4 : start;
+    for (int64_t i = start + 4 * int64_t(threadIdx.x); i < body; i += 4 * int64_t(blockDim.x)) update4(c, small, s, i);
+    for (int64_t i = body + threadIdx.x; i < end; i += blockDim.x) {
+      float p = s.p[i], m = s.m[i], v = s.v[i];
+      update(c, small, load_grad(s.g, s.gtype, i), p, m, v);
       s.m[i] = m;
       s.v[i] = v;
       s.p[i] = p;
-      if (s.ctype == kCopyBF16) static_cast<unsigned short*>(s.copy)[i] = to_bf16_bits(p);
-      else if (s.ctype == kCopyF16) static_cast<__half*>(s.copy)[i] = __float2half_rn(p);
+      store_copy(s, i, p);
     }
   }
 }

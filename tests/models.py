@@ -182,3 +182,10 @@ def moe_units(name: str, model) -> dict:
         return dict(routed=[n for n, _ in model.named_modules() if n.endswith("mlp.experts")])
     return dict(units=[n for n, _ in model.named_modules() if n.endswith("mlp.experts") or
                        (n.startswith("model.layers.") and n.count(".") == 2)])
+
+
+def enable_checkpointing(model, kwargs=None) -> None:
+    """transformers' per-layer activation checkpointing: ``activation_checkpointing_enable`` from 5.2x on (the
+    bootstrap's 5.23.0), ``gradient_checkpointing_enable`` before (5.17 on the GPU machine), deprecated since."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable() if kwargs is None else enable(kwargs)

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fshard as fs
 from _dist import run_ranks
-from models import HF_VOCAB, hf_model, oracle_step, param_diffs
+from models import HF_VOCAB, enable_checkpointing, hf_model, oracle_step, param_diffs
 
 STEPS, D, HP = 3, 12, dict(lr=1e-2, weight_decay=0.01)
 
@@ -149,7 +149,7 @@ def _hf_batches(rank, world_size):
 def _hf(name, reentrant, policies):
     def make():
         model = hf_model(name)
-        model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        enable_checkpointing(model, {"use_reentrant": reentrant})
         return model
     return _train(make, _hf_loss, _hf_batches, policies)[:2]
 

@@ -76,3 +76,11 @@ def test_optimizer_arguments():
         fs.adamw(impl="cuda")
     with pytest.raises(ValueError, match="betas"):
         fs.adamw(betas=(0.9, 1.5))
+
+
+def test_a_torch_older_than_the_tested_floor_is_refused_at_import():
+    import subprocess
+    import sys
+    code = "import torch; torch.__version__ = '2.10.1+cu128'; import fshard"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "fshard needs torch >= 2.11; this is torch 2.10.1+cu128" in r.stderr, r.stderr

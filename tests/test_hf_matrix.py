@@ -27,7 +27,7 @@ import torch
 
 import fshard as fs
 from _dist import run_ranks
-from models import HF_VOCAB, KEY_BIAS_BOUND, hf_model, moe_units, oracle_step
+from models import HF_VOCAB, KEY_BIAS_BOUND, enable_checkpointing, hf_model, moe_units, oracle_step
 
 STEPS, HP, CLIP = 3, dict(lr=1e-2, weight_decay=0.01), 0.5
 COLUMNS = ("plain", "ahead+buckets+clip", "nvme", "checkpointing", "experts", "native")
@@ -53,7 +53,7 @@ def _column(name, column, directory):
     torch.manual_seed(0)
     model = hf_model(name)
     if column == "checkpointing":
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     ref = copy.deepcopy(model)
     impl = "native" if column == "native" else "torch"
     units = moe_units(name, model) if column == "experts" else {}

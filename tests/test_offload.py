@@ -342,3 +342,29 @@ def test_with_bucket_reduce_units_begin_their_update_during_backward(tmp_path, m
     last_arrival = max(i for i, (kind, _) in enumerate(events) if kind == "arrive")
     began = [n for i, (kind, n) in enumerate(events) if kind == "final" and i < last_arrival]
     assert "blocks.2" in began, events  # the last block's buckets landed before the root's gradient arrived
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path, fraction):
+    """fs.init(..., offload=): the chosen units' moments are in the store from the start (the device never holds
+    them all), at the places the step would have moved them to, and training is bitwise the same."""
+    import fshard as fs
+    from fshard._offload import choose_units
+    model, loss_fn, batches = _model()
+    runs = {}
+    for where in ("init", "step"):
+        with fs.NVMeStore(str(tmp_path / where)) as store:
+            off = fs.offload_state(store, fraction=fraction, chunk_mb=0.01)
+            state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=3e-3, weight_decay=0.1),
+                            offload=off if where == "init" else None)
+            stored = {n for n, s in state.opt_state.items() if isinstance(s.exp_avg, fs.Stored)}
+            with fs.compose(loss_fn, off) as step:
+                for b in batches(0, 1):
+                    state, m = step(state, b)
+            runs[where] = (stored, m["loss"], {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()},
+                           _moments(state))
+    chosen = choose_units(state.spec, state.opt_state, fraction)
+    assert runs["init"][0] == set(chosen) and not runs["step"][0]
+    assert runs["init"][1:] == runs["step"][1:]
+    with pytest.raises(fs.ArgumentTypeError, match="offload="):
+        fs.init(model, fs.Mesh.local(), fs.adamw(), offload=fs.CPUStore())

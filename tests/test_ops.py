@@ -334,19 +334,26 @@ def test_missing_compiler_is_named_and_fallback_warns_once(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA kernel is compile-checked only")
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_matches_cpu_reference(native, gdtype):
+@pytest.mark.parametrize("ctype", [torch.bfloat16, torch.float16])
+def test_cuda_is_bitwise_the_cpu_kernel(native, gdtype, ctype):
+    """The CUDA kernel (vector body and scalar loop) computes the CPU kernel's bits, which are ATen's fused Adam's:
+    the same operations in the same order, each rounded once. Slices at an odd offset take the scalar loop."""
     assert native.built_with_cuda(), "CUDA is available but fshard.ops was built without the .cu"
-    sizes = [0, 1, 1025, 65_537, 3, 1_000_003]
+    sizes = [0, 1, 1025, 65_537, 3, 1_000_003, 262_147]
     p, g, m, v = make_state(sizes, 4, gdtype)
-    copies = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    copies = [torch.zeros(t.numel(), dtype=ctype) for t in p]
     dev = [[t.cuda() for t in ts] for ts in (p, g, m, v, copies)]
-    assert ops.adamw_(*dev[:4], step=3, grad_scale=0.5, param_copies=dev[4], **HP) is False
-    assert ops.adamw_reference_(p, g, m, v, step=3, grad_scale=0.5, param_copies=copies, **HP) is False
+    for ts in dev:  # the last tensor of each list one element past an aligned start
+        ts[-1] = torch.empty(ts[-1].numel() + 1, dtype=ts[-1].dtype, device="cuda")[1:].copy_(ts[-1])
+    for s in (3, 4):
+        assert ops.adamw_(*dev[:4], step=s, grad_scale=0.5, param_copies=dev[4], **HP) is False
+        assert ops.adamw_(p, g, m, v, step=s, grad_scale=0.5, param_copies=copies, isa="scalar", **HP) is False
     for got, want in zip(dev, (p, g, m, v, copies)):
-        assert_all_close([t.cpu() for t in got], want)
-    dev[1][4][17] = float("inf")
+        for k, (a, e) in enumerate(zip(got, want)):
+            assert torch.equal(a.cpu(), e), f"tensor {k} of {sizes[k]}: {(a.cpu() != e).sum()} elements differ"
+    dev[1][5][17] = float("inf")
     before = [t.clone() for t in dev[0]]
-    assert ops.adamw_(*dev[:4], step=4, **HP) is True
+    assert ops.adamw_(*dev[:4], step=5, **HP) is True
     assert all(torch.equal(a, b) for a, b in zip(dev[0], before))
 
 

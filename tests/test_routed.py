@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import fshard as fs
 from _dist import run_ranks
-from models import HF_VOCAB, hf_model, moe_units, oracle_step, param_diffs
+from models import HF_VOCAB, enable_checkpointing, hf_model, moe_units, oracle_step, param_diffs
 
 STEPS, HP = 3, dict(lr=1e-2, weight_decay=0.01)
 
@@ -49,7 +49,7 @@ def _train_hf(name: str, config: str):
     torch.manual_seed(0)
     model = hf_model(name)
     if config == "checkpointing":
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     ref = copy.deepcopy(model)
     called: list[str] = []
     _experts_called(ref, called)

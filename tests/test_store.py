@@ -592,3 +592,28 @@ def test_direct_items_read_buffered(tmp_path):
             for out in (None, torch.empty_like(x)):
                 s.put(n, x).wait()
                 assert s._items[n].direct and same_bits(s.get(n, out=out).wait(), x)
+
+
+def test_a_forwarding_proxy_is_a_store_and_an_incomplete_one_is_not():
+    """offload_state checks a store by hasattr over Store's attributes: isinstance(x, Store) looks them up
+    statically from Python 3.12 on and refused a wrapper that forwards with __getattr__ (the GPU machine's 3.12)."""
+    import typing
+
+    from fshard.store._protocol import STORE_ATTRS, is_store
+    protocol = typing._get_protocol_attrs(Store) if hasattr(typing, "_get_protocol_attrs") else Store.__protocol_attrs__
+    assert set(STORE_ATTRS) == set(protocol) - {"__init__"}
+
+    class Proxy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    with fs.CPUStore() as inner:
+        assert is_store(Proxy(inner))
+        fs.offload_state(Proxy(inner))
+    missing = type("NoStream", (), {a: None for a in STORE_ATTRS if a != "stream"})()
+    assert not is_store(missing)
+    with pytest.raises(fs.ArgumentTypeError, match="store must be"):
+        fs.offload_state(missing)

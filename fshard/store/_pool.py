@@ -130,11 +130,17 @@ class Iovecs:
 
 def _maybe_pin(buf: AlignedBuffer) -> bool:
     # Page-locked host memory lets a later H2D copy run asynchronously; only worth it (and possible) with CUDA.
+    # Each registration is undone when the mapping dies: the driver keeps a registered range's pages pinned after
+    # munmap, and a later mapping at the same address then fails to register ("part or all of the requested memory
+    # range is already mapped", seen on an H100), an error the next CUDA call in the process raised.
     if not torch.cuda.is_available():
         return False
     try:
-        t = buf.bytes(buf.capacity)
-        return torch.cuda.cudart().cudaHostRegister(t.data_ptr(), buf.capacity, 0) == 0
+        cudart = torch.cuda.cudart()
+        if cudart.cudaHostRegister(buf.address, buf.capacity, 0) != 0:
+            return False
+        weakref.finalize(buf.mm, cudart.cudaHostUnregister, buf.address).atexit = False
+        return True
     except Exception:  # pinning is an optimisation; an unpinned buffer still works
         return False
 

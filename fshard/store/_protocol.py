@@ -80,6 +80,17 @@ class Store(Protocol):
     def __exit__(self, *exc: Any) -> None: ...
 
 
+STORE_ATTRS = ("directory", "resident_bytes", "put", "get", "delete", "meta", "keys", "stream", "delete_later",
+               "collect", "close", "__enter__", "__exit__")
+
+
+def is_store(obj: Any) -> bool:
+    """Whether ``obj`` has every attribute of ``Store``, by ``hasattr``. ``isinstance(obj, Store)`` looks attributes
+    up statically from Python 3.12 on, so it refuses a wrapper that forwards them with ``__getattr__`` (a store with
+    fault injection, a proxy); 3.11 accepted it (seen on the GPU machine's Python 3.12)."""
+    return all(hasattr(obj, a) for a in STORE_ATTRS)
+
+
 class DeferredDeletes:
     """``delete_later`` and ``collect`` for a store that is used from one thread: a key whose deletion is asked for
     from anywhere (a finalizer runs in whichever thread drops the last reference, perhaps in the middle of a store

@@ -1,0 +1,290 @@
+"""The CUDA path at world size 1 (issue #23): fshard on one GPU against torch on the same GPU.
+
+Each test runs on a mesh of one CUDA rank, two ways: ``Mesh.local("cuda")`` (no process group) and a one-rank
+NCCL group (collectives through NCCL, the gathers on the step's side stream). The oracle is the one the CPU tests
+use: torch.optim.AdamW (or FSDP2's MixedPrecisionPolicy) on the same model, on the same device, on the same
+batches. Multi-rank tests stay on gloo and the CPU (one GPU). Skipped without a CUDA device; run them on one with
+``pytest tests/test_cuda.py`` (the device tool, benchmarks/RESULTS.md's GPU section)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from models import Awkward, awkward_batches, awkward_loss, check_oracle, oracle_step, param_diffs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+STEPS = 6
+MESHES = ["local", "nccl"]
+
+
+def _on_mesh(kind: str, fn, *args):
+    """fn(mesh, *args) on a one-rank CUDA mesh: in this process (local) or in a one-rank NCCL group (spawned)."""
+    if kind == "local":
+        import fshard as fs
+        torch.manual_seed(0)
+        return fn(fs.Mesh.local("cuda"), *args)
+    return run_ranks(_nccl, 1, fn, args)[0]
+
+
+def _nccl(fn, args):
+    import torch.distributed as dist
+
+    import fshard as fs
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    mesh = fs.Mesh.from_env()
+    assert (mesh.backend, mesh.device.type, mesh.world_size) == ("nccl", "cuda", 1), mesh
+    return fn(mesh, *args)
+
+
+def _cuda(batch):
+    return tuple(t.cuda() for t in batch)
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "gpt":
+        from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+        cfg = GPTConfig.tiny(n_layers=3)
+        return GPT(cfg), loss_fn, [_cuda(b) for b in synthetic_batches(cfg, 2, STEPS, seed=3)]
+    return Awkward(), awkward_loss, [_cuda(b) for b in awkward_batches(2, STEPS)]
+
+
+def _train(mesh, name, impl, transforms=lambda fs: (), donate=False):
+    """(losses, full params as CPU tensors, state) of fshard on ``mesh``."""
+    import fshard as fs
+    model, loss_fn, batches = _model(name)
+    state = fs.init(model, mesh, fs.adamw(**HP, impl=impl))
+    assert all(t.is_cuda for t in state.params.values())
+    losses = []
+    with fs.compose(loss_fn, *transforms(fs), donate=donate) as step:
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+    return losses, {n: t.cpu() for n, t in fs.full_params(state).items()}
+
+
+def _against_adamw(mesh):
+    """Each model and AdamW implementation against torch.optim.AdamW on the same GPU."""
+    out = {}
+    for name in ("gpt", "awkward"):
+        for impl in ("torch", "fused", "native"):
+            model, loss_fn, batches = _model(name)
+            ref = copy.deepcopy(model).cuda()
+            # impl="torch" replays the single-tensor AdamW kernels, "fused" torch._fused_adamw_ (as fused=True)
+            opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HP,
+                                    foreach=False, fused=impl != "torch")
+            theirs = [oracle_step(ref, opt, loss_fn, b, 1) for b in batches]
+            ours, full = _train(mesh, name, impl)
+            diffs, bitwise = param_diffs({n: t.cuda() for n, t in full.items()}, ref)
+            out[name, impl] = ours, theirs, diffs, bitwise and ours == theirs
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_matches_torch_adamw_on_the_gpu(mesh):
+    for (name, impl), (ours, theirs, diffs, bitwise) in _on_mesh(mesh, _against_adamw).items():
+        check_oracle(f"cuda/{mesh}/{name}/{impl}", 1, impl, ours, theirs, diffs, bitwise)
+        assert ours[-1] < ours[0], f"{name}/{impl} did not train: {ours}"
+
+
+def _transform_runs(mesh):
+    runs = {
+        "blocking": lambda fs: (),
+        "ahead+buckets": lambda fs: (fs.gather_ahead(2), fs.bucket_reduce(0.002)),
+        "ahead+buckets+clip+skip": lambda fs: (fs.gather_ahead(1), fs.bucket_reduce(0.002),
+                                               fs.clip_by_global_norm(1e9), fs.skip_nonfinite()),
+    }
+    return {k: _bits(*_train(mesh, "awkward", "native", ts)) for k, ts in runs.items()}
+
+
+def _bits(losses, full):
+    """Parameters as bytes: what a spawned rank sends back through a queue (tensors would need shared memory)."""
+    return losses, {n: t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for n, t in full.items()}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_side_stream_transforms_are_bitwise_the_blocking_step(mesh):
+    """gather_ahead issues gathers on the step's side stream, bucket_reduce reduces while backward runs: a missing
+    stream wait would read a buffer before it is written, which shows as differing bits here."""
+    runs = _on_mesh(mesh, _transform_runs)
+    base_losses, base = runs["blocking"]
+    for k, (losses, full) in runs.items():
+        assert losses == base_losses, f"{k}: losses {losses} vs blocking {base_losses}"
+        assert full == base, f"{k}: parameters differ from the blocking step"
+
+
+def _mixed_against_fsdp2(mesh, transforms):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    model, loss_fn, batches = _model("gpt")
+    ref = copy.deepcopy(model).cuda()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dm = init_device_mesh("cuda", (1,))
+    for block in ref.blocks:
+        fully_shard(block, mesh=dm, mp_policy=policy)
+    fully_shard(ref, mesh=dm, mp_policy=policy)
+    opt = torch.optim.AdamW(ref.parameters(), **HP, foreach=False)
+    theirs = [oracle_step(ref, opt, loss_fn, b, 1) for b in batches]
+    ts = (lambda f: (f.gather_ahead(2), f.bucket_reduce(0.002), f.mixed_precision())) if transforms \
+        else (lambda f: (f.mixed_precision(),))
+    ours, full = _train(mesh, "gpt", "torch", ts)
+    equal = all(torch.equal(full[n], (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu())
+                for n, p in ref.named_parameters())
+    return ours, theirs, equal
+
+
+@pytest.mark.parametrize("transforms", [False, True], ids=["blocking", "ahead+buckets"])
+def test_bf16_is_bitwise_fsdp2_mixed_precision_on_the_gpu(transforms):
+    ours, theirs, equal = _on_mesh("nccl", _mixed_against_fsdp2, transforms)
+    assert ours == theirs and equal, f"fshard bf16 {ours} vs FSDP2 {theirs}; parameters equal: {equal}"
+
+
+def _offload_runs(mesh, directory):
+    import fshard as fs
+    configs = {"none": None, "cpu": lambda: fs.CPUStore()}
+    if _has_tensornvme():
+        configs["nvme"] = lambda: fs.NVMeStore(os.path.join(directory, "nvme"))
+    out = {}
+    for k, store in configs.items():
+        for mixed in (False, True):
+            def ts(f, store=store, mixed=mixed):
+                extra = (f.gather_ahead(2), f.bucket_reduce(0.002)) + ((f.mixed_precision(),) if mixed else ())
+                return extra + (() if store is None else (f.offload_state(store(), chunk_mb=0.001),))
+            out[k, mixed] = _bits(*_train(mesh, "gpt", "native", ts))
+    return out
+
+
+def _has_tensornvme() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("tensornvme") is not None  # NVMeStore's engine
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_offloaded_moments_are_bitwise_on_the_gpu(mesh, tmp_path):
+    """Moments in pinned host memory (CPUStore) or on disk (NVMeStore, where tensornvme is installed), the update
+    on the host, the parameters copied back to the GPU: the same bits as moments kept on the GPU."""
+    runs = _on_mesh(mesh, _offload_runs, str(tmp_path))
+    for (k, mixed), (losses, full) in runs.items():
+        base_losses, base = runs["none", mixed]
+        assert losses == base_losses, f"{k} (mixed={mixed}): losses {losses} vs {base_losses}"
+        assert full == base, f"{k} (mixed={mixed}): parameters differ"
+    assert runs["cpu", False][0][-1] < runs["cpu", False][0][0]
+
+
+def _skip_and_resume(mesh, directory):
+    """A state saved on the GPU (fs.save, DCP) and loaded back trains on as the state itself does, bit for bit."""
+    import fshard as fs
+    model, loss_fn, batches = _model("awkward")
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    with fs.compose(loss_fn, fs.gather_ahead(1), fs.skip_nonfinite()) as step:
+        for batch in batches[:2]:
+            state, _ = step(state, batch)
+        fs.save(os.path.join(directory, "ckpt"), state)
+        resumed = fs.load(os.path.join(directory, "ckpt"), like=state)
+        on_gpu = all(t.is_cuda for t in resumed.params.values())
+        a, b = state, resumed
+        for batch in batches[2:]:
+            a, _ = step(a, batch)
+            b, _ = step(b, batch)
+    full_a, full_b = fs.full_params(a), fs.full_params(b)
+    return all(torch.equal(full_a[n], full_b[n]) for n in full_a), _nan_step(mesh), on_gpu
+
+
+def _nan_step(mesh):
+    """skip_nonfinite on the GPU: a NaN loss leaves every parameter's bits and counts the skip."""
+    import fshard as fs
+    model, loss_fn, batches = _model("awkward")
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    with fs.compose(lambda mod, b: loss_fn(mod, b) * float("nan"), fs.skip_nonfinite()) as step:
+        before = {n: t.clone() for n, t in fs.full_params(state).items()}
+        after, m = step(state, batches[0])
+    full = fs.full_params(after)
+    return int(after.skipped), all(torch.equal(full[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_skip_nonfinite_and_a_checkpoint_round_trip_on_the_gpu(mesh, tmp_path):
+    same, (skipped, unchanged), on_gpu = _on_mesh(mesh, _skip_and_resume, str(tmp_path))
+    assert on_gpu
+    assert same, "a state loaded from its checkpoint trained differently from the state itself"
+    assert skipped == 1 and unchanged, f"NaN step: skipped {skipped}, parameters unchanged: {unchanged}"
+
+
+def _memory(mesh):
+    """Peak GPU memory of a step with the moments on the GPU and with them in pinned host memory."""
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    cfg = GPTConfig(vocab=4096, dim=512, n_layers=4, n_heads=8, seq=64)
+    peaks, moments = {}, 0
+    for k in ("gpu", "host"):
+        torch.manual_seed(0)
+        state = fs.init(GPT(cfg), mesh, fs.adamw(**HP))
+        moments = sum(2 * s.exp_avg.nbytes for s in state.opt_state.values())
+        ts = (fs.offload_state(fs.CPUStore()),) if k == "host" else ()
+        with fs.compose(loss_fn, *ts) as step:
+            for b in synthetic_batches(cfg, 2, 3, seed=0):
+                state, _ = step(state, _cuda(b))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            state, _ = step(state, _cuda(next(iter(synthetic_batches(cfg, 2, 1, seed=1)))))
+            torch.cuda.synchronize()
+            peaks[k] = (base, torch.cuda.max_memory_allocated())
+        del state
+    return peaks, moments
+
+
+def test_offload_frees_the_moments_from_gpu_memory():
+    """The measured claim behind offload on a GPU: with the moments in the store, the GPU holds their bytes less,
+    before the step and at its peak."""
+    peaks, moments = _on_mesh("local", _memory)
+    (gb, gp), (hb, hp) = peaks["gpu"], peaks["host"]
+    assert gb - hb >= 0.95 * moments, f"resident: {gb} (moments on the GPU) vs {hb} offloaded; moments {moments}"
+    assert gp - hp >= 0.5 * moments, f"peak: {gp} vs {hp}; moments {moments}"
+
+
+def _profile(mesh):
+    import fshard as fs
+    from torch.profiler import ProfilerActivity, profile, record_function
+    model, loss_fn, batches = _model("gpt")
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.002), fs.mixed_precision()) as step:
+        state, _ = step(state, batches[0])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for b in batches[1:3]:
+                with record_function("fshard_step"):
+                    state, _ = step(state, b)
+    events = prof.events()
+    cpu = torch.autograd.DeviceType.CPU  # the range appears on the GPU's timeline too
+    steps = [e.time_range for e in events if e.name == "fshard_step" and e.device_type == cpu]
+    inside = [e.name for e in events if any(r.start <= e.time_range.start <= r.end for r in steps)]
+    return len(steps), inside.count("cudaDeviceSynchronize"), [e.name for e in events].count("cudaDeviceSynchronize")
+
+
+def test_a_step_never_synchronizes_the_device():
+    """No cudaDeviceSynchronize inside a step (the profiler itself may make one when it starts or stops)."""
+    steps, inside, anywhere = _on_mesh("nccl", _profile)
+    assert steps == 2 and inside == 0, f"{inside} cudaDeviceSynchronize calls in {steps} steps ({anywhere} in all)"
+
+
+def test_the_store_pool_pins_every_buffer_it_maps_again():
+    """NVMeStore's buffers are pinned with cudaHostRegister. A mapping freed without unregistering kept its range
+    registered, so the next mapping at that address failed to register and the next CUDA call raised
+    cudaErrorHostMemoryAlreadyRegistered (seen on an H100). Map, pin and free the same sizes many times."""
+    import gc
+
+    from fshard.store._pool import AlignedBuffer
+    for size in (4096, 1 << 20, 4 << 20):
+        for _ in range(20):
+            buf = AlignedBuffer(size)
+            assert buf.pinned, f"a {size}-byte buffer at {buf.address:#x} was not pinned"
+            del buf
+            gc.collect()
+    assert (torch.ones(4, device="cuda") + 1).sum().item() == 8.0  # no error left behind for the next CUDA call
