@@ -22,12 +22,14 @@ import importlib
 
 import torch as _torch
 
+from ._errors import TorchVersionError
 # The oldest torch fshard is tested on: 2.11 (the GPU machine's 2.11.0+cu130: the CUDA tests; benchmarks/RESULTS.md,
 # "GPU"); the suite runs on 2.13.0. Older ones are untested, and those before 2.6 lack broadcast(group_src=).
 _TORCH_MIN = (2, 11)
 if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < _TORCH_MIN:
-    raise ImportError(f"fshard needs torch >= {'.'.join(map(str, _TORCH_MIN))}; this is torch {_torch.__version__}. "
-                      "Upgrade torch (pip install 'torch>=2.11'), or use the bootstrap's torch==2.13.0.")
+    raise TorchVersionError(f"fshard needs torch >= {'.'.join(map(str, _TORCH_MIN))}; this is torch "
+                            f"{_torch.__version__}. Upgrade torch (pip install 'torch>=2.11'), or use the bootstrap's "
+                            "torch==2.13.0.")
 
 from ._accumulate import accumulate
 from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
@@ -84,7 +86,7 @@ __all__ = [
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
     "CollectiveError", "ConcurrentStepError", "DonatedStateError", "FrozenStateError", "InitError", "LossError",
     "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError", "RecomputeError",
-    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
+    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError", "TorchVersionError",
     "TransformConflictError", "UnboundParameterError",
 ]
 

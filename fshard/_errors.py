@@ -43,6 +43,10 @@ class LossError(FshardError, ValueError):
     """loss_fn returned something that is not a differentiable scalar."""
 
 
+class TorchVersionError(FshardError, ImportError):
+    """``import fshard`` under a torch older than the oldest it is tested on (fshard/__init__.py)."""
+
+
 class InitError(FshardError, ValueError):
     """fs.init was given a model it cannot shard."""
 

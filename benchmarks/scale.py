@@ -1,0 +1,292 @@
+"""The largest GPT each system trains on this machine: DDP, FSDP2 and fshard, 3 steps at world size 2 (issue #22).
+
+Each trial is a fresh `torchrun --nproc-per-node 2` of this file with `--trial SYSTEM --layers L`: a GPT of L
+layers (dim 2048, 16 heads, vocab 8192, seq 64; 50.3M parameters a layer, 1B at 20 layers), batch 1 per rank,
+3 AdamW steps on one batch. The parent watches the memory of the whole process tree (the sum of every process's RSS, every
+20 ms) and kills the trial once it passes the budget (``--budget-gib``, default the machine's MemAvailable at
+start less 1.5 GiB): a trial fits when it finishes its 3 steps under the budget. ``--bisect SYSTEM`` searches the
+largest L that fits (doubling, then bisection); each trial's outcome, s/step, peak RSS per rank, the tree's peak,
+disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a table.
+
+  ddp     the model built on the CPU in fp32, DistributedDataParallel, torch.optim.AdamW(fused=True)
+  fsdp2   built on meta, fully_shard per block and the root with MixedPrecisionPolicy(bf16, fp32), to_empty, then
+          each block's GPT-2 init; AdamW(fused=True) (the way FSDP2 documents large models)
+  fshard  built on meta, fs.init materialises one unit at a time with the moments in an NVMeStore
+          (fs.init(..., offload=)); gather_ahead(1) + bucket_reduce + mixed_precision + offload_state(NVMeStore),
+          donate=True
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect ddp --out /tmp/scale.jsonl
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fsdp2 --out /tmp/scale.jsonl
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard --out /tmp/scale.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+GIB = 1 << 30
+DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
+
+
+# ---- the parent: trials under a memory watchdog, and the search --------------------------------------------------
+
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def tree_rss(root: int) -> int:
+    """The summed RSS of ``root`` and every process below it."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: str) -> dict:
+    out = Path(workdir) / f"trial-{system}-{layers}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + (os.getpid() + layers) % 1000), __file__, "--trial", system, "--layers", str(layers),
+           "--result", str(out), "--workdir", workdir]
+    t0, peak, why = time.monotonic(), 0, None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        if peak > budget:
+            why = f"over the budget: {peak / GIB:.2f} GiB of the tree > {budget / GIB:.2f} GiB"
+        elif time.monotonic() - t0 > timeout_s:
+            why = f"timed out after {timeout_s:.0f} s"
+        if why:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    log = proc.communicate()[0]
+    res = json.loads(out.read_text()) if out.exists() and why is None and proc.returncode == 0 else {}
+    res.update(system=system, layers=layers, params=params_of(layers), tree_peak_gib=peak / GIB,
+               budget_gib=budget / GIB,
+               wall_s=time.monotonic() - t0, fits=bool(res) and why is None,
+               why=why or (None if res else f"exit {proc.returncode}: {log.strip().splitlines()[-1:]}"))
+    return res
+
+
+def bisect(system: str, args) -> list[dict]:
+    trials, lo, hi, layers = [], 0, None, args.start
+    while hi is None or hi - lo > 1:
+        r = run_trial(system, layers, args.budget, args.timeout, args.workdir)
+        trials.append(r)
+        report(r, args.out)
+        if r["fits"]:
+            lo = layers
+        else:
+            hi = layers
+        layers = layers * 2 if hi is None else (lo + hi) // 2
+        if lo == 0 and hi is not None and hi <= 1:
+            break
+    print(f"[scale] {system}: largest that fits: {lo} layers, {params_of(lo) / 1e9:.2f}B parameters "
+          f"(budget {args.budget / GIB:.1f} GiB)", flush=True)
+    return trials
+
+
+def report(r: dict, out: str | None) -> None:
+    steps = " ".join(f"{x:.3f}" for x in r.get("losses", []))
+    print(f"[scale] {r['system']:7s} {r['layers']:3d} layers {r['params'] / 1e9:5.2f}B: "
+          f"{'fits' if r['fits'] else 'does not fit'}; tree peak {r['tree_peak_gib']:.2f} GiB"
+          + (f", {r['s_per_step']:.1f} s/step, rank peaks {r['rank_peak_gib']} GiB"
+             + (f" (plan: rank 0 {r['predicted_rss_gib']:.2f})" if "predicted_rss_gib" in r else "")
+             + f", losses {steps}" if r['fits']
+             else f" ({r['why']})"), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
+def params_of(layers: int) -> int:
+    return layers * (12 * DIM * DIM + 13 * DIM) + 2 * VOCAB * DIM + SEQ * DIM + 2 * DIM
+
+
+# ---- a trial: one rank ----------------------------------------------------------------------------------------------
+
+def trial(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from gpt import GPT, GPTConfig, init_weights, loss_fn, synthetic_batches
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=VOCAB, dim=DIM, n_layers=args.layers, n_heads=HEADS, seq=SEQ)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # one batch, 3 times: a loss that falls then shows that every part of the step trains (3 new batches of one
+    # sequence each are too noisy to fall); the same for every system
+    batches = list(synthetic_batches(cfg, 1, 1, seed=0, rank=rank, world_size=n)) * 3
+    store_dir, extra = None, {}
+    if args.trial == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(GPT(cfg))
+        step = torch_step(model, loss_fn)
+    elif args.trial == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (n,))
+        model = GPT(cfg, device="meta")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.apply(init_weights)
+        step = torch_step(model, loss_fn)
+    else:
+        import fshard as fs
+        store_dir = Path(args.workdir) / f"store{rank}"
+        store = fs.NVMeStore(str(store_dir))
+        off = fs.offload_state(store)
+        state = fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(), fs.adamw(lr=3e-4, weight_decay=0.1),
+                        init_fn=init_weights, seed=0, offload=off)
+        fstep = fs.compose(loss_fn, fs.gather_ahead(1), fs.bucket_reduce(25), fs.mixed_precision(), off,
+                           donate=True)
+        holder = [state]
+        # step.plan's prediction of this rank's peak RSS: the RSS now (the process and the state), less the state's
+        # bytes in memory, plus the plan's peak of fshard-owned memory (the state, with its bf16 copies, and what the
+        # step adds); activations are left out (batch 1 x 64 tokens: a few MiB)
+        nb = state.nbytes()
+        plan = fstep.plan(state, batches[0])
+        extra["plan_peak_gib"] = plan["mem/peak_bytes"] / GIB
+        extra["predicted_rss_gib"] = (rss() - nb["params"] - nb["copies"] - nb["opt_state"] - nb["buffers"]
+                                      + plan["mem/peak_bytes"]) / GIB
+
+        def step(batch):
+            holder[0], m = fstep(holder[0], batch)
+            extra.setdefault("io_gb", 0.0)
+            extra["io_gb"] += (m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0)) / 1e9
+            return m["loss"]
+    losses, times = [], []
+    for b in batches:
+        t = time.perf_counter()
+        losses.append(step(b))
+        times.append(time.perf_counter() - t)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = [None] * n
+    dist.all_gather_object(peaks, peak)
+    disk = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file()) if store_dir else 0
+    disks = [None] * n
+    dist.all_gather_object(disks, disk)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(dict(
+            losses=losses, s_per_step=sorted(times)[1], step_s=times, rank_peak_gib=[round(p / GIB, 2) for p in peaks],
+            disk_gib=sum(disks) / GIB, io_gbps=extra.get("io_gb", 0.0) / max(sum(times), 1e-9), **extra)))
+        # (extra is rank 0's: its plan and its prediction, against rank_peak_gib[0])
+    dist.barrier()
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def torch_step(model, loss_fn):
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().double()
+        torch.distributed.all_reduce(mean)
+        return mean.item() / torch.distributed.get_world_size()
+    return step
+
+
+def plot(jsonl: str, png: str) -> None:
+    """s/step and the tree's peak RSS against model size, one line per system; trials that did not fit as crosses
+    at the memory they had reached when stopped."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(jsonl) if line.strip()]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system in sorted({r["system"] for r in rows}):
+        ok = sorted((r["params"] / 1e9, r) for r in rows if r["system"] == system and r["fits"])
+        bad = [(r["params"] / 1e9, r["tree_peak_gib"]) for r in rows if r["system"] == system and not r["fits"]]
+        if ok:
+            a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], "o-", label=system)
+            line = b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], "o-", label=system)[0]
+            if bad:
+                b.plot(*zip(*bad), "x", color=line.get_color(), label=f"{system}: stopped over the budget")
+    budget = max((r.get("budget_gib", 0) for r in rows), default=0)
+    if budget:
+        b.axhline(budget, color="gray", ls="--", lw=1, label=f"budget {budget:.1f} GiB")
+    a.set(xlabel="parameters (B)", ylabel="s / step (median of 3)", title="time, world size 2, batch 1")
+    b.set(xlabel="parameters (B)", ylabel="peak RSS of both ranks (GiB)", title="memory")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bisect", choices=["ddp", "fsdp2", "fshard"])
+    ap.add_argument("--trial", choices=["ddp", "fsdp2", "fshard"])
+    ap.add_argument("--layers", type=int, default=None, help="one trial of this many layers (with --bisect: none)")
+    ap.add_argument("--start", type=int, default=4, help="the search's first trial, in layers")
+    ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--workdir", default=None, help="trial results and fshard's store (default: a temporary dir)")
+    ap.add_argument("--result", default=None)
+    ap.add_argument("--out", default=None, help="append every trial as a JSON line")
+    ap.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), help="draw the trials of JSONL into PNG")
+    args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return 0
+    if args.trial:
+        trial(args)
+        return 0
+    args.budget = int((args.budget_gib * GIB) if args.budget_gib else mem_available() - 1.5 * GIB)
+    with tempfile.TemporaryDirectory(prefix="fshard-scale-", dir=args.workdir) as wd:
+        args.workdir = wd
+        if args.layers:
+            report(run_trial(args.bisect, args.layers, args.budget, args.timeout, wd), args.out)
+        else:
+            bisect(args.bisect, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
