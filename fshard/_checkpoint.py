@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ._ckpt_files import FORMAT, MANIFEST, commit, latest, prepare, verify  # noqa: F401 (latest: fs.latest)
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _SavePlanner, _StreamingReader, slot_boxes
 from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ._offload import _chunks, choose_units, offload_state
+from ._offload import choose_units, offload_state
 from ._optim import AdamWState
 from ._state import TrainState
-from ._stored import Stored, _Items, _location, _stored_state
+from ._stored import Stored, _chunks, _Items, _location, _stored_state
 
 __all__ = ["save", "load", "latest", "SaveHandle"]
 

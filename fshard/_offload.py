@@ -29,13 +29,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 
 from ._base import UpdatePolicy
 from ._early import Streamed, _Early, _lower_priority, _quiet_delete, _settle
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
-from ._stored import Stored, _disk_need, _Items, _location, _stored_state
+from ._stored import Stored, _disk_need, _Items, _location, _stored_state, put_moments
 from ._transforms import Transform
 from .store import StoreError
 from .store._protocol import is_store, locked
@@ -46,10 +45,6 @@ _ALIGN = 16  # elements: chunk boundaries keep SIMD lanes in place (bitwise equa
 
 class OffloadError(FshardError):
     """The store could not hold the optimizer state; the input state is unchanged (unless it was donated)."""
-
-
-def _chunks(n: int, chunk: int):
-    return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
 
 
 class OffloadUpdate(UpdatePolicy):
@@ -289,18 +284,11 @@ class OffloadUpdate(UpdatePolicy):
             return self._put_locked(name, s, created, m, record)
 
     def _put_locked(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
-        n, t0 = s.exp_avg.numel(), time.perf_counter()
-        chunks, key = _chunks(n, self.chunk), self._key(name)
-        handles = []
-        for i, (lo, hi) in enumerate(chunks):
-            handles.append(self.store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
-            created.append((key, i))
-            m["io/write_bytes"] += 2 * (hi - lo) * s.exp_avg.element_size()
-        for h in handles:
-            h.wait()
+        t0 = time.perf_counter()
+        stored = put_moments(self.store, self._key(name), s, self.chunk, created)
+        m["io/write_bytes"] += 2 * s.exp_avg.nbytes
         record("store", f"write {name}", t0, time.perf_counter())
-        items = _Items(self.store, key, chunks)
-        return _stored_state(items, s.count, n, s.exp_avg.dtype, _location(self.store))
+        return stored
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import uuid
 from types import SimpleNamespace
 
-import torch
-
 from ._errors import ArgumentTypeError
-from ._offload import _chunks, choose_units, offload_state
-from ._stored import _Items, _location, _stored_state
+from ._offload import choose_units, offload_state
+from ._stored import put_moments
 from .store._protocol import locked
 
 
@@ -34,13 +32,12 @@ def placer(offload, layouts, mesh):
     def place(name: str, s):
         if name not in chosen:
             return s
-        n, key = s.exp_avg.numel(), f"{name}@init-{tag}"
-        chunks = _chunks(n, chunk)
-        with locked(store):
-            handles = [store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]]).cpu())
-                       for i, (lo, hi) in enumerate(chunks)]
-            for h in handles:
-                h.wait()
-        return _stored_state(_Items(store, key, chunks), s.count, n, s.exp_avg.dtype, _location(store))
+        created = []
+        try:
+            with locked(store):
+                return put_moments(store, f"{name}@init-{tag}", s, chunk, created)
+        except BaseException:
+            store.delete_later(created)  # the items written before the failure: no state refers to them
+            raise
 
     return place

@@ -95,3 +95,20 @@ def _disk_need(store, state, chosen) -> str:
 
 def _bytes(b: int) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def _chunks(n: int, chunk: int):
+    return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
+
+
+def put_moments(store, key: str, s: AdamWState, chunk: int, created: list) -> AdamWState:
+    """``s``'s moments written to ``store`` (the caller holds its lock) as chunk items ``(key, i)`` of rows
+    ``[exp_avg; exp_avg_sq]``, each key noted in ``created`` as it is written: the same state with Stored leaves."""
+    n = s.exp_avg.numel()
+    chunks, handles = _chunks(n, chunk), []
+    for i, (lo, hi) in enumerate(chunks):
+        handles.append(store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
+        created.append((key, i))
+    for h in handles:
+        h.wait()
+    return _stored_state(_Items(store, key, chunks), s.count, n, s.exp_avg.dtype, _location(store))
