@@ -205,7 +205,9 @@ def trial(args) -> None:
             disk_gib=sum(disks) / GIB, io_gbps=extra.get("io_gb", 0.0) / max(sum(times), 1e-9), **extra)))
         # (extra is rank 0's: its plan and its prediction, against rank_peak_gib[0])
     dist.barrier()
-    if store_dir is not None:
+    if store_dir is not None:  # close the store (its engines) before its directory goes
+        fstep.close()
+        store.close()
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
