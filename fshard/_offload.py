@@ -304,7 +304,12 @@ class OffloadUpdate(UpdatePolicy):
 def choose_units(spec, opt_state, fraction: float) -> frozenset:
     """The units offload_state(fraction=...) places in its store: whole units in model order until their moments
     make up ``fraction`` of all moment bytes (fs.load(..., offload=) places a loaded state's moments the same way)."""
-    sizes = [(u.name, 2 * u.opt_numel(spec.mesh.rank)) for u in spec.units if opt_state.get(u.name) is not None]
+    return choose_layouts([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fraction)
+
+
+def choose_layouts(layouts, rank: int, fraction: float) -> frozenset:
+    """``choose_units`` over the unit layouts that have moments, before a state exists (fs.init(..., offload=))."""
+    sizes = [(u.name, 2 * u.opt_numel(rank)) for u in layouts]
     total, acc, names = sum(b for _, b in sizes), 0, set()
     for name, b in sizes:
         if acc >= fraction * total - 1e-9 * total:

@@ -9,10 +9,9 @@ up to ``fraction`` of the moment bytes, chunks of ``chunk_mb``), so the step fin
 from __future__ import annotations
 
 import uuid
-from types import SimpleNamespace
 
 from ._errors import ArgumentTypeError
-from ._offload import choose_units, offload_state
+from ._offload import choose_layouts, offload_state
 from ._stored import put_moments
 from .store._protocol import locked
 
@@ -26,8 +25,8 @@ def placer(offload, layouts, mesh):
         raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
                                 f"with, not {type(offload).__name__}.")
     store, chunk, tag = offload.store, offload.chunk_numel, uuid.uuid4().hex[:8]
-    having = {u.name: True for u in layouts if u.trainable}  # the units AdamW makes moments for
-    chosen = choose_units(SimpleNamespace(units=layouts, mesh=mesh), having, offload.fraction)
+    # the units AdamW makes moments for (AdamW.init: the trainable ones)
+    chosen = choose_layouts([u for u in layouts if u.trainable], mesh.rank, offload.fraction)
 
     def place(name: str, s):
         if name not in chosen:
