@@ -14,10 +14,17 @@ disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a
   fshard  built on meta, fs.init materialises one unit at a time with the moments in an NVMeStore
           (fs.init(..., offload=)); gather_ahead(1) + bucket_reduce + mixed_precision + offload_state(NVMeStore,
           overlap_backward=False), donate=True
+  fshard-params  the same, but the parameters' fp32 master shards live in the NVMeStore too
+          (offload_state(params=True)): each gather reads its unit's shard, and each unit's update streams master
+          and moments during backward (overlap_backward, in place with donate) and frees its gradient shard;
+          gather_ahead(1) + mixed_precision (no bucket_reduce: a unit's gradient shard must be its own tensor to be
+          freed)
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect ddp --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fsdp2 --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard --out /tmp/scale.jsonl
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard-params --layers 96 --lr 1e-4 \
+        --out /tmp/scale.jsonl   (one trial: with --layers, --bisect runs that one)
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 GIB = 1 << 30
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
+LR = [3e-4]  # --lr (the trials of 2026-11 before fshard-params ran at 3e-4)
+SYSTEMS = ["ddp", "fsdp2", "fshard", "fshard-params"]
 
 
 # ---- the parent: trials under a memory watchdog, and the search --------------------------------------------------
@@ -75,7 +84,7 @@ def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: 
     out = Path(workdir) / f"trial-{system}-{layers}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + (os.getpid() + layers) % 1000), __file__, "--trial", system, "--layers", str(layers),
-           "--result", str(out), "--workdir", workdir]
+           "--result", str(out), "--workdir", workdir, "--lr", str(LR[0])]
     t0, peak, why = time.monotonic(), 0, None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     while proc.poll() is None:
@@ -146,7 +155,7 @@ def trial(args) -> None:
     # one batch, 3 times: a loss that falls then shows that every part of the step trains (3 new batches of one
     # sequence each are too noisy to fall); the same for every system
     batches = list(synthetic_batches(cfg, 1, 1, seed=0, rank=rank, world_size=n)) * 3
-    store_dir, extra = None, {}
+    store_dir, extra, t_init = None, {}, time.perf_counter()
     if args.trial == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(GPT(cfg))
@@ -171,11 +180,16 @@ def trial(args) -> None:
         # overlap_backward=False: an update begun during backward writes a clone of the unit's shard and copy (the
         # input must survive a failure before the commit), 6 bytes a parameter more at the peak (measured: 1.25 GiB
         # of 3.65 at 8 layers); the largest model wants the least memory
-        off = fs.offload_state(store, overlap_backward=False)
-        state = fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(), fs.adamw(lr=3e-4, weight_decay=0.1),
+        if args.trial == "fshard":
+            off = fs.offload_state(store, overlap_backward=False)
+            ts = (fs.gather_ahead(1), fs.bucket_reduce(25), fs.mixed_precision(), off)
+        else:
+            off = fs.offload_state(store, params=True)
+            ts = (fs.gather_ahead(1), fs.mixed_precision(), off)
+        state = fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(), fs.adamw(lr=args.lr, weight_decay=0.1),
                         init_fn=init_weights, seed=0, offload=off)
-        fstep = fs.compose(loss_fn, fs.gather_ahead(1), fs.bucket_reduce(25), fs.mixed_precision(), off,
-                           donate=True)
+        extra["init_s"] = time.perf_counter() - t_init
+        fstep = fs.compose(loss_fn, *ts, donate=True)
         holder = [state]
         # step.plan's prediction of this rank's peak RSS: the RSS now (the process and the state), less the state's
         # bytes in memory, plus the plan's peak of fshard-owned memory (the state, with its bf16 copies, and what the
@@ -204,7 +218,7 @@ def trial(args) -> None:
     dist.all_gather_object(disks, disk)
     if rank == 0:
         Path(args.result).write_text(json.dumps(dict(
-            losses=losses, s_per_step=sorted(times)[1], step_s=times, rank_peak_gib=[round(p / GIB, 2) for p in peaks],
+            losses=losses, lr=args.lr, s_per_step=sorted(times)[1], step_s=times, rank_peak_gib=[round(p / GIB, 2) for p in peaks],
             disk_gib=sum(disks) / GIB, io_gbps=extra.get("io_gb", 0.0) / max(sum(times), 1e-9), **extra)))
         # (extra is rank 0's: its plan and its prediction, against rank_peak_gib[0])
     dist.barrier()
@@ -223,7 +237,7 @@ def rss() -> int:
 
 def torch_step(model, loss_fn):
     import torch
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR[0], weight_decay=0.1, fused=True)
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
@@ -266,8 +280,9 @@ def plot(jsonl: str, png: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bisect", choices=["ddp", "fsdp2", "fshard"])
-    ap.add_argument("--trial", choices=["ddp", "fsdp2", "fshard"])
+    ap.add_argument("--bisect", choices=SYSTEMS)
+    ap.add_argument("--trial", choices=SYSTEMS)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--layers", type=int, default=None, help="one trial of this many layers (with --bisect: none)")
     ap.add_argument("--start", type=int, default=4, help="the search's first trial, in layers")
     ap.add_argument("--budget-gib", type=float, default=None)
@@ -277,6 +292,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="append every trial as a JSON line")
     ap.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), help="draw the trials of JSONL into PNG")
     args = ap.parse_args()
+    LR[0] = args.lr
     if args.plot:
         plot(*args.plot)
         return 0

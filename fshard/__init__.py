@@ -55,7 +55,7 @@ from ._skip import skip_nonfinite
 from ._state import Donation, FrozenMap, ShardSpec, TrainState
 from ._state_dict import full_state_dict
 from ._step import Step, compose
-from ._stored import Stored
+from ._stored import Stored, StoredParam
 from ._timeline import Timeline, timeline
 from ._transforms import Policy, Transform
 from . import schedules
@@ -68,7 +68,7 @@ _LAZY = ("ops", "testing")
 __all__ = [
     # state and set-up
     "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap",
-    "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored",
+    "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored", "StoredParam",
     # checkpoints
     "save", "load", "latest", "SaveHandle",
     # the step and its transforms

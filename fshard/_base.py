@@ -118,8 +118,13 @@ class StepView(Protocol):
       last: whether this is the step's last micro-batch (the one whose backward reduces).
       grads_unchanged: whether the composed grads stage hands the reduced shards to the update unchanged (no
         global clip, no skip), so an update may begin before the grads stage has run.
+      grads_unread: whether, moreover, no policy of the grads stage reads the shards' values (the default stage),
+        so an update begun during backward may free a shard once it has consumed it.
       training: False in an eval pass (``step.eval``): forward only, under ``torch.no_grad``; no backward, no
         reduction, no update. A gather policy then frees what it would keep for backward.
+      donate: whether the step updates its input state in place (``compose(..., donate=True)``). An update begun
+        during backward may then write in place too, once it has marked the input donated
+        (``step.state.donation.take``), so that a step failing afterwards leaves an input that refuses use.
     """
 
     spec: ShardSpec
@@ -130,7 +135,9 @@ class StepView(Protocol):
     phase: str
     last: bool
     grads_unchanged: bool
+    grads_unread: bool
     training: bool
+    donate: bool
 
     def scratch(self, owner: object) -> dict:
         """The per-step scratch space of ``owner`` (a policy): a dict shared by the micro-batches of one step and
@@ -312,10 +319,13 @@ class GradsPolicy(Protocol):
         updates may then begin during backward (``StepView.grads_unchanged``).
       scales_loss: whether this policy (not the ones it wraps) scales the loss before backward (``loss_scale``);
         at most one policy of a step's chain does.
+      reads_grads: whether this policy reads the shards' values at all. When none of the chain does, an update
+        begun during backward may free a shard as soon as it has consumed it (``StepView.grads_unread``).
     """
 
     changes_grads: bool = True
     scales_loss: bool = False
+    reads_grads: bool = True
 
     def loss_scale(self, state: TrainState) -> float:
         """The factor backward multiplies the loss by, in the step on ``state`` (read only when ``scales_loss``).

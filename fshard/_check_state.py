@@ -7,7 +7,7 @@ import torch
 
 from ._errors import ArgumentError
 from ._optim import AdamWState
-from ._stored import Stored
+from ._stored import Stored, StoredParam
 
 
 def _what(v) -> str:
@@ -55,6 +55,11 @@ def check_fields(state, changes) -> None:
     if "params" in changes:
         _check_units("params", state.params, units, required=True)
         for n, t in state.params.items():
+            if isinstance(t, StoredParam):  # a shard in a store (offload_state(params=True))
+                if t.numel != units[n].shard_numel or t.dtype != units[n].dtype:
+                    _fail("params", f"params[{n!r}] holds {t.numel} elements of {t.dtype} in its store, where unit "
+                                    f"{n!r}'s shard has {units[n].shard_numel} of {units[n].dtype}.")
+                continue
             _check_flat("params", n, t, units[n].shard_numel, units[n].dtype)
     if "copies" in changes:
         _check_units("copies", state.copies, units, required=False)

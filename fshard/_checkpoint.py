@@ -33,7 +33,7 @@ from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ._offload import choose_units, offload_state
 from ._optim import AdamWState
 from ._state import TrainState
-from ._stored import Stored, _chunks, _Items, _location, _stored_state
+from ._stored import Stored, StoredParam, _chunks, _Items, _location, _stored_state
 
 __all__ = ["save", "load", "latest", "SaveHandle"]
 
@@ -56,7 +56,9 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
     for key, t in template.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor) and id(t) in canonical:
             u, s = slot[canonical[id(t)]]
-            model[key] = slot_boxes(u, s, rank, params[u.name].dtype, flat=params[u.name])
+            p = params[u.name]
+            model[key] = (slot_boxes(u, s, rank, p.dtype, flat=p) if not isinstance(p, StoredParam) else
+                          slot_boxes(u, s, rank, p.dtype, stored=_param_items(p, s, window, spec, u)))
         elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
             persistent.add(buffer_of[id(t)])
             model[key] = buffers[buffer_of[id(t)]]
@@ -83,6 +85,25 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
     return {"model": model, "optim": {"state": optim, "param_groups": param_groups},
             "fshard": {"step": state.step, "skipped": state.skipped, "buffers": extra,
                        "transform_state": dict(state.transform_state), "layout": json.dumps(_layout_of(state))}}
+
+
+class _Shifted:
+    """A stored parameter's tail items as the boxes of a save see them: chunk bounds counted from the shard's
+    first element (the tail's own count from its first, ``opt_numel``)."""
+
+    def __init__(self, items, base: int):
+        self.store, self.key, self.rows = items.store, items.key, items.rows
+        self.chunks = tuple((lo + base, hi + base) for lo, hi in items.chunks)
+
+
+def _param_items(p: StoredParam, s, window, spec, u) -> tuple:
+    """``slot_boxes``' ``stored`` for slot ``s`` of a parameter shard in a store: its head's items for a trainable
+    slot, its tail's for a frozen one; sorted after every moment chunk (``order``), so each item is read once."""
+    n, i = len(spec.units), spec.units.index(u)
+    tail = None if p.tail is None else _Shifted(p.tail, p.opt_numel)
+    if s.requires_grad:  # (a part that is None holds none of the slot's elements on this rank: either serves)
+        return (p.head or tail, 0, window, n + i)
+    return (tail or p.head, 0, window, 2 * n + i)
 
 
 def _cause(e: BaseException) -> str:

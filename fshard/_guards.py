@@ -10,6 +10,7 @@ import torch
 from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError, PolicyError,
                       StepClosedError)
 from ._state import ShardSpec, TrainState
+from ._stored import StoredParam
 
 
 def spec_of(state) -> ShardSpec:
@@ -80,14 +81,15 @@ def check_template(spec) -> None:
 
 def checked_update(policy, out, state: TrainState):
     """The update policy's ``(params, opt_state, metrics, copies)``, checked: a copy for each unit the state holds
-    one for, in its dtype and size (a policy that ignored the copies would leave gathers reading stale weights)."""
+    one for, in its dtype and size (a policy that ignored the copies would leave gathers reading stale weights),
+    except a unit whose new shard lives in a store (its gathers cast what they read)."""
     if not isinstance(out, tuple) or len(out) != 4:
         raise PolicyError(f"the update policy {type(policy).__name__} returned {type(out).__name__}"
                           f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; an UpdatePolicy returns "
                           "(params, opt_state, metrics, copies), copies being the new TrainState.copies.")
-    copies = out[3]
-    bad = [n for n, c in state.copies.items()
-           if n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape]
+    copies, stored = out[3], {n for n, p in out[0].items() if isinstance(p, StoredParam)}  # (read, then cast)
+    bad = [n for n, c in state.copies.items() if n not in stored and
+           (n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape)]
     if bad or set(copies) - set(state.copies):
         raise PolicyError(f"the update policy {type(policy).__name__} returned copies for {sorted(copies)} where the "
                           f"state holds copies of {sorted(state.copies)} (wrong or missing: {bad}); it must return "

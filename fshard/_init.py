@@ -23,6 +23,7 @@ from ._errors import ArgumentError, ArgumentTypeError, InitError, RankDivergence
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
 from ._mesh import Mesh
 from ._place import placer
+from ._stored import resident
 from ._state import ShardSpec, TrainState
 from .store._checksum import checksum
 from ._route import route_units
@@ -89,8 +90,10 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
                           torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
         state = opt.init(u, mesh.rank, params[u.name])
+        if state is not None and place is not None:
+            params[u.name], state = place(u, params[u.name], state)
         if state is not None:
-            opt_state[u.name] = state if place is None else place(u.name, state)
+            opt_state[u.name] = state
     params = {u.name: params[u.name] for u in layouts}  # layout order (the root may come last from _materialize)
     buffers = {n: buffers[n] for n, _ in model.named_buffers()}
     template = _make_template(model)
@@ -146,7 +149,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     comm, out = Comm(spec.mesh, verify=True, context="fs.full_params"), {}
     for u in spec.units:
         flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
-        comm.all_gather(flat, state.params[u.name], u.name)
+        comm.all_gather(flat, resident(state.params[u.name]).to(flat.device), u.name)
         out.update(views(flat, u))
     return {n: out[n] for n in spec.param_names}
 

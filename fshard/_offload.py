@@ -29,12 +29,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 
 from ._base import UpdatePolicy
-from ._early import Streamed, _Early, _lower_priority, _quiet_delete, _settle
+from ._early import Streamed, _Early, _lower_priority, _quiet_delete, _settle, param_key, stream_update
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
-from ._stored import Stored, _disk_need, _Items, _location, _stored_state, put_moments
+from ._stored import Stored, StoredParam, _disk_need, _Items, _location, _stored_state, put_moments, put_param
 from ._transforms import Transform
 from .store import StoreError
 from .store._protocol import is_store, locked
@@ -52,9 +53,9 @@ class OffloadUpdate(UpdatePolicy):
     (unit name -> ``_Early``) until ``__call__`` takes them or ``abort`` drops them."""
 
     def __init__(self, inner: UpdatePolicy, store, fraction: float, chunk_numel: int, depth: int,
-                 overlap_backward: bool, worker_nice: int):
+                 overlap_backward: bool, worker_nice: int, params: bool = False):
         self.inner, self.store, self.fraction, self.chunk, self.depth = inner, store, fraction, chunk_numel, depth
-        self.overlap_backward = overlap_backward
+        self.overlap_backward, self.params = overlap_backward, params
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, frozenset of unit names)
@@ -77,9 +78,20 @@ class OffloadUpdate(UpdatePolicy):
         opt = step.spec.optimizer
         count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable),
                                int(step.state.step))
-        if segs:
-            early[name] = _Early(self, opt, name, unit.shard.detach(), step.state.copies.get(name), unit.grad, s,
-                                 segs, count, self._key(name), step.record)
+        if not segs:
+            return
+        p, in_place = step.state.params[name], step.donate
+        if in_place:  # the input's items and tensors change from here on: a failing step leaves it refusing use
+            step.state.donation.take(int(step.state.step))
+        if isinstance(p, StoredParam):  # memory is what matters: at most depth updates queued behind the worker
+            pending = [w for w in early.values() if not w.future.done()]
+            if len(pending) >= self.depth:
+                _settle(pending[:len(pending) - self.depth + 1])
+        else:
+            p = unit.shard.detach()
+        early[name] = _Early(self, opt, name, p, step.state.copies.get(name), unit.grad, s, segs, count,
+                             s.exp_avg.key if in_place else self._key(name), step.record,
+                             free_grad=step.grads_unread, in_place=in_place)
 
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
@@ -96,32 +108,37 @@ class OffloadUpdate(UpdatePolicy):
         during backward writes a clone); in-memory moments only for units that stay in memory, without donate.
         ``store/peak_bytes``, the most the store holds during the step (design/OFFLOAD.md, "Disk needs"): an updated
         unit's new version beside the input's (2x its moments), except where donate writes in place (1x, plus depth
-        + 1 chunk items in flight for the whole update); a unit moved in or left alone, 1x."""
+        + 1 chunk items in flight for the whole update); a unit moved in or left alone, 1x. Parameters in the store
+        (``params=True``) count as a third row of the moments, except their tail (frozen parameters), never
+        rewritten; a parameter the step moves into the store is not new memory."""
         spec, f = step.spec, {"io/read_bytes": 0, "io/write_bytes": 0, "mem/new_state_bytes": 0}
         chosen = self._choose(spec, state)
-        early = self.overlap_backward and step.grads_unchanged and spec.mesh.device.type == "cpu"
-        peak, in_place = 0, 0  # in_place: the largest chunk item written back in place
+        peak, in_place = 0, 0  # in_place: the largest chunk items written back in place
         for u in spec.units:
-            s, on = state.opt_state.get(u.name), any(active.get(u.name, ()))
+            s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
                 continue
             stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
+            sp = isinstance(p, StoredParam)  # its head is rewritten with the moments; its tail never
+            head = p.opt_numel * p.dtype.itemsize if sp else 0
+            moved = self.params and not sp and u.name in chosen  # parameters this step puts in the store
             f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
-            clone = not donate or (stored and early and step.units[u.name].got_all())
+            clone = not donate  # (with donate, an update begun during backward writes in place too)
             if stored or u.name in chosen:
-                peak += moments * (2 if stored and on and clone else 1)
+                peak += ((moments + head) * (2 if stored and on and clone else 1) + (p.nbytes - head if sp else 0)
+                         + (p.nbytes if moved else 0))
                 if stored and on and not clone:
-                    in_place = max(in_place, min(moments, 2 * self.chunk * s.exp_avg.dtype.itemsize))
+                    in_place = max(in_place, min(moments + head, (2 + sp) * self.chunk * s.exp_avg.dtype.itemsize))
             if not on:
                 continue
             copy = state.copies.get(u.name)
-            f["mem/new_state_bytes"] += (state.params[u.name].nbytes + (0 if copy is None else copy.nbytes)
-                                         if clone else 0)
+            f["mem/new_state_bytes"] += (p.nbytes + (0 if copy is None else copy.nbytes)
+                                         if clone and not sp and not moved else 0)
             if stored:
-                f["io/read_bytes"] += moments
-                f["io/write_bytes"] += moments
+                f["io/read_bytes"] += moments + head
+                f["io/write_bytes"] += moments + head
             elif u.name in chosen:
-                f["io/write_bytes"] += moments
+                f["io/write_bytes"] += moments + (p.nbytes if moved else 0)
             elif not donate:
                 f["mem/new_state_bytes"] += moments
         f["store/peak_bytes"] = peak + (self.depth + 1) * in_place
@@ -191,7 +208,8 @@ class OffloadUpdate(UpdatePolicy):
                     params[u.name], copy, work = taken[u.name]
                     if copy is not None:
                         copies[u.name] = copy
-                    items = _Items(self.store, work.key, s.exp_avg.items.chunks)
+                    items = (s.exp_avg.items if work.key == s.exp_avg.key else  # (in place: the input's items)
+                             _Items(self.store, work.key, s.exp_avg.items.chunks))
                     opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
                                                       s.exp_avg.location)
                     continue
@@ -199,19 +217,30 @@ class OffloadUpdate(UpdatePolicy):
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
                     continue
-                p = state.params[u.name] if donate else state.params[u.name].clone()
-                c = state.copies.get(u.name)
-                c = c if donate or c is None else c.clone()
                 key = s.exp_avg.key if donate else self._key(u.name)
-                streamed.append(Streamed(p, grads.shards[u.name], segs, s, key, c))
-                params[u.name] = p
+                p = state.params[u.name]
+                if isinstance(p, StoredParam):  # its head is streamed beside the moments, into a new version
+                    c, pkey = None, None if p.head is None else p.head.key if donate else param_key(key)
+                    params[u.name] = p if donate or pkey is None else p.renewed(
+                        _Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
+                else:
+                    p = p if donate else p.clone()
+                    c, pkey = state.copies.get(u.name), None
+                    c = c if donate or c is None else c.clone()
+                    params[u.name] = p
                 if c is not None:
                     copies[u.name] = c
+                streamed.append(Streamed(p, grads.shards[u.name], segs, s, key, c, pkey))
                 items = s.exp_avg.items if donate else _Items(self.store, key, s.exp_avg.items.chunks)
                 opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
                                                   s.exp_avg.location)
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record)
+            if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
+                for u in spec.units:
+                    if u.name in chosen and isinstance(params[u.name], torch.Tensor):
+                        params[u.name] = self._put_param(u, spec.mesh.rank, params[u.name], created, m, step.record)
+                        copies.pop(u.name, None)  # a gather casts what it reads: no copy to keep
         except Exception as e:
             self._fail(e, created, donate, state)
         m["store/resident_bytes"] = int(self.store.resident_bytes)
@@ -239,49 +268,22 @@ class OffloadUpdate(UpdatePolicy):
 
     def _stream(self, opt, work, scale, created, m, donate, record) -> None:
         with locked(self.store):  # the store serves one thread at a time (a background save reads it too)
-            self._stream_locked(opt, work, scale, created, m, donate, record)
-
-    def _stream_locked(self, opt, work, scale, created, m, donate, record) -> None:
-        keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
-        where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
-        t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
-        stream = self.store.stream(keys, depth=self.depth, writeback=True)
-        try:
-            it = iter(stream)
-            for i, c in where:
-                t0 = time.perf_counter()
-                spans.setdefault(i, [t0, t0])
-                item = next(it)  # waits for read(i); reads i+1 .. i+depth are in flight
-                t_wait += time.perf_counter() - t0
-                p, g, segs, s, key, copy = work[i]  # a Streamed
-                lo, hi = s.exp_avg.items.chunks[c]
-                mv = item.tensor
-                m["io/read_bytes"] += mv.numel() * mv.element_size()
-                for a, b, step, lr, wd in segs:
-                    a, b = max(a, lo), min(b, hi)
-                    if a < b:
-                        _apply(opt, p, g, mv[0], mv[1], a, b, lo, (step, scale, lr, wd), copy)
-                t0 = time.perf_counter()
-                stream.writeback(item, key=(key, c))  # async; waits only if too many writes are in flight
-                spans[i][1] = time.perf_counter()
-                t_wait += spans[i][1] - t0
-                if not donate:
-                    created.append((key, c))
-                m["io/write_bytes"] += mv.numel() * mv.element_size()
-        finally:
-            t0 = time.perf_counter()
-            stream.close()  # completes every write-back (raises the first error)
-            t1 = time.perf_counter()
-            t_wait += t1 - t0
-            for i, (a, b) in spans.items():
-                record("store", f"stream {work[i].key.rsplit('@', 1)[0]}", a, b)
-            record("store", "write-back", t0, t1)
-        m["time/io_wait"] += t_wait
+            stream_update(self.store, self.depth, opt, work, scale, created, m, donate, record)
 
     def _put(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         """Move a unit's in-memory moments into the store as chunk items."""
         with locked(self.store):
             return self._put_locked(name, s, created, m, record)
+
+    def _put_param(self, u, rank: int, p, created, m, record) -> StoredParam:
+        """Move a unit's parameter shard into the store (head chunked as its moments, fshard/_stored.py)."""
+        t0 = time.perf_counter()
+        with locked(self.store):
+            out = put_param(self.store, param_key(self._key(u.name)), p, u.opt_numel(rank), self.chunk,
+                            created)
+        m["io/write_bytes"] += p.nbytes
+        record("store", f"write {u.name} params", t0, time.perf_counter())
+        return out
 
     def _put_locked(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         t0 = time.perf_counter()
@@ -318,21 +320,6 @@ def choose_layouts(layouts, rank: int, fraction: float) -> frozenset:
         acc += b
     return frozenset(names)
 
-def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None) -> None:
-    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows; ``run``:
-    (step, grad scale, lr, weight decay); ``copy``: the shard's low-precision copy, written in the same pass."""
-    step, scale, lr, wd = run
-    if p.device.type == "cpu":
-        opt.apply(p[a:b], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd,
-                  copy=None if copy is None else copy[a:b])
-        return
-    # CUDA: update on the host copy, then send the parameter (and its cast) back (not run on a GPU yet)
-    ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
-    opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
-    p[a:b].copy_(ph, non_blocking=True)
-    if copy is not None:
-        copy[a:b].copy_(ph.to(copy.dtype), non_blocking=True)
-
 
 class offload_state(Transform):
     """Keep ``fraction`` of the optimizer moments in ``store`` (``fs.CPUStore()`` or ``fs.NVMeStore(dir)``) and
@@ -355,7 +342,7 @@ class offload_state(Transform):
     stages = {"update": "set"}  # one store per step; units it does not take go to the policy it was given
 
     def __init__(self, store: Any, fraction: float = 1.0, chunk_mb: float = 4, depth: int = 2,
-                 overlap_backward: bool | None = None, worker_nice: int = 5):
+                 overlap_backward: bool | None = None, worker_nice: int = 5, params: bool = False):
         if not is_store(store):
             raise ArgumentTypeError(f"fs.offload_state: store must be an fs.CPUStore() or fs.NVMeStore(directory) (or "
                                     f"have every method and attribute of fs.Store), got {type(store).__name__}.")
@@ -366,7 +353,12 @@ class offload_state(Transform):
                                 f"{depth!r}.")
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
+        if not isinstance(params, bool):
+            raise ArgumentTypeError(f"fs.offload_state: params must be True or False, got {params!r}.")
         check_depth(store, depth, f"fs.offload_state(depth={depth})")
+        if params:  # two streams side by side: the moments' and the parameters'
+            check_depth(store, 2 * depth + 2, f"fs.offload_state(depth={depth}, params=True)")
+        self.params = params
         self.store, self.fraction, self.chunk_mb, self.depth = store, float(fraction), chunk_mb, depth
         on_disk = store.directory is not None  # a store that waits on a device
         self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
@@ -379,12 +371,13 @@ class offload_state(Transform):
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return OffloadUpdate(update, self.store, self.fraction, self.chunk_numel, self.depth, self.overlap_backward,
-                             self.worker_nice)
+                             self.worker_nice, self.params)
 
     def fingerprint(self) -> str:
         """The kind of store and the placement, not its directory: each rank may offload to a disk of its own."""
         return (f"fs.offload_state({type(self.store).__name__}, fraction={self.fraction}, chunk_mb={self.chunk_mb}, "
-                f"depth={self.depth}, overlap_backward={self.overlap_backward})")
+                f"depth={self.depth}, overlap_backward={self.overlap_backward}, params={self.params})")
 
     def __repr__(self) -> str:
-        return f"fs.offload_state({_location(self.store)}, fraction={self.fraction})"
+        return (f"fs.offload_state({_location(self.store)}, fraction={self.fraction}"
+                f"{', params=True' if self.params else ''})")

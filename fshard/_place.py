@@ -1,5 +1,6 @@
-"""``fs.init(..., offload=)``: each unit's optimizer moments go straight into the store as the unit is made, so the
-device never holds more than one unit's moments (a model whose moments fit only in the store can be initialised).
+"""``fs.init(..., offload=)``: each unit's optimizer moments (and, with ``offload_state(params=True)``, its parameter
+shard) go straight into the store as the unit is made, so the device never holds more than one unit's moments and
+parameters (a model that fits only in the store can be initialised).
 
 The alternative, moving them on the first step (what ``offload_state`` does with a state from a plain ``fs.init``),
 needs every moment on the device first: a 6.3B-parameter GPT's 50 GB of moments beside its 25 GB of fp32 weights
@@ -12,13 +13,15 @@ import uuid
 
 from ._errors import ArgumentTypeError
 from ._offload import choose_layouts, offload_state
-from ._stored import put_moments
+from ._early import param_key
+from ._stored import put_moments, put_param
 from .store._protocol import locked
 
 
 def placer(offload, layouts, mesh):
-    """``place(name, moments) -> moments``: for a unit ``offload`` keeps in its store, the same zero moments as
-    chunk items in the store (``Stored`` leaves); the others as they are. None without ``offload``."""
+    """``place(layout, param, moments) -> (param, moments)``: for a unit ``offload`` keeps in its store, the same
+    zero moments as chunk items in the store (``Stored`` leaves), and with ``offload_state(params=True)`` its
+    parameter shard too (a ``StoredParam``); the others as they are. None without ``offload``."""
     if offload is None:
         return None
     if not isinstance(offload, offload_state):
@@ -28,13 +31,17 @@ def placer(offload, layouts, mesh):
     # the units AdamW makes moments for (AdamW.init: the trainable ones)
     chosen = choose_layouts([u for u in layouts if u.trainable], mesh.rank, offload.fraction)
 
-    def place(name: str, s):
-        if name not in chosen:
-            return s
+    def place(u, param, s):
+        if u.name not in chosen:
+            return param, s
         created = []
         try:
             with locked(store):
-                return put_moments(store, f"{name}@init-{tag}", s, chunk, created)
+                s = put_moments(store, f"{u.name}@init-{tag}", s, chunk, created)
+                if offload.params:
+                    param = put_param(store, param_key(f"{u.name}@init-{tag}"), param, u.opt_numel(mesh.rank),
+                                      chunk, created)
+                return param, s
         except BaseException:
             store.delete_later(created)  # the items written before the failure: no state refers to them
             raise

@@ -31,6 +31,7 @@ from ._agreement import CHECKED, agree
 from ._collectives import Comm, CollectivesView
 from ._init import ROOT
 from ._state import NAMESPACE
+from ._stored import StoredParam
 from ._unit import StepRun
 
 # (metric, what it is): the rows of print(plan), in order
@@ -184,11 +185,13 @@ def plan(step, state, batch, observed=None) -> Plan:
     if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
         agree(ctrl, [], [0] * CHECKED)
     k = len(pol.batches(batch))
-    fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
+    stored = {n: p for n, p in state.params.items() if isinstance(p, StoredParam)}  # (a gather counts, not reads)
+    fake = SimpleNamespace(spec=spec, params={u.name: stored.get(u.name) or
+                                              torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
                                               for u in spec.units}, copies={})
     acc, scratch, runs, accum = Accumulator(k), {}, [], 0
     for i in range(k):
-        run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1)
+        run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)
         runs.append(run)
         _simulate(sim, run, observed)
         accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
@@ -204,7 +207,8 @@ def plan(step, state, batch, observed=None) -> Plan:
          "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/control_bytes": ctrl.bytes.get("control", 0), "io/read_bytes": 0, "io/write_bytes": 0,
+         "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
+         "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
          "mem/new_state_bytes": 0, **state_figures(state)}
     unknown = ()
     active = {name: list(u._got) for name, u in run.units.items()}
@@ -214,7 +218,7 @@ def plan(step, state, batch, observed=None) -> Plan:
     if update is None:
         unknown = ("update",)
     else:
-        f.update(update)
+        f.update({k: f.get(k, 0) + v if k.startswith("io/") else v for k, v in update.items()})
     bounds = {k: f.pop(k) for k in ("store/peak_bytes",) if k in f}
     f["mem/peak_bytes"] = peak_bytes(f)
     params = sum(s.numel for u in spec.units for s in u.slots)

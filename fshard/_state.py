@@ -221,11 +221,11 @@ class TrainState:
     def nbytes(self) -> dict[str, int]:
         """Bytes this rank holds in memory, by part (``copies``: the low-precision parameter copies; gradient shards
         exist only inside a step, and are counted too), and ``stored``: the bytes of leaves that live in a store
-        (fs.offload_state)."""
+        (fs.offload_state: moments, and parameter shards with params=True)."""
         leaves = lambda t: optree.tree_leaves(t, namespace=NAMESPACE)  # noqa: E731
         grads = sum(self.params[u.name].nbytes for u in self.spec.units if u.trainable)  # one reduced shard each
-        opt = leaves(self.opt_state)
-        return {"params": sum(t.nbytes for t in leaves(self.params)),
+        opt = leaves(self.opt_state) + [p for p in self.params.values() if not isinstance(p, torch.Tensor)]
+        return {"params": sum(t.nbytes for t in leaves(self.params) if isinstance(t, torch.Tensor)),
                 "copies": sum(t.nbytes for t in leaves(self.copies)),
                 "grads": grads,
                 "opt_state": sum(t.nbytes for t in opt if isinstance(t, torch.Tensor)),
@@ -242,7 +242,8 @@ class TrainState:
         for u in self.spec.units:
             opt = optree.tree_leaves(self.opt_state.get(u.name), namespace=NAMESPACE)
             copy = self.copies.get(u.name)
-            per_rank = self.params[u.name].nbytes + sum(t.nbytes for t in opt) + (0 if copy is None else copy.nbytes)
+            per_rank = sum(t.nbytes for t in opt + [self.params[u.name]] if isinstance(t, torch.Tensor)) + (
+                0 if copy is None else copy.nbytes)
             rows.append(f"  {u.name:<24}{len(u.slots):>7}{u.used_numel:>12,}{u.numel:>12,}{u.shard_numel:>11,}"
                         f"{dt(u.dtype):>10}{dt(self.compute_dtype(u.name)):>10}{per_rank:>12,}")
         nb = self.nbytes()
@@ -250,6 +251,7 @@ class TrainState:
         rows.append(f"  per rank: params {nb['params']:,} B{copies}, opt_state {nb['opt_state']:,} B, "
                     f"grads (in step) {nb['grads']:,} B, buffers {nb['buffers']:,} B ({len(self.buffers)} replicated)"
                     + (f", in a store {nb['stored']:,} B" if nb["stored"] else ""))
+        rows += [f"  {n}: {p!r}" for n, p in self.params.items() if not isinstance(p, torch.Tensor)]
         for name, s in self.opt_state.items():  # leaves that live in a store: key, bytes, location
             stored = [(f, getattr(s, f)) for f in getattr(s, "__dataclass_fields__", {})
                       if not isinstance(getattr(s, f), torch.Tensor)]

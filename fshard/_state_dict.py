@@ -24,6 +24,7 @@ from ._collectives import Comm
 from ._errors import ArgumentError
 from ._layout import views
 from ._state import TrainState
+from ._stored import resident
 
 
 def full_state_dict(state: TrainState, *, rank0_only: bool = False) -> dict[str, Any]:
@@ -78,9 +79,9 @@ def _gather(state: TrainState, rank0_only: bool) -> dict[str, torch.Tensor]:
     for u in spec.units:
         flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None
         if rank0_only:
-            comm.gather_to_first(flat, state.params[u.name], u.name)
+            comm.gather_to_first(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
         else:
-            comm.all_gather(flat, state.params[u.name], u.name)
+            comm.all_gather(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
         if receives:
             out.update((n, v.clone()) for n, v in views(flat, u).items())
         del flat

@@ -35,6 +35,7 @@ from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
 from ._recompute import with_buffers
 from ._state import TrainState
+from ._stored import StoredParam
 from ._transforms import fold
 from ._unit import StepRun
 
@@ -174,7 +175,8 @@ class Step:
         losses = []
         with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
             for i, mb in enumerate(micro):
-                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1))
+                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
+                                    donate=self.donate))
                 mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                 losses.append(mb_loss)
                 accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
@@ -201,8 +203,10 @@ class Step:
         comm.span("update", "skipped" if grads.skip else "update", t3, t4)
         m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
                           t0, t1, t2, t3, t4)
+        loaded = sum(r._loaded_bytes for r in runs)  # parameter shards gathers read from a store
         return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
-                     **{k: m.get(k, 0) for k in ("io/read_bytes", "io/write_bytes")}}  # 0 without a store
+                     "io/read_bytes": m.get("io/read_bytes", 0) + loaded, "io/param_read_bytes": loaded,
+                     "io/write_bytes": m.get("io/write_bytes", 0)}  # 0 without a store
 
     def eval(self, state: TrainState, batch) -> tuple[float, dict]:
         """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
@@ -352,11 +356,12 @@ def _meta_reads(what: str):
 def _copies(state: TrainState, gather):
     """The parameter copies a step with this gather policy keeps: ``state.copies`` itself when it holds exactly
     those; else each unit's shard cast once to ``param_dtype`` (round to nearest, as a gather would cast it), or
-    none when the policy gathers without copies."""
+    none when the policy gathers without copies. A shard in a store (offload_state(params=True)) has no copy: each
+    gather reads it and casts it."""
     dtype = gather.param_dtype if gather.param_copies else None
     if dtype is None:
         return state.copies if not state.copies else {}
-    want = {u.name for u in state.spec.units if u.dtype != dtype}
+    want = {u.name for u in state.spec.units if u.dtype != dtype and not isinstance(state.params[u.name], StoredParam)}
     if set(state.copies) == want and all(c.dtype == dtype for c in state.copies.values()):
         return state.copies
     return {n: state.params[n].detach().to(dtype) for n in sorted(want)}

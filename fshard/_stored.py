@@ -1,5 +1,6 @@
-"""The state leaf of offload_state: ``Stored``, one row of a unit's moment chunks held in a store; and what a store
-needs on disk (``_disk_need``, for the message of a full disk).
+"""The state leaves of offload_state: ``Stored``, one row of a unit's moment chunks held in a store; ``StoredParam``, a
+unit's parameter shard held in a store (``offload_state(params=True)``); and what a store needs on disk
+(``_disk_need``, for the message of a full disk).
 
 It is data like any other leaf: ``print(state)`` shows its key, bytes and location, and ``load()`` reads it back.
 ``_Items`` ties the chunk keys of one version to the leaves that refer to them: once no state refers to them any
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._optim import AdamWState
+from .store._protocol import locked
 
 _ROWS = ("exp_avg", "exp_avg_sq")
 
@@ -23,8 +25,8 @@ class _Items:
     collected, their keys go to ``store.delete_later``: the store deletes them at its next operation (the finalizer
     may run in any thread, in the middle of another store operation)."""
 
-    def __init__(self, store, key: str, chunks):
-        self.store, self.key, self.chunks = store, key, tuple(chunks)
+    def __init__(self, store, key: str, chunks, rows: tuple = _ROWS):
+        self.store, self.key, self.chunks, self.rows = store, key, tuple(chunks), rows
         weakref.finalize(self, store.delete_later, [(key, i) for i in range(len(self.chunks))])
 
     def item_keys(self):
@@ -65,7 +67,86 @@ class Stored:
         return out
 
     def __repr__(self) -> str:
-        return f"Stored({self.key!r} {_ROWS[self.row]}, {self.nbytes:,} B, {self.location})"
+        return f"Stored({self.key!r} {self.items.rows[self.row]}, {self.nbytes:,} B, {self.location})"
+
+
+@dataclass(frozen=True, eq=False)
+class StoredParam:
+    """A state leaf in ``state.params``: a unit's parameter shard (its master weights) held in a store. ``head``:
+    items ``(key, i)`` of shape ``(1, n)`` over the shard's optimizer range ``[0, opt_numel)``, chunked as its
+    moments are (item i holds the parameters of moment item i), so the update streams both side by side and writes
+    a new version of the head each step. ``tail``: items over the rest of the shard (frozen parameters and padding),
+    never written, shared by every version. Either is None when empty."""
+
+    head: _Items | None = field(repr=False)
+    tail: _Items | None = field(repr=False)
+    numel: int
+    opt_numel: int
+    dtype: torch.dtype
+    location: str
+
+    @property
+    def key(self) -> str:
+        return (self.head or self.tail).key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel,)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # where load() puts it
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    is_meta = False  # (TrainState.abstract asks every parameter leaf)
+
+    def load(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The shard, read back from the store into ``out`` (a new CPU tensor by default). The caller holds the
+        store's lock where another thread may use the store (``locked(store)``)."""
+        out = torch.empty(self.numel, dtype=self.dtype) if out is None else out
+        for part, base in ((self.head, 0), (self.tail, self.opt_numel)):
+            if part is not None:
+                handles = [(lo, hi, part.store.get(k)) for (lo, hi), k in zip(part.chunks, part.item_keys())]
+                for lo, hi, h in handles:
+                    out[base + lo:base + hi].copy_(h.wait()[0])
+        return out
+
+    def renewed(self, head: _Items | None) -> "StoredParam":
+        """The same shard with a new version of its head (the tail is shared)."""
+        return StoredParam(head, self.tail, self.numel, self.opt_numel, self.dtype, self.location)
+
+    def __repr__(self) -> str:
+        return f"StoredParam({self.key!r}, {self.nbytes:,} B, {self.location})"
+
+
+def put_param(store, key: str, p: torch.Tensor, opt_numel: int, chunk: int, created: list) -> StoredParam:
+    """The parameter shard ``p`` written to ``store`` (the caller holds its lock): its head ``[0, opt_numel)`` as
+    items ``(key, i)`` chunked as the moments, its tail as items ``(key + "/tail", i)``; keys noted in ``created``."""
+    p = p.detach().to("cpu")
+    parts = []
+    for k, (lo, hi) in ((key, (0, opt_numel)), (key + "/tail", (opt_numel, p.numel()))):
+        if hi <= lo:
+            parts.append(None)
+            continue
+        chunks, handles = _chunks(hi - lo, chunk), []
+        for i, (a, b) in enumerate(chunks):
+            handles.append(store.put((k, i), p[lo + a:lo + b].reshape(1, -1)))
+            created.append((k, i))
+        for h in handles:
+            h.wait()
+        parts.append(_Items(store, k, chunks, rows=("param",)))
+    return StoredParam(parts[0], parts[1], p.numel(), opt_numel, p.dtype, _location(store))
+
+
+def resident(t):
+    """A parameter leaf as a tensor: a ``StoredParam`` read back (under its store's lock), a tensor as it is."""
+    if not isinstance(t, StoredParam):
+        return t
+    with locked((t.head or t.tail).store):
+        return t.load()
 
 
 def _location(store) -> str:

@@ -95,6 +95,7 @@ class IdentityGrads(GradsPolicy):
     """Reduced gradient shards go to the update as they are."""
 
     changes_grads = False
+    reads_grads = False
 
 
 class DeviceUpdate(UpdatePolicy):
@@ -106,10 +107,11 @@ class DeviceUpdate(UpdatePolicy):
         copies = dict(state.copies)
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
-                if not isinstance(opt_state[u.name].exp_avg, torch.Tensor):
+                if not isinstance(opt_state[u.name].exp_avg, torch.Tensor) or not isinstance(params[u.name],
+                                                                                             torch.Tensor):
                     raise ArgumentTypeError(
-                        f"unit {u.name!r} has its optimizer state in a store (fs.offload_state); compose this step "
-                        "with the same fs.offload_state(store) to update it.")
+                        f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
+                        "compose this step with the same fs.offload_state(store, ...) to update it.")
                 params[u.name], opt_state[u.name], copy = step.spec.optimizer.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
                     donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name))
@@ -136,7 +138,8 @@ class OneBatch(BatchesPolicy):
 @dataclass(frozen=True)
 class Policy:
     """A composed step's five policies, and what ``fold`` derived from them: ``grads_unchanged`` is True when
-    every policy of the grads chain declares ``changes_grads = False``; ``loss_scaler`` is the one policy of the
+    every policy of the grads chain declares ``changes_grads = False``, ``grads_unread`` when moreover none declares
+    ``reads_grads``; ``loss_scaler`` is the one policy of the
     grads chain that declares ``scales_loss`` (None: the loss is not scaled)."""
 
     gather: GatherPolicy
@@ -146,6 +149,7 @@ class Policy:
     batches: BatchesPolicy
     grads_unchanged: bool
     loss_scaler: GradsPolicy | None = None
+    grads_unread: bool = True
 
     def loss_scale(self, state: TrainState) -> float:
         """The factor backward multiplies the loss by in a step on ``state`` (1.0 without a loss scaler)."""
@@ -161,7 +165,7 @@ def fold(transforms) -> Policy:
     policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "grads": IdentityGrads(),
                 "update": DeviceUpdate(), "batches": OneBatch()}
     changed: dict[str, list[tuple[Transform, str]]] = {s: [] for s in STAGES}  # stage -> [(transform, how)]
-    unchanged, scaler = True, None
+    unchanged, unread, scaler = True, True, None
     for t in transforms:
         if not isinstance(t, Transform):
             raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
@@ -185,13 +189,15 @@ def fold(transforms) -> Policy:
             changed[stage].append((t, how))
             if stage == "grads":
                 unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
+                unread = unread and not getattr(new, "reads_grads", True)
                 if new.scales_loss and scaler is not None:
                     raise TransformConflictError(
                         f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
                         "scales it once; pass one of them.")
                 scaler = (t, new) if new.scales_loss else scaler
             policies[stage] = new
-    return Policy(**policies, grads_unchanged=unchanged, loss_scaler=scaler and scaler[1])
+    return Policy(**policies, grads_unchanged=unchanged, loss_scaler=scaler and scaler[1],
+                  grads_unread=unchanged and unread)
 
 
 def _check_conflict(t: Transform, stage: str, how: str, before: list[tuple[Transform, str]]) -> None:

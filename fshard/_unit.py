@@ -25,6 +25,7 @@ from ._layout import UnitLayout, views
 from ._recompute import attach, detach, produced, through
 from ._route import _ACTIVE, _UnitForward
 from ._routed import finish_groups
+from ._stored import StoredParam, resident
 
 class _Gather(torch.autograd.Function):
     """shard -> full flat buffer, as autograd sees it. The data is gathered by ``UnitRun.launch`` into the unit's
@@ -65,9 +66,15 @@ class _Saved:
 class UnitRun(UnitView):
     """One unit during one micro-batch: the ``UnitView`` that policies see, and the gather/bind/free mechanics."""
 
-    def __init__(self, run: "StepRun", layout: UnitLayout, shard: torch.Tensor, copy: torch.Tensor | None = None):
+    def __init__(self, run: "StepRun", layout: UnitLayout, shard, copy: torch.Tensor | None = None):
         self._run, self.layout, self.name = run, layout, layout.name
         self.trainable = bool(layout.trainable)
+        # A shard in a store (offload_state(params=True)) is read at each gather and dropped once gathered; autograd's
+        # leaf is then a tensor of the shard's shape without storage (it is never read: gradients end in the unit).
+        self._stored = shard if isinstance(shard, StoredParam) else None
+        if self._stored is not None:
+            shard = torch.empty(layout.shard_numel, dtype=layout.dtype, device=run.spec.mesh.device)
+            shard.untyped_storage().resize_(0)
         self.shard = shard.detach().requires_grad_(self.trainable and run.training)  # an eval pass: no graph
         self._copy = copy  # the state's low-precision copy of the shard (TrainState.copies), gathered in its place
         self.alive = False
@@ -107,7 +114,15 @@ class UnitRun(UnitView):
                 self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
                 self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
-            shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
+            if self._stored is not None:  # read now, freed once the gather has copied it
+                t0 = time.perf_counter()
+                shard = (resident(self._stored).to(self.shard.device) if not comm.dry else  # (step.plan: counted)
+                         torch.empty(self._stored.numel, dtype=self._stored.dtype, device="meta"))
+                self._run._loaded_bytes += self._stored.nbytes
+                if comm.spans is not None:
+                    comm.span("store", f"read {self.name}", t0, time.perf_counter())
+            else:
+                shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
             if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
                 t0 = time.perf_counter()
                 shard = shard.to(dtype)
@@ -191,10 +206,11 @@ class StepRun(StepView):
     """One micro-batch of a step: the ``StepView`` that policies see, the routing target of unit calls, the
     saved-tensor hooks, and the gathered-bytes counter."""
 
-    def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True):
-        self.spec, self.state, self.last, self.training = state.spec, state, last, training
+    def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
+                 donate: bool = False):
+        self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
         self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
-        self.grads_unchanged = policy.grads_unchanged
+        self.grads_unchanged, self.grads_unread = policy.grads_unchanged, policy.grads_unread
         self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
@@ -208,6 +224,7 @@ class StepRun(StepView):
         self._live: dict[int, UnitRun] = {}
         self._live_bytes = self._peak_bytes = 0
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
+        self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
         self._phase_peak = {"forward": 0, "backward": 0}
         self._group_calls: list = []  # calls of routed containers in this micro-batch's forward
 

@@ -229,7 +229,7 @@ def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monk
     keep = _offload._Early.abandon
     monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
     begun, init = [], _offload._Early.__init__
-    monkeypatch.setattr(_offload._Early, "__init__", lambda w, *a: (init(w, *a), begun.append(w))[0])
+    monkeypatch.setattr(_offload._Early, "__init__", lambda w, *a, **k: (init(w, *a, **k), begun.append(w))[0])
     model, loss_fn, batches, fail = _failing_model(begun)
     bs = list(batches(0, 1))
     with fs.NVMeStore(str(tmp_path)) as store:

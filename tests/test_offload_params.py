@@ -1,0 +1,152 @@
+"""fs.offload_state(store, params=True): the master parameter shards live in the store beside the moments, are read
+for each gather and streamed through the update; training is bitwise the same as without offload (world sizes 1
+and 2, CPUStore and NVMeStore, with gather_ahead, bucket_reduce and mixed precision, tied/frozen/unused/0-dim/prime
+parameters), a step stays pure, and fs.init(offload=) never holds the model's parameters in memory."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+STEPS = 4
+
+
+def _gpt():
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layers=3)
+    return GPT(cfg), loss_fn, lambda r, n: synthetic_batches(cfg, 2, STEPS, seed=4, rank=r, world_size=n)
+
+
+def _awkward():
+    from models import Awkward, awkward_batches, awkward_loss
+    torch.manual_seed(0)
+    return Awkward(), awkward_loss, lambda r, n: awkward_batches(2, STEPS, rank=r, world_size=n)
+
+
+def _bytes(state):
+    """Full parameters and every moment, as bytes (stored leaves read back)."""
+    import fshard as fs
+    out = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
+    for name, s in state.opt_state.items():
+        for f in ("exp_avg", "exp_avg_sq"):
+            v = getattr(s, f)
+            out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.Stored) else v).numpy().tobytes()
+    return out
+
+
+def _train(directory, model_name, extras, donate=False, at_init=False):
+    """Per store kind: losses, the final state as bytes, how many units hold their parameters in the store, and the
+    last step's metrics."""
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    model, loss_fn, batches = {"gpt": _gpt, "awkward": _awkward}[model_name]()
+    extra = {"plain": (), "transforms": (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.02)),
+             "bf16": (fs.gather_ahead(2), fs.mixed_precision(torch.bfloat16)),
+             "bf16copies": (fs.mixed_precision(torch.bfloat16, param_copies=True),)}[extras]
+    out = {}
+    for kind in ("none", "cpu", "nvme"):
+        store = {"none": lambda: None, "cpu": lambda: fs.CPUStore(),
+                 "nvme": lambda: fs.NVMeStore(f"{directory}/r{mesh.rank}")}[kind]()
+        off = None if store is None else fs.offload_state(store, chunk_mb=0.001, params=True)
+        state = fs.init(model, mesh, fs.adamw(lr=3e-3, weight_decay=0.1), offload=off if at_init else None)
+        if at_init and off is not None:
+            assert all(isinstance(p, fs.StoredParam) for n, p in state.params.items() if n in state.opt_state)
+        step = fs.compose(loss_fn, *extra, *(() if off is None else (off,)), donate=donate)
+        losses = []
+        for b in batches(mesh.rank, mesh.world_size):
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        n_stored = (sum(isinstance(p, fs.StoredParam) for p in state.params.values()), len(state.opt_state))
+        out[kind] = (losses, _bytes(state), n_stored, {k: v for k, v in m.items() if k.startswith(("io/", "upd"))})
+        step.close()
+        del state, step
+        gc.collect()
+        if store is not None:
+            store.close()
+    return out
+
+
+def _check(ranks):
+    for r, res in enumerate(ranks):
+        ref = res["none"]
+        assert ref[2][0] == 0
+        for kind in ("cpu", "nvme"):
+            losses, state, n_stored, io = res[kind]
+            assert losses == ref[0], f"rank {r} {kind}: losses differ"
+            bad = [k for k in ref[1] if state[k] != ref[1][k]]
+            assert not bad, f"rank {r} {kind}: {bad[:5]} differ"
+            assert n_stored[0] == n_stored[1] > 1, f"rank {r} {kind}: {n_stored} units hold parameters in the store"
+            assert io["io/read_bytes"] > 0 and io["io/write_bytes"] > 0
+
+
+@pytest.mark.parametrize("world_size,model,extras", [
+    (1, "gpt", "plain"), (2, "gpt", "plain"), (2, "gpt", "transforms"), (2, "gpt", "bf16"),
+    (1, "awkward", "bf16copies"), (2, "awkward", "transforms")])
+def test_parameter_offload_trains_bitwise_the_same(tmp_path, world_size, model, extras):
+    args = (str(tmp_path), model, extras)
+    ranks = run_ranks(_train, world_size, *args) if world_size > 1 else [_train(*args)]
+    _check(ranks)
+
+
+def test_donated_parameter_offload_and_placement_at_init_train_bitwise_the_same(tmp_path):
+    _check([_train(str(tmp_path / "a"), "awkward", "plain", donate=True)])
+    _check([_train(str(tmp_path / "b"), "gpt", "plain", at_init=True)])
+
+
+def test_a_step_is_pure_and_versions_are_freed_and_the_state_shows_where_they_are(tmp_path):
+    import fshard as fs
+    import fshard.testing as ft
+    model, loss_fn, batches = _awkward()
+    bs = list(batches(0, 1))
+    with fs.NVMeStore(str(tmp_path)) as store:
+        off = fs.offload_state(store, chunk_mb=0.001, params=True)
+        s0 = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-2), offload=off)
+        with fs.compose(loss_fn, off) as step:
+            s1, _ = step(s0, bs[0])
+            snap = {n: p.load().numpy().tobytes() for n, p in s1.params.items()}
+            a, _ = step(s1, bs[1])
+            b, _ = step(s1, bs[1])  # the same step from the same state: the same result, and s1 is intact
+            assert _bytes(a) == _bytes(b)
+            assert {n: p.load().numpy().tobytes() for n, p in s1.params.items()} == snap
+            assert _bytes(a) != _bytes(s1)
+            ft.check_same_structure(s1, a)
+            text = repr(a)
+            assert "StoredParam(" in text and "nvme:" in text and "in a store" in text
+            nb = a.nbytes()
+            assert nb["params"] == 0 and nb["stored"] >= sum(p.nbytes for p in a.params.values())
+            live = len(store.keys())
+            del s0, s1, a, snap
+            gc.collect()
+            for x in bs[2:]:
+                b, m = step(b, x)
+            assert len(store.keys()) <= live  # versions no state refers to are deleted
+            assert m["io/param_read_bytes"] > 0 and m["io/read_bytes"] > m["io/param_read_bytes"]
+            plan = step.plan(b, bs[0])  # the plan counts the gathers' reads and the update's traffic
+            assert plan["io/read_bytes"] == m["io/read_bytes"] and plan["io/write_bytes"] == m["io/write_bytes"]
+
+
+def test_a_checkpoint_of_stored_parameters_resumes_bitwise(tmp_path):
+    import fshard as fs
+    model, loss_fn, batches = _awkward()
+    bs = list(batches(0, 1))
+    with fs.NVMeStore(str(tmp_path / "store")) as store:
+        off = fs.offload_state(store, chunk_mb=0.001, params=True)
+        step = fs.compose(loss_fn, fs.mixed_precision(torch.bfloat16), off)
+        s, _ = step(fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-2), offload=off), bs[0])
+        s, _ = step(s, bs[1])
+        assert all(isinstance(p, fs.StoredParam) for n, p in s.params.items() if n in s.opt_state)
+        fs.save(tmp_path / "ckpt", s)
+        ref = s
+        for x in bs[2:]:
+            ref, _ = step(ref, x)
+        loaded = fs.load(tmp_path / "ckpt", like=s, offload=off)
+        assert {n: p.numpy().tobytes() for n, p in fs.full_params(loaded).items()} == \
+            {n: p.numpy().tobytes() for n, p in fs.full_params(s).items()}
+        for x in bs[2:]:
+            loaded, _ = step(loaded, x)
+        assert _bytes(loaded) == _bytes(ref)
+        step.close()
