@@ -2,8 +2,8 @@
 
 Each trial is a fresh `torchrun --nproc-per-node 2` of this file with `--trial SYSTEM --layers L`: a GPT of L
 layers (dim 2048, 16 heads, vocab 8192, seq 64; 50.3M parameters a layer, 1B at 20 layers), batch 1 per rank,
-3 AdamW steps on one batch. The parent watches the memory of the whole process tree (the sum of every process's RSS, every
-20 ms) and kills the trial once it passes the budget (``--budget-gib``, default the machine's MemAvailable at
+3 AdamW steps on one batch. The parent watches the memory of the whole process tree (the sum of every process's
+RSS, every 20 ms) and kills the trial once it passes the budget (``--budget-gib``, default the machine's MemAvailable at
 start less 1.5 GiB): a trial fits when it finishes its 3 steps under the budget. ``--bisect SYSTEM`` searches the
 largest L that fits (doubling, then bisection); each trial's outcome, s/step, peak RSS per rank, the tree's peak,
 disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a table.
@@ -46,6 +46,7 @@ GIB = 1 << 30
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
 LR = [3e-4]  # --lr (the trials of 2026-11 before fshard-params ran at 3e-4)
 SYSTEMS = ["ddp", "fsdp2", "fshard", "fshard-params"]
+BOUND = {"ddp": "RAM", "fsdp2": "RAM", "fshard": "RAM", "fshard-params": "disk space; time: disk bandwidth"}
 
 
 # ---- the parent: trials under a memory watchdog, and the search --------------------------------------------------
@@ -84,8 +85,9 @@ def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: 
     out = Path(workdir) / f"trial-{system}-{layers}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + (os.getpid() + layers) % 1000), __file__, "--trial", system, "--layers", str(layers),
-           "--result", str(out), "--workdir", workdir, "--lr", str(LR[0])]
-    t0, peak, why = time.monotonic(), 0, None
+           "--result", str(out), "--workdir", workdir, "--lr", str(LR[0]), "--rank-budget",
+           str(int((budget - 2 * tree_rss(os.getpid())) / 2))]  # (the launcher is about this process's size)
+    t0, peak, why, free = time.monotonic(), 0, None, shutil.disk_usage(workdir).free
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     while proc.poll() is None:
         peak = max(peak, tree_rss(proc.pid))
@@ -99,7 +101,10 @@ def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: 
         time.sleep(0.02)
     log = proc.communicate()[0]
     res = json.loads(out.read_text()) if out.exists() and why is None and proc.returncode == 0 else {}
+    if "refused" in res:  # step.plan said it cannot fit: the trial stopped before its first step
+        why, res = f"refused by step.plan: {res['refused']}", {}
     res.update(system=system, layers=layers, params=params_of(layers), tree_peak_gib=peak / GIB,
+               disk_free_gib=free / GIB,
                budget_gib=budget / GIB,
                wall_s=time.monotonic() - t0, fits=bool(res) and why is None,
                why=why or (None if res else f"exit {proc.returncode}: {log.strip().splitlines()[-1:]}"))
@@ -191,34 +196,50 @@ def trial(args) -> None:
         extra["init_s"] = time.perf_counter() - t_init
         fstep = fs.compose(loss_fn, *ts, donate=True)
         holder = [state]
-        # step.plan's prediction of this rank's peak RSS: the RSS now (the process and the state), less the state's
-        # bytes in memory, plus the plan's peak of fshard-owned memory (the state, with its bf16 copies, and what the
-        # step adds); activations are left out (batch 1 x 64 tokens: a few MiB)
-        nb = state.nbytes()
-        plan = fstep.plan(state, batches[0])
+        # step.plan's prediction of this rank's peak RSS (plan.predicted_rss: the RSS now less what the state and
+        # the store's buffers hold, plus the plan's peak of fshard-owned memory and the store's stream buffers;
+        # activations are left out: batch 1 x 64 tokens, a few MiB), checked against this rank's share of the budget
+        try:
+            plan = fstep.plan(state, batches[0], max_memory=args.rank_budget)
+        except fs.MemoryBudgetError as e:
+            if rank == 0:
+                Path(args.result).write_text(json.dumps({"refused": str(e)}))
+            dist.barrier()
+            fstep.close()
+            store.close()
+            return
         extra["plan_peak_gib"] = plan["mem/peak_bytes"] / GIB
-        extra["predicted_rss_gib"] = (rss() - nb["params"] - nb["copies"] - nb["opt_state"] - nb["buffers"]
-                                      + plan["mem/peak_bytes"]) / GIB
+        extra["predicted_rss_gib"] = plan.predicted_rss / GIB
+        extra["plan"] = {k: v for k, v in {**plan.figures, **plan.bounds}.items() if k.startswith(("mem/", "store/"))}
+        extra["plan"]["baseline_rss"] = plan.baseline_rss
 
         def step(batch):
             holder[0], m = fstep(holder[0], batch)
+            extra["measured"] = {k: v for k, v in m.items() if k.startswith(("mem/", "store/"))}
             extra.setdefault("io_gb", 0.0)
             extra["io_gb"] += (m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0)) / 1e9
             return m["loss"]
     losses, times = [], []
+    init_peak = hwm()  # fs.init's peak (one unit at a time), then the steps' own from here on
+    reset_hwm()
     for b in batches:
         t = time.perf_counter()
         losses.append(step(b))
         times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peaks = [None] * n
+    peaks, steps_peaks, init_peaks = [None] * n, [None] * n, [None] * n
     dist.all_gather_object(peaks, peak)
+    dist.all_gather_object(steps_peaks, hwm())
+    dist.all_gather_object(init_peaks, init_peak)
     disk = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file()) if store_dir else 0
     disks = [None] * n
     dist.all_gather_object(disks, disk)
     if rank == 0:
         Path(args.result).write_text(json.dumps(dict(
-            losses=losses, lr=args.lr, s_per_step=sorted(times)[1], step_s=times, rank_peak_gib=[round(p / GIB, 2) for p in peaks],
+            losses=losses, lr=args.lr, s_per_step=sorted(times)[1], step_s=times,
+            rank_peak_gib=[round(p / GIB, 2) for p in peaks],
+            rank_steps_peak_gib=[round(p / GIB, 3) for p in steps_peaks],
+            rank_init_peak_gib=[round(p / GIB, 3) for p in init_peaks],
             disk_gib=sum(disks) / GIB, io_gbps=extra.get("io_gb", 0.0) / max(sum(times), 1e-9), **extra)))
         # (extra is rank 0's: its plan and its prediction, against rank_peak_gib[0])
     dist.barrier()
@@ -226,6 +247,19 @@ def trial(args) -> None:
         fstep.close()
         store.close()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def hwm() -> int:
+    """This process's peak RSS since start or since the last ``reset_hwm``."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def rss() -> int:
@@ -257,21 +291,28 @@ def plot(jsonl: str, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(jsonl) if line.strip()]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.4))
     for system in sorted({r["system"] for r in rows}):
         ok = sorted((r["params"] / 1e9, r) for r in rows if r["system"] == system and r["fits"])
         bad = [(r["params"] / 1e9, r["tree_peak_gib"]) for r in rows if r["system"] == system and not r["fits"]]
+        label = f"{system} (bound: {BOUND[system]})"
         if ok:
-            a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], "o-", label=system)
-            line = b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], "o-", label=system)[0]
+            a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], "o-", label=label)
+            line = b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], "o-", label=label)[0]
+            c.plot([x for x, _ in ok], [r.get("disk_gib", 0) for _, r in ok], "o-", label=system,
+                   color=line.get_color())
             if bad:
                 b.plot(*zip(*bad), "x", color=line.get_color(), label=f"{system}: stopped over the budget")
     budget = max((r.get("budget_gib", 0) for r in rows), default=0)
     if budget:
         b.axhline(budget, color="gray", ls="--", lw=1, label=f"budget {budget:.1f} GiB")
+    free = max((r.get("disk_free_gib", 0) for r in rows), default=0)
+    if free:
+        c.axhline(free, color="gray", ls="--", lw=1, label=f"free disk {free:.0f} GiB")
     a.set(xlabel="parameters (B)", ylabel="s / step (median of 3)", title="time, world size 2, batch 1")
     b.set(xlabel="parameters (B)", ylabel="peak RSS of both ranks (GiB)", title="memory")
-    for ax in (a, b):
+    c.set(xlabel="parameters (B)", ylabel="store on disk, both ranks (GiB)", title="disk")
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -283,6 +324,7 @@ def main() -> int:
     ap.add_argument("--bisect", choices=SYSTEMS)
     ap.add_argument("--trial", choices=SYSTEMS)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--rank-budget", type=int, default=None, help="(a trial's) step.plan(..., max_memory=)")
     ap.add_argument("--layers", type=int, default=None, help="one trial of this many layers (with --bisect: none)")
     ap.add_argument("--start", type=int, default=4, help="the search's first trial, in layers")
     ap.add_argument("--budget-gib", type=float, default=None)

@@ -31,6 +31,9 @@ if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < _TOR
                             f"{_torch.__version__}. Upgrade torch (pip install 'torch>=2.11'), or use the bootstrap's "
                             "torch==2.13.0.")
 
+from ._malloc import set_mmap_threshold as _set_mmap_threshold
+MMAP_THRESHOLD = _set_mmap_threshold()  # freed blocks >= this go back to the OS (fshard/_malloc.py); None: unset
+
 from ._accumulate import accumulate
 from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
                     UnitView, UpdatePolicy)
@@ -39,8 +42,9 @@ from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
 from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
                       CollectiveError, ConcurrentStepError, DonatedStateError, FrozenStateError, FshardError, InitError,
-                      LossError, MeshMismatchError, PolicyError, RankDivergenceError, RankFailedError, RecomputeError,
-                      SaveInProgressError, ScheduleError, StepClosedError, TemplateCallError, TransformConflictError,
+                      LossError, MemoryBudgetError, MeshMismatchError, PolicyError, RankDivergenceError,
+                      RankFailedError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
+                      TemplateCallError, TransformConflictError,
                       UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
@@ -85,9 +89,9 @@ __all__ = [
     # errors: every one an FshardError
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
     "CollectiveError", "ConcurrentStepError", "DonatedStateError", "FrozenStateError", "InitError", "LossError",
-    "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError", "RecomputeError",
-    "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError", "TorchVersionError",
-    "TransformConflictError", "UnboundParameterError",
+    "MemoryBudgetError", "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError",
+    "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
+    "TorchVersionError", "TransformConflictError", "UnboundParameterError",
 ]
 
 

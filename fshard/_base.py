@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 # --- what policies receive --------------------------------------------------------------------------------------
 
-
 class InFlight(Protocol):
     """A collective that was issued asynchronously."""
 
@@ -76,7 +75,7 @@ class UnitView(Protocol):
       name: the unit's name (``layout.name``).
       layout: its ``fs.UnitLayout`` (slots, sizes, dtype, this rank's ranges).
       trainable: whether it has trainable parameters.
-      shard: this rank's parameter shard (read it; never write it).
+      shard: this rank's parameter shard (read it; never write it); without storage when it lives in a store.
       grad: this rank's reduced gradient shard, once the reduce policy handed it over (``StepView.grad_ready``);
         None before.
       alive: whether its gathered buffer holds memory (gathered or being gathered).
@@ -118,13 +117,11 @@ class StepView(Protocol):
       last: whether this is the step's last micro-batch (the one whose backward reduces).
       grads_unchanged: whether the composed grads stage hands the reduced shards to the update unchanged (no
         global clip, no skip), so an update may begin before the grads stage has run.
-      grads_unread: whether, moreover, no policy of the grads stage reads the shards' values (the default stage),
-        so an update begun during backward may free a shard once it has consumed it.
+      grads_unread: moreover, no grads policy reads the shards (``reads_grads``): an early update may free them.
       training: False in an eval pass (``step.eval``): forward only, under ``torch.no_grad``; no backward, no
         reduction, no update. A gather policy then frees what it would keep for backward.
-      donate: whether the step updates its input state in place (``compose(..., donate=True)``). An update begun
-        during backward may then write in place too, once it has marked the input donated
-        (``step.state.donation.take``), so that a step failing afterwards leaves an input that refuses use.
+      donate: the step updates its input in place (``compose(..., donate=True)``); an update begun during
+        backward may too, after ``step.state.donation.take(step)`` (a failing step's input then refuses use).
     """
 
     spec: ShardSpec
@@ -149,15 +146,10 @@ class StepView(Protocol):
         returns; in the last micro-batch it also offers the unit to the update policy's ``overlap``."""
 
     def record(self, lane: str, label: str, t0: float, t1: float) -> None:
-        """Add a span to this step's timeline when one is being recorded (``fs.compose(..., timeline=True)``); a
-        no-op otherwise. Policies that do timed work of their own (store I/O, an update in a worker thread) call
-        it; it may be called from any thread until the step returns.
-
-        Args:
-          lane: the kind of work, e.g. "store" or "update" (one lane per kind in ``fs.timeline``'s picture).
-          label: what ran, e.g. "write blocks.0".
-          t0, t1: its start and end, in ``time.perf_counter()`` seconds.
-        """
+        """Add a span (``lane``: the kind of work, e.g. "store"; ``label``: what ran, e.g. "write blocks.0"; ``t0``,
+        ``t1``: ``time.perf_counter()`` seconds) to this step's timeline when one is recorded (``fs.compose(...,
+        timeline=True)``), else a no-op. For policies' own timed work (store I/O, a worker's update); any thread
+        may call it until the step returns."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +214,6 @@ class Grads:
 
 
 # --- the stage protocols ----------------------------------------------------------------------------------------
-
 
 class GatherPolicy(Protocol):
     """When each unit's flat buffer is gathered and freed, in forward and in backward.
@@ -319,8 +310,7 @@ class GradsPolicy(Protocol):
         updates may then begin during backward (``StepView.grads_unchanged``).
       scales_loss: whether this policy (not the ones it wraps) scales the loss before backward (``loss_scale``);
         at most one policy of a step's chain does.
-      reads_grads: whether this policy reads the shards' values at all. When none of the chain does, an update
-        begun during backward may free a shard as soon as it has consumed it (``StepView.grads_unread``).
+      reads_grads: whether this policy reads the shards at all (``StepView.grads_unread`` when none does).
     """
 
     changes_grads: bool = True

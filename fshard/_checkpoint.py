@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ._ckpt_files import FORMAT, MANIFEST, commit, latest, prepare, verify  # noqa: F401 (latest: fs.latest)
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _SavePlanner, _StreamingReader, slot_boxes
 from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ._offload import choose_units, offload_state
+from ._offload import offload_state
+from ._place import choose_units
 from ._optim import AdamWState
 from ._state import TrainState
 from ._stored import Stored, StoredParam, _chunks, _Items, _location, _stored_state

@@ -158,11 +158,15 @@ class _Early:
         self.created = []
 
 
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (a gradient shard that is a view of a bucket is not)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous()
+
+
 def _free(t: torch.Tensor) -> None:
-    """Free ``t``'s storage if ``t`` is all of it (a gradient shard that is a view of a shared buffer is kept)."""
-    st = t.untyped_storage()
-    if t.storage_offset() == 0 and st.nbytes() == t.nbytes and t.is_contiguous():
-        st.resize_(0)
+    """Free ``t``'s storage if ``t`` is all of it."""
+    if owns_storage(t):
+        t.untyped_storage().resize_(0)
 
 
 def _settle(works) -> None:

@@ -101,5 +101,9 @@ class SaveInProgressError(CheckpointError):
     """A step composed with donate=True was given a state that an unfinished fs.save(..., blocking=False) reads."""
 
 
+class MemoryBudgetError(FshardError, MemoryError):
+    """``step.plan(..., max_memory=)``: the step's predicted peak is over the budget; nothing ran."""
+
+
 class AbstractStateError(FshardError, ValueError):
     """A state from fs.init(..., abstract=True), which has no values, was given where values are needed."""

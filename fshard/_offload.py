@@ -1,25 +1,23 @@
-"""fs.offload_state: keep optimizer moments in a store (CPU memory or NVMe) and stream them through the update.
+"""fs.offload_state: keep optimizer moments (and, with ``params=True``, parameter shards) in a store (CPU memory or
+NVMe) and stream them through the update.
 
 The moments of the chosen units live in ``store`` as chunk items: item ``(key, i)`` holds rows
-``[exp_avg; exp_avg_sq]`` of elements ``chunks[i]`` of the unit's optimizer range. In the state they are leaves
-of type ``Stored``, shown by ``print(state)`` with their key, bytes and location. The update walks every active
-offloaded chunk through the store's stream, so read(i+1) || update(i) || write(i-1) with a bounded number of
-buffers, and runs the same AdamW kernel on the same elements as without offload (bitwise; chunk boundaries are
-multiples of 16 elements, so a kernel's vector lanes see every element in the same position).
+``[exp_avg; exp_avg_sq]`` of elements ``chunks[i]`` of the unit's optimizer range; they are ``Stored`` leaves in
+the state (parameters: ``StoredParam``, fshard/_stored.py). The update streams every active offloaded chunk,
+read(i+1) || update(i) || write(i-1) with a bounded number of buffers, through the same AdamW kernel on the same
+elements as without offload (bitwise: chunk boundaries are multiples of 16 elements, so vector lanes see every
+element in the same position).
 
-Purity: without ``donate``, updated chunks are written under a new version key and the input state's items stay
-readable; an item is deleted once no state refers to it (its ``Stored`` leaves were garbage-collected): the store
-owns that (``store.delete_later``, carried out at its next operation), so it holds whichever step function made
-the item, and also once every step function is gone. With ``donate=True`` chunks are written back under their own
-key (the store keeps the previous version readable until the new one is complete). The first step moves the
-chosen units' moments into the store; if a write fails there (directory full, read-only), the step raises
-``OffloadError`` and the input state is unchanged and usable (unless it was donated).
+Purity: without ``donate``, updated chunks go under a new version key and the input state's items stay readable;
+an item is deleted once no state refers to it (``store.delete_later``, carried out at the store's next
+operation, whichever step function made it). With ``donate=True`` chunks are written back under their own key (the
+store keeps the previous version readable until the new one is complete). The first step moves the chosen units'
+state into the store; a failed write there raises ``OffloadError`` with the input state unchanged and usable
+(unless donated).
 
-``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes
-(0: none, 1: all). Other units go to the update policy this one was given. With ``overlap_backward`` a unit's
-update starts in a worker thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); the
-thread ends with ``step.close()``. On CUDA the shard's gradient and parameter go to the CPU for the update and the
-parameter comes back (not run on a GPU yet).
+``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes;
+other units go to the update policy this one was given. With ``overlap_backward`` a unit's update starts in a worker
+thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); ``step.close()`` ends the thread.
 """
 from __future__ import annotations
 
@@ -32,10 +30,13 @@ from typing import Any
 import torch
 
 from ._base import UpdatePolicy
-from ._early import Streamed, _Early, _lower_priority, _quiet_delete, _settle, param_key, stream_update
+from ._early import (Streamed, _Early, _lower_priority, _quiet_delete, _settle, owns_storage, param_key,
+                     stream_update)
 from ._errors import ArgumentError, ArgumentTypeError, FshardError
 from ._optim import AdamWState
-from ._stored import Stored, StoredParam, _disk_need, _Items, _location, _stored_state, put_moments, put_param
+from ._place import choose_units
+from ._stored import (READS_IN_FLIGHT, Stored, StoredParam, _disk_need, _Items, _location, _stored_state,
+                      put_moments, put_param)
 from ._transforms import Transform
 from .store import StoreError
 from .store._protocol import is_store, locked
@@ -83,7 +84,8 @@ class OffloadUpdate(UpdatePolicy):
         p, in_place = step.state.params[name], step.donate
         if in_place:  # the input's items and tensors change from here on: a failing step leaves it refusing use
             step.state.donation.take(int(step.state.step))
-        if isinstance(p, StoredParam):  # memory is what matters: at most depth updates queued behind the worker
+        stored = isinstance(p, StoredParam)
+        if stored:  # memory is what matters: at most depth updates queued behind the worker, each freeing its shard
             pending = [w for w in early.values() if not w.future.done()]
             if len(pending) >= self.depth:
                 _settle(pending[:len(pending) - self.depth + 1])
@@ -91,7 +93,7 @@ class OffloadUpdate(UpdatePolicy):
             p = unit.shard.detach()
         early[name] = _Early(self, opt, name, p, step.state.copies.get(name), unit.grad, s, segs, count,
                              s.exp_avg.key if in_place else self._key(name), step.record,
-                             free_grad=step.grads_unread, in_place=in_place)
+                             free_grad=stored and step.grads_unread, in_place=in_place)
 
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
@@ -104,8 +106,10 @@ class OffloadUpdate(UpdatePolicy):
     def plan(self, step, state, active, donate):
         """Store traffic, assuming every trainable parameter gets a gradient: a stored unit's chunks are read and
         written once (both moments); a chosen unit still in memory is written once (the first step). New tensors:
-        each unit's step count; its parameter (and its copy) unless donated and updated in place (an update begun
-        during backward writes a clone); in-memory moments only for units that stay in memory, without donate.
+        each unit's step count; its parameter (and its copy) unless donated (updated in place, also during
+        backward); in-memory moments only for units that stay in memory, without donate. Gradient shards held at
+        once (``mem/grad_shard_peak_bytes``), where updates during backward free them (parameters in the store, no
+        grads policy reading them, shards of their own): the others, plus ``depth`` of those.
         ``store/peak_bytes``, the most the store holds during the step (design/OFFLOAD.md, "Disk needs"): an updated
         unit's new version beside the input's (2x its moments), except where donate writes in place (1x, plus depth
         + 1 chunk items in flight for the whole update); a unit moved in or left alone, 1x. Parameters in the store
@@ -114,12 +118,20 @@ class OffloadUpdate(UpdatePolicy):
         spec, f = step.spec, {"io/read_bytes": 0, "io/write_bytes": 0, "mem/new_state_bytes": 0}
         chosen = self._choose(spec, state)
         peak, in_place = 0, 0  # in_place: the largest chunk items written back in place
+        frees = self.overlap_backward and step.grads_unread and spec.mesh.device.type == "cpu"
+        kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         for u in spec.units:
             s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
                 continue
             stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
             sp = isinstance(p, StoredParam)  # its head is rewritten with the moments; its tail never
+            grad = u.shard_numel * u.dtype.itemsize if on else 0
+            g = step.units[u.name].grad
+            if frees and stored and sp and g is not None and owns_storage(g) and step.units[u.name].got_all():
+                freed.append(grad)
+            else:
+                kept += grad
             head = p.opt_numel * p.dtype.itemsize if sp else 0
             moved = self.params and not sp and u.name in chosen  # parameters this step puts in the store
             f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
@@ -141,6 +153,14 @@ class OffloadUpdate(UpdatePolicy):
                 f["io/write_bytes"] += moments + (p.nbytes if moved else 0)
             elif not donate:
                 f["mem/new_state_bytes"] += moments
+        if freed:  # backward waits while depth of them are queued behind the worker (overlap)
+            f["mem/grad_shard_peak_bytes"] = kept + self.depth * max(freed)
+        blk = lambda n: -(-(n + 4096) // 4096) * 4096  # noqa: E731 - an item's pool buffer: a block of phase
+        items = [2 * self.chunk * 4] + ([self.chunk * 4] if self.params else [])  # moments' (and parameters') items
+        # the streams' pool buffers: depth reads, the item worked on, depth writes; and a gather's reads
+        f["store/buffer_bytes"] = ((2 * self.depth + 1) * sum(blk(n) for n in items)
+                                   + (READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0))
+        f["store/pool_bytes"] = int(getattr(getattr(self.store, "pool", None), "resident_bytes", 0))  # held now
         f["store/peak_bytes"] = peak + (self.depth + 1) * in_place
         return f
 
@@ -303,24 +323,6 @@ class OffloadUpdate(UpdatePolicy):
         return self._chosen[1]
 
 
-def choose_units(spec, opt_state, fraction: float) -> frozenset:
-    """The units offload_state(fraction=...) places in its store: whole units in model order until their moments
-    make up ``fraction`` of all moment bytes (fs.load(..., offload=) places a loaded state's moments the same way)."""
-    return choose_layouts([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fraction)
-
-
-def choose_layouts(layouts, rank: int, fraction: float) -> frozenset:
-    """``choose_units`` over the unit layouts that have moments, before a state exists (fs.init(..., offload=))."""
-    sizes = [(u.name, 2 * u.opt_numel(rank)) for u in layouts]
-    total, acc, names = sum(b for _, b in sizes), 0, set()
-    for name, b in sizes:
-        if acc >= fraction * total - 1e-9 * total:
-            break
-        names.add(name)
-        acc += b
-    return frozenset(names)
-
-
 class offload_state(Transform):
     """Keep ``fraction`` of the optimizer moments in ``store`` (``fs.CPUStore()`` or ``fs.NVMeStore(dir)``) and
     update them by streaming chunks of ``chunk_mb`` MiB per moment, ``depth`` reads ahead.
@@ -333,10 +335,15 @@ class offload_state(Transform):
     worker_nice: how much lower the worker thread's CPU priority is than the caller's (Linux nice, 0-19), so that
     backward keeps the cores and the worker's I/O waits fill the gaps (5: uring steps 3-20% faster on 2 cores in
     all 7 A/B rounds, aio within noise; benchmarks/RESULTS.md, offload runs 6-7).
+    params: keep the chosen units' fp32 parameter shards in the store too (``StoredParam``): each gather reads its
+    unit's shard, the update streams it beside the moments, and with donate + overlap_backward each unit's gradient
+    shard is freed once updated, so memory holds a few units, not the model (design/OFFLOAD.md; a 4.87B GPT in
+    3.7 GiB at world size 2, benchmarks/RESULTS.md). No ``param_copies`` for them: a gather casts what it reads.
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated
-    during backward, and the worker's time on them), and ``store/resident_bytes``."""
+    during backward, and the worker's time on them), ``store/resident_bytes``, and ``io/param_read_bytes`` (the
+    gathers' reads of stored parameter shards, also in ``io/read_bytes``)."""
 
     name = "offload_state"
     stages = {"update": "set"}  # one store per step; units it does not take go to the policy it was given

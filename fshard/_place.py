@@ -12,10 +12,27 @@ from __future__ import annotations
 import uuid
 
 from ._errors import ArgumentTypeError
-from ._offload import choose_layouts, offload_state
 from ._early import param_key
 from ._stored import put_moments, put_param
 from .store._protocol import locked
+
+
+def choose_units(spec, opt_state, fraction: float) -> frozenset:
+    """The units offload_state(fraction=...) places in its store: whole units in model order until their moments
+    make up ``fraction`` of all moment bytes (fs.load(..., offload=) places a loaded state's moments the same way)."""
+    return choose_layouts([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fraction)
+
+
+def choose_layouts(layouts, rank: int, fraction: float) -> frozenset:
+    """``choose_units`` over the unit layouts that have moments, before a state exists (fs.init(..., offload=))."""
+    sizes = [(u.name, 2 * u.opt_numel(rank)) for u in layouts]
+    total, acc, names = sum(b for _, b in sizes), 0, set()
+    for name, b in sizes:
+        if acc >= fraction * total - 1e-9 * total:
+            break
+        names.add(name)
+        acc += b
+    return frozenset(names)
 
 
 def placer(offload, layouts, mesh):
@@ -24,6 +41,7 @@ def placer(offload, layouts, mesh):
     parameter shard too (a ``StoredParam``); the others as they are. None without ``offload``."""
     if offload is None:
         return None
+    from ._offload import offload_state  # (which imports this module)
     if not isinstance(offload, offload_state):
         raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
                                 f"with, not {type(offload).__name__}.")

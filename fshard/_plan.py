@@ -26,6 +26,7 @@ import optree
 import torch
 
 from ._accumulate import Accumulator
+from ._errors import MemoryBudgetError
 from ._base import Grads, UpdatePolicy
 from ._agreement import CHECKED, agree
 from ._collectives import Comm, CollectivesView
@@ -45,7 +46,9 @@ MEMORY = (
     ("mem/unit_grad_bytes", "one unit's gradient before reduction, largest"),
     ("mem/reduce_buffer_bytes", "one reduction's buffer, largest"),
     ("mem/grad_shard_bytes", "gradient shards (held until the update)"),
+    ("mem/grad_shard_peak_bytes", "of those, held at once (an update during backward frees them)"),
     ("mem/accum_bytes", "gradients summed over micro-batches"),
+    ("mem/param_read_bytes", "a parameter shard read from a store for a gather (and its cast)"),
 )
 TRAFFIC = (
     ("comm/gather_bytes", "all-gathers (gathered bytes)"),
@@ -70,7 +73,7 @@ class Plan:
       unknown: stages whose policy says nothing of its cost (their figures count as 0).
       bounds: figures a step does not measure, name -> bytes: ``store/peak_bytes``, the most the optimizer's store
         (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore; tests/test_reliability.py
-        samples it).
+        samples it); ``store/buffer_bytes``, the store's pool buffers its streams use at most (host memory).
     """
 
     figures: dict
@@ -81,9 +84,45 @@ class Plan:
     params: int
     unknown: tuple = ()
     bounds: dict = dataclasses.field(default_factory=dict)
+    baseline_rss: int = 0
 
     def __getitem__(self, key: str) -> int:
         return self.figures[key]
+
+    @property
+    def predicted_rss(self) -> int:
+        """This process's peak RSS during the step, predicted: ``baseline_rss`` (its RSS when planned, less what the
+        state and the store's buffers held in memory then: the interpreter, torch, the model's template), plus the
+        peak of fshard-owned memory, plus the store's stream buffers. Activations and allocator slack are not in it
+        (benchmarks/RESULTS.md, "The largest model", measures how close it comes)."""
+        return self.baseline_rss + self.figures["mem/peak_bytes"] + self.bounds.get("store/buffer_bytes", 0)
+
+    def check(self, max_memory: int) -> "Plan":
+        """Raise ``MemoryBudgetError`` if ``predicted_rss`` is over ``max_memory`` bytes, naming the budget, the
+        largest parts of the prediction and what would lower them; else return the plan."""
+        if self.predicted_rss <= max_memory:
+            return self
+        f, parts = self.figures, [("process baseline", self.baseline_rss)]
+        parts += [(what, f[k]) for k, what in MEMORY if f[k] and k != "mem/grad_shard_bytes"]  # (its peak counts)
+        parts.append(("store buffers", self.bounds.get("store/buffer_bytes", 0)))
+        top = ", ".join(f"{w} {_size(b).strip()}" for w, b in sorted(parts, key=lambda x: -x[1])[:4])
+        over = self.predicted_rss - max_memory
+        fixes, big = [], lambda b: b >= 0.1 * over  # a fix worth naming recovers a tenth of the excess or more
+        if big(f["mem/opt_state_bytes"]):
+            fixes.append(f"keep the optimizer moments ({_size(f['mem/opt_state_bytes']).strip()}) in a store: "
+                         "fs.offload_state(fs.NVMeStore(dir)) in the step, and fs.init(..., offload=) the same")
+        if big(f["mem/params_bytes"] + f["mem/copies_bytes"]):
+            fixes.append(f"keep the parameter shards ({_size(f['mem/params_bytes'] + f['mem/copies_bytes']).strip()}"
+                         ") there too: fs.offload_state(store, params=True), without param_copies")
+        if big(f["mem/grad_shard_peak_bytes"]) and f["mem/grad_shard_peak_bytes"] == f["mem/grad_shard_bytes"]:
+            fixes.append("free gradient shards during backward: params=True with donate=True, no bucket_reduce")
+        if not self.donate and big(f["mem/new_state_bytes"]):
+            fixes.append(f"compose with donate=True (the update writes {_size(f['mem/new_state_bytes']).strip()} "
+                         "of new state otherwise)")
+        raise MemoryBudgetError(
+            f"step.plan: this step needs about {_size(self.predicted_rss).strip()} on rank {self.rank} at its peak, "
+            f"over max_memory={_size(max_memory).strip()}. Largest parts: {top}. To fit: "
+            + ("; or ".join(fixes) if fixes else "a smaller model or batch, or more ranks") + ". Nothing ran.")
 
     def __str__(self) -> str:
         f = self.figures
@@ -95,14 +134,25 @@ class Plan:
             lines.append(f"  {'the store at its peak (disk for NVMe), at most':48s}"
                          f"{_size(self.bounds['store/peak_bytes'])}")
         lines += [f"  {'peak of fshard-owned memory':48s}{_size(f['mem/peak_bytes'])}  (+ activations)",
+                  f"  {'peak RSS of this process, predicted':48s}{_size(self.predicted_rss)}",
                   "moved per step by this rank"]
         lines += [f"  {what:48s}{_size(f[k])}" for k, what in TRAFFIC]
         ddp = 16 * self.params  # fp32 param + grad + two moments, replicated
         lines.append(f"DDP with fp32 AdamW would hold {_size(ddp).strip()} of parameters, gradients and moments per "
-                     f"rank; this step holds {_size(f['mem/state_bytes'] + f['mem/grad_shard_bytes']).strip()}")
+                     f"rank; this step holds {_size(f['mem/state_bytes'] + f['mem/grad_shard_peak_bytes']).strip()}")
         if self.unknown:
             lines.append(f"(not planned: {', '.join(self.unknown)}: its policy has no plan)")
         return "\n".join(lines)
+
+
+def _rss() -> int:
+    """This process's resident set now (Linux; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _size(b: int) -> str:
@@ -137,7 +187,7 @@ def peak_bytes(f: dict) -> int:
     step adds, summed (a bound: those peaks need not coincide)."""
     return f["mem/state_bytes"] + sum(f.get(k, 0) for k in (
         "mem/new_state_bytes", "mem/peak_gathered_bytes", "mem/unit_grad_bytes", "mem/reduce_buffer_bytes",
-        "mem/grad_shard_bytes", "mem/accum_bytes"))
+        "mem/grad_shard_peak_bytes", "mem/accum_bytes", "mem/param_read_bytes"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +255,8 @@ def plan(step, state, batch, observed=None) -> Plan:
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
          "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
+         "mem/grad_shard_peak_bytes": sum(g.nbytes for g in shards.values()),  # (the update's plan may lower it)
+         "mem/param_read_bytes": max(r._read_peak for r in runs),
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
          "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
@@ -219,10 +271,12 @@ def plan(step, state, batch, observed=None) -> Plan:
         unknown = ("update",)
     else:
         f.update({k: f.get(k, 0) + v if k.startswith("io/") else v for k, v in update.items()})
-    bounds = {k: f.pop(k) for k in ("store/peak_bytes",) if k in f}
+    bounds = {k: f.pop(k) for k in ("store/peak_bytes", "store/buffer_bytes", "store/pool_bytes") if k in f}
     f["mem/peak_bytes"] = peak_bytes(f)
     params = sum(s.numel for u in spec.units for s in u.slots)
-    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown, bounds)
+    held = f["mem/state_bytes"] + bounds.pop("store/pool_bytes", 0)  # in the process's RSS now, and in the plan
+    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown, bounds,
+                max(0, _rss() - held))
 
 
 def _simulate(pol, run: StepRun, observed) -> None:

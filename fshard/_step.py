@@ -85,13 +85,15 @@ class Step:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def plan(self, state: TrainState, batch) -> Plan:
+    def plan(self, state: TrainState, batch, max_memory: int | None = None) -> Plan:
         """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
         it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py) of
         ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
-        step, its metrics carry the same figures, measured."""
+        step, its metrics carry the same figures, measured. ``max_memory`` (bytes): raise ``MemoryBudgetError``,
+        which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
         self._check_state(state)
-        return plan(self, self.init(state), batch, self._observed)
+        p = plan(self, self.init(state), batch, self._observed)
+        return p if max_memory is None else p.check(max_memory)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
@@ -325,6 +327,7 @@ def _measured(comm, runs, state, new, accum: int, skipped: bool) -> dict:
     f = {"mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs), "mem/accum_bytes": accum,
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes, "comm/control_bytes": comm.bytes.get("control", 0),
          "mem/grad_shard_bytes": sum(g.nbytes for g in runs[-1]._grad_shards().values()),
+         "mem/grad_shard_peak_bytes": runs[-1]._grad_peak, "mem/param_read_bytes": max(r._read_peak for r in runs),
          "mem/new_state_bytes": 0 if skipped else new_state_bytes(state, new), **state_figures(state)}
     f["mem/peak_bytes"] = peak_bytes({"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs), **f})
     return f

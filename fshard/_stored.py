@@ -18,6 +18,7 @@ from ._optim import AdamWState
 from .store._protocol import locked
 
 _ROWS = ("exp_avg", "exp_avg_sq")
+READS_IN_FLIGHT = 4  # chunk reads a parameter shard's load keeps in flight
 
 
 class _Items:
@@ -109,9 +110,15 @@ class StoredParam:
         out = torch.empty(self.numel, dtype=self.dtype) if out is None else out
         for part, base in ((self.head, 0), (self.tail, self.opt_numel)):
             if part is not None:
-                handles = [(lo, hi, part.store.get(k)) for (lo, hi), k in zip(part.chunks, part.item_keys())]
-                for lo, hi, h in handles:
-                    out[base + lo:base + hi].copy_(h.wait()[0])
+                # into ``out``, READS_IN_FLIGHT at a time: a read into a caller's tensor goes through a pool
+                # buffer, so all at once would stage the whole shard a second time
+                handles = []
+                for (lo, hi), k in zip(part.chunks, part.item_keys()):
+                    if len(handles) == READS_IN_FLIGHT:
+                        handles.pop(0).wait()
+                    handles.append(part.store.get(k, out=out[base + lo:base + hi].view(1, -1)))
+                for h in handles:
+                    h.wait()
         return out
 
     def renewed(self, head: _Items | None) -> "StoredParam":

@@ -119,6 +119,8 @@ class UnitRun(UnitView):
                 shard = (resident(self._stored).to(self.shard.device) if not comm.dry else  # (step.plan: counted)
                          torch.empty(self._stored.numel, dtype=self._stored.dtype, device="meta"))
                 self._run._loaded_bytes += self._stored.nbytes
+                read = self._stored.nbytes + (self._stored.numel * dtype.itemsize if dtype != shard.dtype else 0)
+                self._run._read_peak = max(self._run._read_peak, read)  # the shard read, and its cast
                 if comm.spans is not None:
                     comm.span("store", f"read {self.name}", t0, time.perf_counter())
             else:
@@ -225,6 +227,8 @@ class StepRun(StepView):
         self._live_bytes = self._peak_bytes = 0
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
         self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
+        self._grad_peak = 0  # the most gradient-shard bytes held at once
+        self._read_peak = 0  # the largest parameter shard read from a store (and its cast) for one gather
         self._phase_peak = {"forward": 0, "backward": 0}
         self._group_calls: list = []  # calls of routed containers in this micro-batch's forward
 
@@ -245,6 +249,9 @@ class StepRun(StepView):
         unit._grad = shard
         if self.last:
             self._policy.update.overlap(self, unit)
+        held = sum(u._grad.nbytes for u in self.units.values()  # (an update during backward may have freed some)
+                   if u._grad is not None and u._grad.untyped_storage().nbytes() > 0)
+        self._grad_peak = max(self._grad_peak, held)
 
     def _grad_arrived(self, unit: UnitRun, grad: torch.Tensor) -> None:
         """A unit's whole gradient, once every use of it has contributed: reduced now in the last micro-batch;

@@ -349,7 +349,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
     """fs.init(..., offload=): the chosen units' moments are in the store from the start (the device never holds
     them all), at the places the step would have moved them to, and training is bitwise the same."""
     import fshard as fs
-    from fshard._offload import choose_units
+    from fshard._place import choose_units
     model, loss_fn, batches = _model()
     runs = {}
     for where in ("init", "step"):

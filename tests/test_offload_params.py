@@ -150,3 +150,67 @@ def test_a_checkpoint_of_stored_parameters_resumes_bitwise(tmp_path):
             loaded, _ = step(loaded, x)
         assert _bytes(loaded) == _bytes(ref)
         step.close()
+
+
+def _peak_growth(directory, params: bool):
+    """Peak RSS over what the process held before fs.init, for init plus two donated steps of a 24-unit MLP whose
+    moments (and, with ``params``, parameters) fs.init puts in an NVMeStore; and the model's fp32 bytes."""
+    import fshard as fs
+    from _memory import reset_peak, status
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    x, y = torch.randn(4, 1024), torch.randn(4, 1024)
+    nbytes = sum(p.nbytes for p in model.parameters())
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    del model
+    with fs.NVMeStore(directory) as store:
+        off = fs.offload_state(store, chunk_mb=1, params=params)
+        base = reset_peak()
+        state = fs.init(meta, fs.Mesh.from_env(), fs.adamw(lr=1e-3), offload=off, seed=0)
+        with fs.compose(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), off, donate=True) as step:
+            for _ in range(2):
+                state, m = step(state, (x, y))
+        growth = status("VmHWM:") - base
+        resident = state.nbytes()
+    return growth, nbytes, resident["params"], m["update/overlapped_units"]
+
+
+def test_with_parameters_in_the_store_a_step_holds_a_few_units_not_the_model(tmp_path):
+    """The memory claim of design/OFFLOAD.md: with params=True the state holds no parameter in memory, and init
+    plus a step hold a few units' worth (the gathered unit, its gradient, the shard read for it, at most depth
+    gradient shards queued behind the worker), where moments-only offload holds the parameters and more."""
+    (g_p, n, resident_p, early_p), = run_ranks(_peak_growth, 1, str(tmp_path / "p"), True)
+    (g_m, _, resident_m, early_m), = run_ranks(_peak_growth, 1, str(tmp_path / "m"), False)
+    assert resident_p == 0 and resident_m == n and early_p == early_m == 24
+    assert g_m >= n, (g_m, n)  # the parameters alone
+    # 24 units of 4.2 MB: the plan's peak is 24 MB (a gathered unit, its gradient, the shard read for it, depth
+    # queued gradient shards), the store's stream buffers 12 MB; measured 51 (fshard/_malloc.py: 408 before)
+    assert g_p <= 0.6 * n and g_p <= g_m / 3, (g_p, g_m, n)
+
+
+def test_the_plan_counts_what_parameter_offload_holds_and_refuses_a_budget_it_cannot_meet(tmp_path):
+    import fshard as fs
+    model, loss_fn, batches = _gpt()
+    b = next(iter(batches(0, 1)))
+    for params in (False, True):
+        with fs.NVMeStore(str(tmp_path / str(params))) as store:
+            off = fs.offload_state(store, chunk_mb=0.01, params=params)
+            state = fs.init(model, fs.Mesh.local(), fs.adamw(), offload=off)
+            with fs.compose(loss_fn, fs.gather_ahead(1), off, donate=True) as step:
+                plan = step.plan(state, b)
+                assert plan.baseline_rss > 0 and plan.predicted_rss > plan.baseline_rss + plan["mem/peak_bytes"]
+                assert "peak RSS of this process, predicted" in str(plan)
+                assert step.plan(state, b, max_memory=int(plan.predicted_rss * 1.1)) is not None  # fits
+                with pytest.raises(fs.MemoryBudgetError) as e:
+                    step.plan(state, b, max_memory=plan.baseline_rss + plan["mem/peak_bytes"] // 4)
+                msg = str(e.value)
+                assert "max_memory=" in msg and "Nothing ran" in msg and "process baseline" in msg
+                # moments-only offload keeps the parameters in memory: the message says how to move them too
+                assert ("params=True" in msg) == (not params), msg
+                assert (plan["mem/params_bytes"] == 0) == params
+                if params:  # updates during backward free their gradient shards: depth of them at once
+                    assert plan["mem/grad_shard_peak_bytes"] < plan["mem/grad_shard_bytes"]
+                    state, m = step(state, b)
+                    assert m["mem/grad_shard_peak_bytes"] <= plan["mem/grad_shard_peak_bytes"]
+                    assert m["mem/param_read_bytes"] == plan["mem/param_read_bytes"] > 0

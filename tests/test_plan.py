@@ -22,6 +22,9 @@ def _configs():
         "keep+buckets+donate": ((fs.gather_ahead(1, reshard_after_forward=False), fs.bucket_reduce(0.004)),
                                 dict(donate=True)),
         "clip+skip+accumulate": ((fs.clip_by_global_norm(1.0), fs.skip_nonfinite(), fs.accumulate(2)), {}),
+        "ahead+offload_params+donate": ((fs.gather_ahead(1), fs.mixed_precision(torch.bfloat16),
+                                         fs.offload_state(fs.CPUStore(), chunk_mb=0.01, overlap_backward=True,
+                                                          params=True)), dict(donate=True)),
     }
 
 
@@ -51,13 +54,19 @@ def _compare(name):
 def test_plan_matches_what_the_step_measures(name, world_size):
     for rank, (steps, text) in enumerate(run_ranks(_compare, world_size, name)):
         for i, figures in enumerate(steps):
-            off = {k: (p, m) for k, (p, m) in figures.items() if abs(p - m) > 0.05 * max(p, m)}
+            # (gradient shards freed by updates during backward: the plan's figure is a bound, depth of them queued,
+            # which a worker that keeps up stays under)
+            bound = ("mem/grad_shard_peak_bytes", "mem/peak_bytes") if "params" in name else ()
+            off = {k: (p, m) for k, (p, m) in figures.items() if abs(p - m) > 0.05 * max(p, m)
+                   and not (k in bound and m <= p)}
             assert not off, f"rank {rank} step {i}: plan vs measured {off}"
         f = steps[-1]
-        assert f["mem/params_bytes"][0] > 0 and f["comm/reduce_bytes"][0] > 0
+        assert (f["mem/params_bytes"][0] > 0) == ("params" not in name) and f["comm/reduce_bytes"][0] > 0
+        if "params" in name:  # the parameters moved into the store with the moments; gathers read them back
+            assert f["mem/store_bytes"][0] > 0 and f["io/read_bytes"][0] > f["mem/store_bytes"][0]
         assert (f["comm/control_bytes"][0] > 0) == (world_size > 1)
-        if "offload" in name:  # step 0 moves the moments into the store; later steps stream them
-            assert steps[0]["io/write_bytes"][0] > 0 and steps[0]["io/read_bytes"][0] == 0
+        if "offload" in name and "params" not in name:  # step 0 moves the moments into the store; later steps
+            assert steps[0]["io/write_bytes"][0] > 0 and steps[0]["io/read_bytes"][0] == 0  # stream them
             assert f["io/read_bytes"][0] == f["io/write_bytes"][0] == f["mem/store_bytes"][0] > 0
             assert f["mem/opt_state_bytes"][0] < f["mem/params_bytes"][0]  # only the step counts stay in memory
         if "donate" in name:  # the update writes only the new step counts
