@@ -71,7 +71,7 @@ _LAZY = ("ops", "testing")
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap", "MMAP_THRESHOLD",
     "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored", "StoredParam",
     # checkpoints
     "save", "load", "latest", "SaveHandle",
