@@ -23,8 +23,8 @@ disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect ddp --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fsdp2 --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard --out /tmp/scale.jsonl
-    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard-params --layers 96 --lr 1e-4 \
-        --out /tmp/scale.jsonl   (one trial: with --layers, --bisect runs that one)
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fshard-params --layers 96 --lr 1e-5 \
+        --mmap-threshold 1048576 --out /tmp/scale.jsonl   (one trial: with --layers, --bisect runs that one)
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 GIB = 1 << 30
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
 LR = [3e-4]  # --lr (the trials of 2026-11 before fshard-params ran at 3e-4)
+MMAP = [0]  # --mmap-threshold
 SYSTEMS = ["ddp", "fsdp2", "fshard", "fshard-params"]
 BOUND = {"ddp": "RAM", "fsdp2": "RAM", "fshard": "RAM", "fshard-params": "disk space; time: disk bandwidth"}
 
@@ -85,7 +86,8 @@ def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: 
     out = Path(workdir) / f"trial-{system}-{layers}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + (os.getpid() + layers) % 1000), __file__, "--trial", system, "--layers", str(layers),
-           "--result", str(out), "--workdir", workdir, "--lr", str(LR[0]), "--rank-budget",
+           "--result", str(out), "--workdir", workdir, "--lr", str(LR[0]), "--mmap-threshold", str(MMAP[0]),
+           "--rank-budget",
            str(int((budget - 2 * tree_rss(os.getpid())) / 2))]  # (the launcher is about this process's size)
     t0, peak, why, free = time.monotonic(), 0, None, shutil.disk_usage(workdir).free
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -157,6 +159,9 @@ def trial(args) -> None:
     cfg = GPTConfig(vocab=VOCAB, dim=DIM, n_layers=args.layers, n_heads=HEADS, seq=SEQ)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    if args.mmap_threshold:  # glibc gives freed blocks this large back at once (fshard/_malloc.py), any system
+        from fshard import set_mmap_threshold
+        set_mmap_threshold(args.mmap_threshold)
     # one batch, 3 times: a loss that falls then shows that every part of the step trains (3 new batches of one
     # sequence each are too noisy to fall); the same for every system
     batches = list(synthetic_batches(cfg, 1, 1, seed=0, rank=rank, world_size=n)) * 3
@@ -236,7 +241,7 @@ def trial(args) -> None:
     dist.all_gather_object(disks, disk)
     if rank == 0:
         Path(args.result).write_text(json.dumps(dict(
-            losses=losses, lr=args.lr, s_per_step=sorted(times)[1], step_s=times,
+            losses=losses, lr=args.lr, mmap_threshold=args.mmap_threshold, s_per_step=sorted(times)[1], step_s=times,
             rank_peak_gib=[round(p / GIB, 2) for p in peaks],
             rank_steps_peak_gib=[round(p / GIB, 3) for p in steps_peaks],
             rank_init_peak_gib=[round(p / GIB, 3) for p in init_peaks],
@@ -324,6 +329,7 @@ def main() -> int:
     ap.add_argument("--bisect", choices=SYSTEMS)
     ap.add_argument("--trial", choices=SYSTEMS)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--mmap-threshold", type=int, default=0, help="fs.set_mmap_threshold in each rank (0: glibc's)")
     ap.add_argument("--rank-budget", type=int, default=None, help="(a trial's) step.plan(..., max_memory=)")
     ap.add_argument("--layers", type=int, default=None, help="one trial of this many layers (with --bisect: none)")
     ap.add_argument("--start", type=int, default=4, help="the search's first trial, in layers")
@@ -334,7 +340,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="append every trial as a JSON line")
     ap.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), help="draw the trials of JSONL into PNG")
     args = ap.parse_args()
-    LR[0] = args.lr
+    LR[0], MMAP[0] = args.lr, args.mmap_threshold
     if args.plot:
         plot(*args.plot)
         return 0

@@ -31,8 +31,8 @@ if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < _TOR
                             f"{_torch.__version__}. Upgrade torch (pip install 'torch>=2.11'), or use the bootstrap's "
                             "torch==2.13.0.")
 
-from ._malloc import set_mmap_threshold as _set_mmap_threshold
-MMAP_THRESHOLD = _set_mmap_threshold()  # freed blocks >= this go back to the OS (fshard/_malloc.py); None: unset
+from ._malloc import from_env as _mmap_from_env, set_mmap_threshold
+_mmap_from_env()  # FSHARD_MMAP_THRESHOLD (fshard/_malloc.py)
 
 from ._accumulate import accumulate
 from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
@@ -71,7 +71,7 @@ _LAZY = ("ops", "testing")
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap", "MMAP_THRESHOLD",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap", "set_mmap_threshold",
     "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored", "StoredParam",
     # checkpoints
     "save", "load", "latest", "SaveHandle",

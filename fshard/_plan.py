@@ -73,7 +73,9 @@ class Plan:
       unknown: stages whose policy says nothing of its cost (their figures count as 0).
       bounds: figures a step does not measure, name -> bytes: ``store/peak_bytes``, the most the optimizer's store
         (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore; tests/test_reliability.py
-        samples it); ``store/buffer_bytes``, the store's pool buffers its streams use at most (host memory).
+        samples it); ``store/buffer_bytes``, the store's pool buffers its streams use at most (host memory);
+        ``mem/activation_bytes``, the storages the last step's forward saved for backward (activations; measured
+        by the step as ``metrics["mem/activation_bytes"]``; absent before the step function's first step).
     """
 
     figures: dict
@@ -93,9 +95,11 @@ class Plan:
     def predicted_rss(self) -> int:
         """This process's peak RSS during the step, predicted: ``baseline_rss`` (its RSS when planned, less what the
         state and the store's buffers held in memory then: the interpreter, torch, the model's template), plus the
-        peak of fshard-owned memory, plus the store's stream buffers. Activations and allocator slack are not in it
-        (benchmarks/RESULTS.md, "The largest model", measures how close it comes)."""
-        return self.baseline_rss + self.figures["mem/peak_bytes"] + self.bounds.get("store/buffer_bytes", 0)
+        peak of fshard-owned memory, plus the store's stream buffers, plus the activations the last step's forward
+        saved for backward (``bounds["mem/activation_bytes"]``; none before a step function's first step).
+        Allocator slack is not in it (benchmarks/RESULTS.md, "Parameter offload", measures how close it comes)."""
+        return (self.baseline_rss + self.figures["mem/peak_bytes"] + self.bounds.get("store/buffer_bytes", 0)
+                + self.bounds.get("mem/activation_bytes", 0))
 
     def check(self, max_memory: int) -> "Plan":
         """Raise ``MemoryBudgetError`` if ``predicted_rss`` is over ``max_memory`` bytes, naming the budget, the
@@ -275,6 +279,8 @@ def plan(step, state, batch, observed=None) -> Plan:
     f["mem/peak_bytes"] = peak_bytes(f)
     params = sum(s.numel for u in spec.units for s in u.slots)
     held = f["mem/state_bytes"] + bounds.pop("store/pool_bytes", 0)  # in the process's RSS now, and in the plan
+    if observed is not None and len(observed) > 3:  # what the last step's forward saved for backward
+        bounds["mem/activation_bytes"] = observed[3]
     return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown, bounds,
                 max(0, _rss() - held))
 

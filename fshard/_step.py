@@ -186,7 +186,8 @@ class Step:
         t2 = time.perf_counter()
         run = runs[-1]
         loss, active = self._agree(comm, run, acc, loss)
-        self._observed = (tuple(run.order), tuple(run._backward_order), active)  # what step.plan assumes
+        acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
+        self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
         grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
                                                   active=active, transform_state=state.transform_state))
         t3 = time.perf_counter()
@@ -206,7 +207,7 @@ class Step:
         m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
                           t0, t1, t2, t3, t4)
         loaded = sum(r._loaded_bytes for r in runs)  # parameter shards gathers read from a store
-        return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip),
+        return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip), "mem/activation_bytes": acts,
                      "io/read_bytes": m.get("io/read_bytes", 0) + loaded, "io/param_read_bytes": loaded,
                      "io/write_bytes": m.get("io/write_bytes", 0)}  # 0 without a store
 

@@ -229,6 +229,7 @@ class StepRun(StepView):
         self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
         self._grad_peak = 0  # the most gradient-shard bytes held at once
         self._read_peak = 0  # the largest parameter shard read from a store (and its cast) for one gather
+        self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
         self._phase_peak = {"forward": 0, "backward": 0}
         self._group_calls: list = []  # calls of routed containers in this micro-batch's forward
 
@@ -338,7 +339,10 @@ class StepRun(StepView):
 
     def _pack(self, t: torch.Tensor):
         try:
-            unit = self._live.get(t.untyped_storage().data_ptr()) if self._live else None
+            ptr = t.untyped_storage().data_ptr()
+            unit = self._live.get(ptr) if self._live else None
+            if unit is None and self.phase == "forward" and t.device.type != "meta":  # an activation backward keeps
+                self._activations[ptr] = t.untyped_storage().nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested)
             unit = None
         return t if unit is None else _Saved(unit, t)
@@ -385,6 +389,7 @@ class StepRun(StepView):
             unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = None
             unit._anchor = unit._stash = None
         self._group_calls.clear()
+        self._activations.clear()
         self.units.clear()
         self._live.clear()
         self._reduced.clear()
