@@ -34,8 +34,28 @@ class _Items:
         return [(self.key, i) for i in range(len(self.chunks))]
 
 
+class _Flat:
+    """What a stored leaf answers as a flat tensor would: its shape, device (where ``load()`` puts it) and bytes."""
+
+    numel: int
+    dtype: torch.dtype
+    is_meta = False  # (TrainState.abstract asks every parameter leaf)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel,)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
 @dataclass(frozen=True, eq=False)
-class Stored:
+class Stored(_Flat):
     """A state leaf whose data is in a store: one row of a unit's moment chunks."""
 
     items: _Items = field(repr=False)
@@ -47,18 +67,6 @@ class Stored:
     @property
     def key(self) -> str:
         return self.items.key
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.numel,)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")  # where load() puts it
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     def load(self) -> torch.Tensor:
         """The tensor, read back from the store (for inspection and tests)."""
@@ -72,7 +80,7 @@ class Stored:
 
 
 @dataclass(frozen=True, eq=False)
-class StoredParam:
+class StoredParam(_Flat):
     """A state leaf in ``state.params``: a unit's parameter shard (its master weights) held in a store. ``head``:
     items ``(key, i)`` of shape ``(1, n)`` over the shard's optimizer range ``[0, opt_numel)``, chunked as its
     moments are (item i holds the parameters of moment item i), so the update streams both side by side and writes
@@ -89,20 +97,6 @@ class StoredParam:
     @property
     def key(self) -> str:
         return (self.head or self.tail).key
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.numel,)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")  # where load() puts it
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    is_meta = False  # (TrainState.abstract asks every parameter leaf)
 
     def load(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The shard, read back from the store into ``out`` (a new CPU tensor by default). The caller holds the
