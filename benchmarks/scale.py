@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 GIB = 1 << 30
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
 LR = [3e-4]  # --lr (the trials of 2026-11 before fshard-params ran at 3e-4)
@@ -154,6 +154,7 @@ def trial(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from _memory import reset_peak, status  # (tests/_memory.py: VmHWM and its reset)
     from gpt import GPT, GPTConfig, init_weights, loss_fn, synthetic_batches
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=VOCAB, dim=DIM, n_layers=args.layers, n_heads=HEADS, seq=SEQ)
@@ -227,8 +228,8 @@ def trial(args) -> None:
             extra["io_gb"] += (m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0)) / 1e9
             return m["loss"]
     losses, times = [], []
-    init_peak = hwm()  # fs.init's peak (one unit at a time), then the steps' own from here on
-    reset_hwm()
+    init_peak = status("VmHWM:")  # fs.init's peak (one unit at a time), then the steps' own from here on
+    reset_peak()
     for b in batches:
         t = time.perf_counter()
         losses.append(step(b))
@@ -236,7 +237,7 @@ def trial(args) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peaks, steps_peaks, init_peaks = [None] * n, [None] * n, [None] * n
     dist.all_gather_object(peaks, peak)
-    dist.all_gather_object(steps_peaks, hwm())
+    dist.all_gather_object(steps_peaks, status("VmHWM:"))
     dist.all_gather_object(init_peaks, init_peak)
     disk = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file()) if store_dir else 0
     disks = [None] * n
@@ -254,26 +255,6 @@ def trial(args) -> None:
         fstep.close()
         store.close()
         shutil.rmtree(store_dir, ignore_errors=True)
-
-
-def hwm() -> int:
-    """This process's peak RSS since start or since the last ``reset_hwm``."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def torch_step(model, loss_fn):
