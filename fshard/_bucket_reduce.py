@@ -7,6 +7,8 @@ units forward never called last), into buckets of about ``bucket_mb``. A segment
 pieces of several ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another
 (rank-major). One SUM reduce per rank then leaves each rank the sum of exactly its own pieces, whatever the
 bucket's boundaries, so a bucket may end inside a unit ("one bucket per parameter") or span the whole model.
+With ``per_unit=True`` each unit is one bucket (FSDP2's per-module reduce-scatter): this rank's section of it is
+exactly the unit's gradient shard, handed over as it is, a tensor an update during backward can free.
 
 Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
 the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
@@ -68,8 +70,9 @@ def backward_order(units, forward_order) -> list:
     return [by_name[n] for n in used + [n for n in rest if n != ROOT] + [n for n in rest if n == ROOT]]
 
 
-def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
-    """Bucket plan over the units with trainable parameters, taken in the given (backward) order."""
+def plan_buckets(units, world_size: int, bucket_bytes: int, per_unit: bool = False) -> list[_Bucket]:
+    """Bucket plan over the units with trainable parameters, taken in the given (backward) order; ``per_unit``:
+    each unit is one bucket, whatever its size."""
     segments = []  # (unit layout, lo, hi)
     for u in units:
         if not u.trainable:
@@ -83,7 +86,8 @@ def plan_buckets(units, world_size: int, bucket_bytes: int) -> list[_Bucket]:
     groups, cur, size = [], [], 0
     for seg in segments:
         nbytes = (seg[2] - seg[1]) * seg[0].dtype.itemsize
-        if cur and (size + nbytes > bucket_bytes or seg[0].dtype != cur[0][0].dtype):
+        if cur and ((seg[0] is not cur[0][0] if per_unit else size + nbytes > bucket_bytes)
+                    or seg[0].dtype != cur[0][0].dtype):
             groups.append(cur)
             cur, size = [], 0
         cur.append(seg)
@@ -141,8 +145,8 @@ class BucketReduce(ReducePolicy):
     """The reduce policy of ``fs.bucket_reduce``. The plan lives here (made once per layout); one step's buckets
     live in ``step.scratch(self)``."""
 
-    def __init__(self, bucket_bytes: int, reduce_dtype, op: str):
-        self.bucket_bytes, self.reduce_dtype, self.op = bucket_bytes, reduce_dtype, op
+    def __init__(self, bucket_bytes: int, reduce_dtype, op: str, per_unit: bool = False):
+        self.bucket_bytes, self.reduce_dtype, self.op, self.per_unit = bucket_bytes, reduce_dtype, op, per_unit
         self._plan = None  # (key, plan), made on the first step from the layout
 
     def _plan_for(self, run):
@@ -152,7 +156,8 @@ class BucketReduce(ReducePolicy):
         key = (run.spec.fingerprint, mesh.world_size)
         if self._plan is None or self._plan[0] != key:
             order = backward_order(run.spec.units, run.order)
-            self._plan = (key, _Plan(plan_buckets(order, mesh.world_size, self.bucket_bytes), mesh.rank))
+            self._plan = (key, _Plan(plan_buckets(order, mesh.world_size, self.bucket_bytes, self.per_unit),
+                                     mesh.rank))
         return self._plan[1]
 
     def _state(self, run) -> _Pending:
@@ -221,16 +226,22 @@ class BucketReduce(ReducePolicy):
 
     def _scatter(self, run, st: _Pending) -> None:
         """Give each unit whose buckets have all landed its reduced gradient shard: a view where its pieces sit
-        together in one bucket. (The segments cover each unit's whole flat buffer, so the pieces cover its whole
-        shard.)"""
+        together in one bucket (a unit's pieces in a bucket are consecutive in each rank's section; with
+        ``per_unit`` the view is the whole section, a tensor of its own), a concatenation where they span several.
+        (The segments cover each unit's whole flat buffer, so the pieces cover its whole shard.)"""
         order = st.plan.complete_order
         while st.given < len(order) and st.plan.mine[order[st.given]][-1][0] < st.landed:
             name = order[st.given]
             st.given += 1
             spots = st.plan.mine[name]
             rank = run.comm.mesh.rank
-            parts = [st.buffers[i][rank][at:at + k] for i, at, k in spots]
-            g = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len({i for i, _, _ in spots}) == 1:
+                i, at, _ = spots[0]
+                section = st.buffers[i][rank]
+                n = sum(k for _, _, k in spots)
+                g = section if at == 0 and n == section.numel() else section[at:at + n]
+            else:
+                g = torch.cat([st.buffers[i][rank][at:at + k] for i, at, k in spots])
             unit = run.units[name]
             run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
 
@@ -247,12 +258,17 @@ class bucket_reduce(Transform):
 
     reduce_dtype: reduce in this dtype (e.g. torch.float32 for bf16 gradients); by default the gradients' own.
     op: "avg" (scale by 1/N, then sum: DDP's order, bitwise at 2 ranks) or "sum".
+    per_unit: each unit's gradient is one bucket, whatever ``bucket_mb`` says (FSDP2 reduce-scatters each module's
+      gradients the same way): each unit's gradient shard is then a tensor of its own, which an update begun during
+      backward frees once it has consumed it (fs.offload_state(store, params=True) with donate=True), where shards
+      that are views of a shared bucket stay until the update.
     """
 
     name = "bucket_reduce"
     stages = {"reduce": "set"}
 
-    def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg"):
+    def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg",
+                 per_unit: bool = False):
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ArgumentError(f"fs.bucket_reduce: bucket_mb must be a number > 0, got {bucket_mb!r}.")
         if op not in ("avg", "sum"):
@@ -261,10 +277,14 @@ class bucket_reduce(Transform):
                                          or not reduce_dtype.is_floating_point):
             raise ArgumentTypeError(
                 f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
-        self.bucket_mb, self.reduce_dtype, self.op = bucket_mb, reduce_dtype, op
+        if not isinstance(per_unit, bool):
+            raise ArgumentTypeError(f"fs.bucket_reduce: per_unit must be True or False, got {per_unit!r}.")
+        self.bucket_mb, self.reduce_dtype, self.op, self.per_unit = bucket_mb, reduce_dtype, op, per_unit
 
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
-        return BucketReduce(int(self.bucket_mb * 2**20), self.reduce_dtype, self.op)
+        return BucketReduce(int(self.bucket_mb * 2**20), self.reduce_dtype, self.op, self.per_unit)
 
     def __repr__(self) -> str:
+        if self.per_unit:
+            return f"fs.bucket_reduce(per_unit=True, op={self.op!r})"
         return f"fs.bucket_reduce(bucket_mb={self.bucket_mb}, op={self.op!r})"

@@ -303,16 +303,21 @@ class Comm:
 
 class CollectivesView(Collectives):
     """What policies get of a step's ``Comm`` (``fs.Collectives``): the mesh and the collectives a policy may issue.
-    The rest of ``Comm`` (gathers, timing, draining) belongs to the step."""
+    The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each collective
+    (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
+    fshard/_reads.py)."""
 
-    def __init__(self, comm: Comm):
-        self._comm, self.mesh = comm, comm.mesh
+    def __init__(self, comm: Comm, before=None):
+        self._comm, self.mesh, self._before = comm, comm.mesh, before or (lambda: None)
 
     def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        self._before()
         return self._comm.all_reduce(t, tag)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
+        self._before()
         return self._comm.reduce_scatter(out, full, tag)
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+        self._before()
         return self._comm.reduce_each(sections, tag)

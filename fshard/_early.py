@@ -37,23 +37,27 @@ def param_key(key: str) -> str:
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record) -> None:
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items and, for parameters in the store, a second one over their head items in lockstep (item i of both covers
-    the same elements), so each read, update and write-back overlaps the next chunk's read. The caller holds the
-    store's lock. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic."""
+    the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
+    holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
+    (``StoredParam.load``, on the step's reader thread) go between this stream's items instead of waiting for the
+    whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic."""
     keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
     where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
-    streams = [store.stream(keys, depth=depth, writeback=True)]
-    if pkeys:
-        streams.append(store.stream(pkeys, depth=depth, writeback=True))
+    with locked(store):
+        streams = [store.stream(keys, depth=depth, writeback=True)]
+        if pkeys:
+            streams.append(store.stream(pkeys, depth=depth, writeback=True))
     try:
         its = [iter(s) for s in streams]
         for i, c in where:
             w = work[i]
             t0 = time.perf_counter()
             spans.setdefault(i, [t0, t0])
-            item = next(its[0])  # waits for read(i); reads i+1 .. i+depth are in flight
-            pitem = next(its[1]) if w.pkey is not None else None
+            with locked(store):
+                item = next(its[0])  # waits for read(i); reads i+1 .. i+depth are in flight
+                pitem = next(its[1]) if w.pkey is not None else None
             t_wait += time.perf_counter() - t0
             lo, hi = w.state.exp_avg.items.chunks[c]
             mv = item.tensor
@@ -65,7 +69,8 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
             t0 = time.perf_counter()
             done = [(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else [])
             for s, it_, k in done:
-                s.writeback(it_, key=k)  # async; waits only if too many writes are in flight
+                with locked(store):
+                    s.writeback(it_, key=k)  # async; waits only if too many writes are in flight
                 if not donate:
                     created.append(k)
                 n = it_.tensor.numel() * it_.tensor.element_size()
@@ -78,7 +83,8 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
         error = None
         for s in streams:
             try:
-                s.close()  # completes every write-back (raises the first error)
+                with locked(store):
+                    s.close()  # completes every write-back (raises the first error)
             except BaseException as e:  # noqa: BLE001 - close the other stream too, then raise
                 error = error or e
         t1 = time.perf_counter()

@@ -287,8 +287,7 @@ class OffloadUpdate(UpdatePolicy):
     # --- the pipeline --------------------------------------------------------------------------------------------
 
     def _stream(self, opt, work, scale, created, m, donate, record) -> None:
-        with locked(self.store):  # the store serves one thread at a time (a background save reads it too)
-            stream_update(self.store, self.depth, opt, work, scale, created, m, donate, record)
+        stream_update(self.store, self.depth, opt, work, scale, created, m, donate, record)
 
     def _put(self, name: str, s: AdamWState, created, m, record) -> AdamWState:
         """Move a unit's in-memory moments into the store as chunk items."""

@@ -48,7 +48,7 @@ MEMORY = (
     ("mem/grad_shard_bytes", "gradient shards (held until the update)"),
     ("mem/grad_shard_peak_bytes", "of those, held at once (an update during backward frees them)"),
     ("mem/accum_bytes", "gradients summed over micro-batches"),
-    ("mem/param_read_bytes", "a parameter shard read from a store for a gather (and its cast)"),
+    ("mem/param_read_bytes", "parameter shards read from a store for gathers, at once"),
 )
 TRAFFIC = (
     ("comm/gather_bytes", "all-gathers (gathered bytes)"),

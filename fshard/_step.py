@@ -33,6 +33,7 @@ from ._errors import (ArgumentTypeError, LossError, RankDivergenceError, Transfo
                       UnboundParameterError)
 from ._init import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
+from ._reads import Reader
 from ._recompute import with_buffers
 from ._state import TrainState
 from ._stored import StoredParam
@@ -76,6 +77,7 @@ class Step:
         self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
+        self._reader = Reader()  # reads parameter shards held in a store ahead of their gathers
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -129,6 +131,7 @@ class Step:
         to the caller (close them with ``store.close()``)."""
         if not self._closed:
             self._closed = True
+            self._reader.close()
             self.policy.close()
 
     def __enter__(self) -> "Step":
@@ -178,7 +181,7 @@ class Step:
         with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
             for i, mb in enumerate(micro):
                 runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                    donate=self.donate))
+                                    donate=self.donate, reader=self._reader))
                 mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                 losses.append(mb_loss)
                 accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches

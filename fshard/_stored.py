@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -98,21 +99,29 @@ class StoredParam(_Flat):
     def key(self) -> str:
         return (self.head or self.tail).key
 
-    def load(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The shard, read back from the store into ``out`` (a new CPU tensor by default). The caller holds the
-        store's lock where another thread may use the store (``locked(store)``)."""
-        out = torch.empty(self.numel, dtype=self.dtype) if out is None else out
+    def load(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The shard, read back from the store into a new CPU tensor, cast to ``dtype`` (its own by default) as each
+        item lands. Each store operation holds the store's lock (``locked(store)``) by itself, so a thread that
+        streams an update through the same store interleaves with these reads item by item. ``READS_IN_FLIGHT``
+        items are read at a time, each into the store's own memory (in place, no staging), then copied (cast)
+        into the result: the shard in its stored dtype is never whole in memory."""
+        out = torch.empty(self.numel, dtype=self.dtype if dtype is None else dtype)
+        store, pending = (self.head or self.tail).store, deque()
+
+        def land():
+            (lo, hi), h = pending.popleft()
+            with locked(store):
+                t = h.wait()
+            out[lo:hi].copy_(t.view(-1))  # (the cast, outside the lock)
+
         for part, base in ((self.head, 0), (self.tail, self.opt_numel)):
-            if part is not None:
-                # into ``out``, READS_IN_FLIGHT at a time: a read into a caller's tensor goes through a pool
-                # buffer, so all at once would stage the whole shard a second time
-                handles = []
-                for (lo, hi), k in zip(part.chunks, part.item_keys()):
-                    if len(handles) == READS_IN_FLIGHT:
-                        handles.pop(0).wait()
-                    handles.append(part.store.get(k, out=out[base + lo:base + hi].view(1, -1)))
-                for h in handles:
-                    h.wait()
+            for (lo, hi), k in zip(part.chunks, part.item_keys()) if part is not None else ():
+                if len(pending) == READS_IN_FLIGHT:
+                    land()
+                with locked(store):
+                    pending.append(((base + lo, base + hi), store.get(k)))
+        while pending:
+            land()
         return out
 
     def renewed(self, head: _Items | None) -> "StoredParam":
@@ -143,11 +152,8 @@ def put_param(store, key: str, p: torch.Tensor, opt_numel: int, chunk: int, crea
 
 
 def resident(t):
-    """A parameter leaf as a tensor: a ``StoredParam`` read back (under its store's lock), a tensor as it is."""
-    if not isinstance(t, StoredParam):
-        return t
-    with locked((t.head or t.tail).store):
-        return t.load()
+    """A parameter leaf as a tensor: a ``StoredParam`` read back, a tensor as it is."""
+    return t.load() if isinstance(t, StoredParam) else t
 
 
 def _location(store) -> str:

@@ -22,6 +22,7 @@ from ._base import StepView, UnitView
 from ._collectives import CollectivesView
 from ._errors import PolicyError, RecomputeError, TemplateCallError
 from ._layout import UnitLayout, views
+from ._reads import Launches, Reader
 from ._recompute import attach, detach, produced, through
 from ._route import _ACTIVE, _UnitForward
 from ._routed import finish_groups
@@ -81,6 +82,9 @@ class UnitRun(UnitView):
         self._buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
         self._flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
         self._pending = None  # the Flight of a gather into ``_buf`` that nobody has waited on yet
+        self._read = None  # the Future of the reader's read of a stored shard, until its gather is issued
+        self._held = 0  # bytes of the read shard a gather in flight holds
+        self._queued = False  # launched, its gather not issued yet (fshard/_reads.py)
         self._grad: torch.Tensor | None = None
         self._got = [False] * len(layout.trainable)
         self._attached: list | None = None  # in backward, the module's parameters set to views of the buffer
@@ -94,7 +98,7 @@ class UnitRun(UnitView):
 
     @property
     def in_flight(self) -> bool:
-        return self._pending is not None
+        return self._pending is not None or self._queued
 
     def got_all(self) -> bool:
         got = self._run._acc.got_so_far(self.name, self._got)
@@ -108,37 +112,72 @@ class UnitRun(UnitView):
     def launch(self) -> None:
         if self.alive:
             return
-        comm, dtype = self._run._comm, self._run._param_dtype or self.layout.dtype
+        run, comm, dtype = self._run, self._run._comm, self._run._param_dtype or self.layout.dtype
         with comm.gather_scope():
             if self._buf is None:
                 self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
             else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
                 self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
-            if self._stored is not None:  # read now, freed once the gather has copied it
-                t0 = time.perf_counter()
-                shard = (resident(self._stored).to(self.shard.device) if not comm.dry else  # (step.plan: counted)
-                         torch.empty(self._stored.numel, dtype=self._stored.dtype, device="meta"))
-                self._run._loaded_bytes += self._stored.nbytes
-                read = self._stored.nbytes + (self._stored.numel * dtype.itemsize if dtype != shard.dtype else 0)
-                self._run._read_peak = max(self._run._read_peak, read)  # the shard read, and its cast
-                if comm.spans is not None:
-                    comm.span("store", f"read {self.name}", t0, time.perf_counter())
-            else:
-                shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
-            if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
-                t0 = time.perf_counter()
-                shard = shard.to(dtype)
-                if comm.spans is not None:
-                    comm.span("cast", f"cast {self.name}", t0, time.perf_counter())
-            self._pending = comm.gather(self._alias(), shard, self.name)
+        if self._stored is not None:  # read ahead on the reader thread, freed once the gather has copied it
+            self._held = self._stored.numel * dtype.itemsize  # the shard read, in the compute dtype
+            run._read_bytes += self._held
+            run._read_peak = max(run._read_peak, run._read_bytes)
+            run._loaded_bytes += self._stored.nbytes
+            if run._reader is not None and not comm.dry:
+                self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}")
         self.alive = True
-        self._run._on_alive(self, +1)
+        run._on_alive(self, +1)
+        self._queued = True
+        run._launches.queue.append(self)  # gathers are issued in launch order (fshard/_reads.py)
+        run._launches.pump()
+
+    def _read_done(self) -> bool:
+        return self._read is None or self._read.done()
+
+    def _issue(self) -> None:
+        """Issue the gather of a launched unit (its read, if any, done: waited for here)."""
+        self._queued = False
+        comm, dtype = self._run._comm, self._run._param_dtype or self.layout.dtype
+        if self._stored is not None:
+            if comm.dry:  # step.plan: counted, not read
+                shard = torch.empty(self._stored.numel, dtype=dtype, device="meta")
+            elif self._read is None:  # no reader: read here
+                shard = self._stored.load(dtype).to(self.shard.device)
+            else:
+                read, self._read = self._read, None
+                shard = read.result().to(self.shard.device)
+        else:
+            shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
+        if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
+            t0 = time.perf_counter()
+            shard = shard.to(dtype)
+            if comm.spans is not None:
+                comm.span("cast", f"cast {self.name}", t0, time.perf_counter())
+        with comm.gather_scope():
+            self._pending = comm.gather(self._alias(), shard, self.name)
+
+    def _abandon_read(self) -> None:
+        self._queued = False
+        read, self._read = self._read, None
+        if read is not None:
+            try:
+                read.result()
+            except BaseException:  # noqa: BLE001 - the step already failed for its own reason
+                pass
+
+    def _gathered(self) -> None:
+        """Wait for the gather in flight; the shard read for it is gone with it."""
+        self._pending.wait()
+        self._pending = None
+        self._run._read_bytes -= self._held
+        self._held = 0
 
     def acquire(self) -> None:
         self.launch()
+        if self._queued:
+            self._run._launches.pump(until=self)
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            self._gathered()
         if self._flat is None:
             if self.shard.requires_grad:
                 with torch.enable_grad():  # even if this first use runs under no_grad, later uses need the node
@@ -156,9 +195,10 @@ class UnitRun(UnitView):
             detach(self._attached)
             self._attached = None
         if self.alive:
+            if self._queued:  # launched, not issued yet: every rank issues it, so this one does too
+                self._run._launches.pump(until=self)
             if self._pending is not None:  # a gather still writing into this buffer must finish first
-                self._pending.wait()
-                self._pending = None
+                self._gathered()
             self._run._on_alive(self, -1)
             self._run._comm.before_free()
             self._buf.untyped_storage().resize_(0)
@@ -209,9 +249,11 @@ class StepRun(StepView):
     saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
-                 donate: bool = False):
+                 donate: bool = False, reader: Reader | None = None):
         self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
-        self._comm, self.comm = comm, CollectivesView(comm)  # the step's Comm; what policies may use of it
+        self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/_reads.py)
+        # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
+        self._comm, self.comm = comm, CollectivesView(comm, before=self._launches.flush)
         self.grads_unchanged, self.grads_unread = policy.grads_unchanged, policy.grads_unread
         self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
         self.phase = "forward"  # the step sets "backward" once forward has returned
@@ -228,7 +270,8 @@ class StepRun(StepView):
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
         self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
         self._grad_peak = 0  # the most gradient-shard bytes held at once
-        self._read_peak = 0  # the largest parameter shard read from a store (and its cast) for one gather
+        self._reader = reader  # reads the shards held in a store
+        self._read_bytes = self._read_peak = 0  # parameter shards read from a store (or being read) for gathers
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
         self._phase_peak = {"forward": 0, "backward": 0}
         self._group_calls: list = []  # calls of routed containers in this micro-batch's forward
@@ -384,6 +427,7 @@ class StepRun(StepView):
         """Drop every tensor this micro-batch's runtime holds and break its reference cycles (StepRun <->
         UnitRun, and flat buffer -> autograd node -> UnitRun), so a finished step frees its memory at once, not at
         the next cycle collection."""
+        self._launches.drop()  # (left only by a failure: no gather may be issued after it)
         for unit in self.units.values():
             unit.release()
             unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = None

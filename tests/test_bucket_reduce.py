@@ -38,6 +38,7 @@ def _configs():
         "whole": (fs.bucket_reduce(bucket_mb=1e4),),  # one bucket for the whole model
         "per_param+ahead": (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=1e-6)),
         "whole+ahead": (fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=1e4)),
+        "per_unit+ahead": (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True)),  # FSDP2's per-module reduce
     }
 
 
@@ -96,6 +97,10 @@ def test_bucketed_matches_blocking_at_every_bucket_size(world_size):
         per_param = [c for c in ranks[0]["per_param"][3][0] if c[0] == "reduce"]
         whole = [c for c in ranks[0]["whole"][3][0] if c[0] == "reduce"]
         assert len(whole) == world_size and len(per_param) > 4 * world_size
+        per_unit = [c for c in ranks[0]["per_unit+ahead"][3][0] if c[0] == "reduce"]  # one bucket per unit
+        import fshard as fs
+        trainable = sum(bool(u.trainable) for u in fs.init(_model(name)[0], fs.Mesh.local(), fs.adamw()).spec.units)
+        assert len(per_unit) == world_size * len({c[1].split("/")[0] for c in per_unit}) == world_size * trainable
 
 
 def _param_diff(full, ref):

@@ -46,7 +46,8 @@ def _train(directory, model_name, extras, donate=False, at_init=False):
     model, loss_fn, batches = {"gpt": _gpt, "awkward": _awkward}[model_name]()
     extra = {"plain": (), "transforms": (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.02)),
              "bf16": (fs.gather_ahead(2), fs.mixed_precision(torch.bfloat16)),
-             "bf16copies": (fs.mixed_precision(torch.bfloat16, param_copies=True),)}[extras]
+             "bf16copies": (fs.mixed_precision(torch.bfloat16, param_copies=True),),
+             "unit": (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(torch.bfloat16))}[extras]
     out = {}
     for kind in ("none", "cpu", "nvme"):
         store = {"none": lambda: None, "cpu": lambda: fs.CPUStore(),
@@ -85,7 +86,7 @@ def _check(ranks):
 
 @pytest.mark.parametrize("world_size,model,extras", [
     (1, "gpt", "plain"), (2, "gpt", "plain"), (2, "gpt", "transforms"), (2, "gpt", "bf16"),
-    (1, "awkward", "bf16copies"), (2, "awkward", "transforms")])
+    (1, "awkward", "bf16copies"), (2, "awkward", "transforms"), (2, "gpt", "unit")])
 def test_parameter_offload_trains_bitwise_the_same(tmp_path, world_size, model, extras):
     args = (str(tmp_path), model, extras)
     ranks = run_ranks(_train, world_size, *args) if world_size > 1 else [_train(*args)]
@@ -215,3 +216,71 @@ def test_the_plan_counts_what_parameter_offload_holds_and_refuses_a_budget_it_ca
                     state, m = step(state, b)
                     assert m["mem/grad_shard_peak_bytes"] <= plan["mem/grad_shard_peak_bytes"]
                     assert m["mem/param_read_bytes"] == plan["mem/param_read_bytes"] > 0
+
+
+class _SlowReads:
+    """A store whose reads each wait a random time drawn per rank (so ranks finish their reads in different orders
+    of time) and that notes which thread asked for each parameter item while ``watch`` is on."""
+
+    def __init__(self, store, seed: int):
+        import random
+        self._store, self._rng, self.watch, self.threads = store, random.Random(seed), False, set()
+
+    def get(self, key, out=None):
+        import threading
+        import time
+        time.sleep(self._rng.random() * 0.004)
+        if self.watch and ("/param" in str(key[0]) or "/tail" in str(key[0])):
+            self.threads.add(threading.current_thread().name)
+        return self._store.get(key, out=out)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _train_slow(directory, delays: bool):
+    """Parameter offload with gather_ahead(2) + per-unit buckets + bf16 + donate, reads slowed at random per rank:
+    losses, bytes, each step's collectives, the threads that read parameter items during steps, and the last
+    metrics."""
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    model, loss_fn, batches = _gpt()
+    store = fs.CPUStore()
+    slow = _SlowReads(store, seed=mesh.rank + 7) if delays else store
+    off = fs.offload_state(slow, chunk_mb=0.002, params=True, overlap_backward=True)
+    state = fs.init(model, mesh, fs.adamw(lr=3e-3, weight_decay=0.1), offload=off)
+    losses, traces = [], []
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(torch.bfloat16),
+                    off, donate=True, trace=True) as step:
+        for b in batches(mesh.rank, mesh.world_size):
+            slow.watch = True
+            state, m = step(state, b)
+            slow.watch = False
+            losses.append(m["loss"])
+            traces.append(m["trace/collectives"])
+    out = (losses, _bytes(state), traces, getattr(slow, "threads", None),
+           {k: v for k, v in m.items() if k.startswith(("mem/", "update/"))})
+    del state
+    gc.collect()
+    store.close()
+    return out
+
+
+def test_reads_run_ahead_on_the_reader_thread_and_ranks_issue_one_order_whatever_their_timing(tmp_path):
+    """fshard/_reads.py: a stored shard is read on the step's reader thread, its gather issued in launch order on
+    the compute thread, and every reduction issues the launched gathers first; so with reads slowed at random, and
+    differently on each rank, every rank issues the same collectives in the same order as without delays, and
+    training is bitwise the same. Per-unit buckets hand over shards of their own, which the updates during backward
+    free (fewer held at once than the step produces)."""
+    import fshard.testing as ft
+    slow = run_ranks(_train_slow, 2, str(tmp_path), True)
+    fast = run_ranks(_train_slow, 2, str(tmp_path), False)
+    for r in range(2):
+        assert slow[r][0] == fast[r][0] and slow[r][1] == fast[r][1], f"rank {r}: training differs"
+        assert slow[r][2] == fast[r][2], f"rank {r}: the collectives differ from the run without delays"
+        assert "MainThread" not in slow[r][3] and "fshard-read_0" in slow[r][3], slow[r][3]
+        m = slow[r][4]
+        assert m["update/overlapped_units"] > 1
+        assert m["mem/grad_shard_peak_bytes"] < m["mem/grad_shard_bytes"], m  # freed during backward
+    for s in range(STEPS):
+        ft.check_same_collectives([slow[r][2][s] for r in range(2)])

@@ -1,0 +1,80 @@
+"""Parameter shards held in a store (``offload_state(params=True)``), read ahead of their gathers.
+
+A unit whose shard is in a store is read when its gather is launched: the read, and its cast to the compute dtype,
+run on the step function's reader thread (``Reader``) while compute goes on. The gather itself is a collective,
+which every rank must issue in the same order from one thread, so it is issued on the compute thread once the read
+is done: launched units wait in a queue (``Launches``) and their gathers are issued in launch order, at every
+launch, acquire and release of a unit (the heads whose reads are done), and all the way up to a unit that is
+acquired or released (waiting for the reads before it). Any other collective a policy issues (a reduction in
+backward) first issues every launched gather: gathers and the other collectives then interleave at the same
+places on every rank, whatever the reads' timing (the order ranks must agree on). So ``gather_ahead(depth)``'s prefetch reads ``depth``
+units ahead, and with ``depth >= 2`` the next unit's gather is issued while the current one computes
+(read -> gather -> compute, overlapped). Without a reader (``step.plan``'s dry run) a launch issues at once.
+
+The alternatives: reading on the compute thread at launch (what fshard did first) serialised every read with compute
+(about 2 of the 3.4 s of forward on the 8-layer scale GPT, benchmarks/RESULTS.md); issuing the gather from the reader
+thread would let two threads issue collectives (the reader's gathers and the compute thread's reductions in backward)
+in an order that differs from rank to rank, which gloo and NCCL pair up wrongly or hang on.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class Reader:
+    """The step function's reader thread (started at its first read; ``close()`` ends it). One thread: reads of one
+    store are serial anyway, and each store operation takes the store's lock, so the reads interleave item by item
+    with an update streaming through the same store on offload_state's worker."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read(self, stored, dtype, record, label: str) -> Future:
+        """Start reading ``stored`` (a ``StoredParam``) as a CPU tensor of ``dtype``; ``record(lane, label, t0,
+        t1)`` gets the read's span for the timeline."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-read")
+        return self._pool.submit(_read, stored, dtype, record, label)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _read(stored, dtype, record, label: str):
+    t0 = time.perf_counter()
+    out = stored.load(dtype)
+    record("store", label, t0, time.perf_counter())
+    return out
+
+
+class Launches:
+    """One micro-batch's launched units whose gathers are not issued yet, in launch order."""
+
+    def __init__(self):
+        self.queue: deque = deque()
+
+    def pump(self, until=None) -> None:
+        """Issue the gathers at the head of the queue whose reads are done; with ``until`` (a queued unit), every
+        one up to and including it, waiting for their reads."""
+        q = self.queue
+        while q and (until is not None or q[0]._read_done()):
+            unit = q.popleft()
+            unit._issue()
+            if unit is until:
+                return
+
+    def flush(self) -> None:
+        """Issue every launched gather (waiting for their reads): before any other collective, so that gathers
+        and reductions interleave at the same places on every rank, whenever the reads complete."""
+        if self.queue:
+            self.pump(until=self.queue[-1])
+
+    def drop(self) -> None:
+        """The micro-batch ended without issuing them (it failed): wait for their reads (the reader writes into
+        their results) and forget them."""
+        while self.queue:
+            self.queue.popleft()._abandon_read()
