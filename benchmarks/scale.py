@@ -17,8 +17,8 @@ disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a
   fshard-params  the same, but the parameters' fp32 master shards live in the NVMeStore too
           (offload_state(params=True)): each gather reads its unit's shard, and each unit's update streams master
           and moments during backward (overlap_backward, in place with donate) and frees its gradient shard;
-          gather_ahead(1) + mixed_precision (no bucket_reduce: a unit's gradient shard must be its own tensor to be
-          freed)
+          gather_ahead(2) (reads two units ahead) + bucket_reduce(per_unit=True) (each unit's gradient shard a
+          tensor of its own, so that it can be freed) + mixed_precision
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect ddp --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fsdp2 --out /tmp/scale.jsonl
@@ -196,7 +196,9 @@ def trial(args) -> None:
             ts = (fs.gather_ahead(1), fs.bucket_reduce(25), fs.mixed_precision(), off)
         else:
             off = fs.offload_state(store, params=True)
-            ts = (fs.gather_ahead(1), fs.mixed_precision(), off)
+            # reads two units ahead (fshard/_reads.py); one bucket per unit, so each gradient shard is a tensor of
+            # its own that the unit's update during backward frees
+            ts = (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(), off)
         state = fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(), fs.adamw(lr=args.lr, weight_decay=0.1),
                         init_fn=init_weights, seed=0, offload=off)
         extra["init_s"] = time.perf_counter() - t_init

@@ -145,6 +145,11 @@ class StepView(Protocol):
         ``PolicyError``). The reduce policy calls it exactly once per unit it was given, by the time its ``finish``
         returns; in the last micro-batch it also offers the unit to the update policy's ``overlap``."""
 
+    def grad_freed(self, unit: UnitView) -> None:
+        """Say that ``unit``'s gradient shard has been freed (an update during backward consumed it, when
+        ``grads_unread``), so the step's count of shards held at once (``mem/grad_shard_peak_bytes``) drops. Any
+        thread may call it until the step returns."""
+
     def record(self, lane: str, label: str, t0: float, t1: float) -> None:
         """Add a span (``lane``: the kind of work, e.g. "store"; ``label``: what ran, e.g. "write blocks.0"; ``t0``,
         ``t1``: ``time.perf_counter()`` seconds) to this step's timeline when one is recorded (``fs.compose(...,
@@ -223,7 +228,8 @@ class GatherPolicy(Protocol):
 
     Attributes:
       schedule: the order in which the step acquires units (an ``fs.Schedule``), for policies that follow one;
-        None otherwise. ``step.schedule`` shows it.
+        None otherwise. ``step.schedule`` shows it. Before any step, ``step.plan`` sets it, on its copy of the
+        policy, to the schedule a first step records for a model that calls its units in layout order.
       param_dtype: the dtype units are gathered and computed in (None: each unit's own, its master dtype). The
         step casts the shard to it for each gather, and the floating-point tensors passed to a unit's call (as
         FSDP2's ``cast_forward_inputs``); gradients then arrive in it (``fs.mixed_precision`` sets it).
@@ -277,9 +283,14 @@ class ReducePolicy(Protocol):
       reduce_dtype: the dtype it reduces in (None: the gradient's own). With micro-batches (``fs.accumulate``)
         the step sums each unit's gradient in it before the one reduction, as FSDP2 accumulates unsharded
         gradients in its ``reduce_dtype``, so fp16/bf16 gradients are not summed in their own precision.
+      widens: ``reduce`` takes a gradient narrower than the dtype it is wrapped to reduce in (bf16 for fp32) and
+        widens it piece by piece as it copies it into its own buffers, with the same values as a cast first; so a
+        wrapper that would cast the whole gradient (fs.mixed_precision) hands it over as it is, and the unit's
+        gradient is never held twice at once (bucket_reduce: 192 MiB less per 50M-parameter unit). Default False.
     """
 
     reduce_dtype: torch.dtype | None = None
+    widens: bool = False
 
     def reduce(self, step: StepView, unit: UnitView, grad: torch.Tensor) -> None:
         """Start reducing ``grad`` (the unit's whole flat gradient, summed over the step's micro-batches).

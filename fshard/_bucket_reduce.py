@@ -143,7 +143,10 @@ class _Pending:
 
 class BucketReduce(ReducePolicy):
     """The reduce policy of ``fs.bucket_reduce``. The plan lives here (made once per layout); one step's buckets
-    live in ``step.scratch(self)``."""
+    live in ``step.scratch(self)``. It widens a narrower gradient as it copies each piece into its bucket (the
+    buckets are in the units' own dtype, or ``reduce_dtype``): ``widens``."""
+
+    widens = True
 
     def __init__(self, bucket_bytes: int, reduce_dtype, op: str, per_unit: bool = False):
         self.bucket_bytes, self.reduce_dtype, self.op, self.per_unit = bucket_bytes, reduce_dtype, op, per_unit

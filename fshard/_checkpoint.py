@@ -31,7 +31,7 @@ from ._ckpt_files import FORMAT, MANIFEST, commit, latest, prepare, verify  # no
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _SavePlanner, _StreamingReader, slot_boxes
 from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ._offload import offload_state
-from ._place import choose_units
+from ._place import choose_stores
 from ._optim import AdamWState
 from ._state import TrainState
 from ._stored import Stored, StoredParam, _chunks, _Items, _location, _stored_state
@@ -277,7 +277,7 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
     """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
     fill, in order: (unit index, chunk index) -> (items, numel, dtype))."""
     spec, rank = like.spec, like.spec.mesh.rank
-    chosen = choose_units(spec, like.opt_state, offload.fraction) if offload is not None else frozenset()
+    chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
     tag = uuid.uuid4().hex[:8]
     out = {}
     for order, u in enumerate(spec.units):
@@ -286,7 +286,7 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
             continue
         n, count = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64)
         if offload is not None:
-            where = (offload.store, _chunks(n, offload.chunk_numel)) if u.name in chosen else None
+            where = (chosen[u.name], _chunks(n, offload.chunk_numel)) if u.name in chosen else None
         else:
             where = (st.exp_avg.items.store, st.exp_avg.items.chunks) if isinstance(st.exp_avg, Stored) else None
         if where is None:

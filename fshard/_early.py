@@ -120,10 +120,12 @@ class _Early:
     the step fails first (``abandon``). A step that donates its input writes in place instead (``in_place``: the
     policy marked the input donated first)."""
 
-    def __init__(self, owner, opt, name, param, copy, grad, s, segs, count, key, record, free_grad=False,
+    def __init__(self, owner, store, opt, name, param, copy, grad, s, segs, count, key, record, free_grad=None,
                  in_place=False):
-        self.store, self.opt, self.name, self.param, self.grad, self.s = owner.store, opt, name, param, grad, s
-        self.free_grad, self.in_place = free_grad, in_place  # in_place: the step donates (key is the input's)
+        self.store, self.opt, self.name, self.param, self.grad, self.s = store, opt, name, param, grad, s
+        # free_grad: (step, unit) whose shard to free once consumed, or None; in_place: the step donates
+        self.free_grad, self.in_place = free_grad is not None, in_place
+        self.freed, self.unit = (free_grad[0].grad_freed, free_grad[1]) if free_grad is not None else (None, None)
         self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
         self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
         self.created: list = []  # keys written so far (appended by the worker)
@@ -144,8 +146,9 @@ class _Early:
                           self.metrics, donate=self.in_place, record=self.record)
             if pkey is not None and not self.in_place:
                 p = p.renewed(_Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
-            if self.free_grad:  # nothing reads the shard after its update (StepView.grads_unread): free it now
+            if self.free_grad and owns_storage(self.grad):  # nothing reads it after its update (grads_unread)
                 _free(self.grad)
+                self.freed(self.unit)
         finally:
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)

@@ -72,6 +72,10 @@ class _Precision(GatherPolicy):
     def schedule(self):
         return self.inner.schedule
 
+    @schedule.setter
+    def schedule(self, schedule):  # (step.plan, on its copy of the policy: the schedule a first step will record)
+        self.inner.schedule = schedule
+
     def start(self, step):
         self.inner.start(step)
 
@@ -102,13 +106,21 @@ class _ReduceIn(ReducePolicy):
         self.inner, self.reduce_dtype = inner, reduce_dtype
 
     def reduce(self, step, unit, grad):
-        self.inner.reduce(step, unit, grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype))
+        if grad.dtype != self.reduce_dtype and not (self.inner.widens and _widening(grad.dtype, self.reduce_dtype)):
+            grad = grad.to(self.reduce_dtype)
+        self.inner.reduce(step, unit, grad)
 
     def finish(self, step):
         self.inner.finish(step)
 
     def close(self):
         self.inner.close()
+
+
+def _widening(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly a ``dst`` value (bf16 or fp16 -> fp32): a policy that widens as it
+    copies then computes what a cast first would."""
+    return torch.promote_types(src, dst) == dst and dst.itemsize > src.itemsize
 
 
 class mixed_precision(Transform):

@@ -4,8 +4,9 @@ parameters (a model that fits only in the store can be initialised).
 
 The alternative, moving them on the first step (what ``offload_state`` does with a state from a plain ``fs.init``),
 needs every moment on the device first: a 6.3B-parameter GPT's 50 GB of moments beside its 25 GB of fp32 weights
-ran an H100 out of memory at init. The placement is the transform's own (``choose_units``: whole units in model order
-up to ``fraction`` of the moment bytes, chunks of ``chunk_mb``), so the step finds them where it would have put them.
+ran an H100 out of memory at init. The placement is the transform's own (``choose_tiers``: whole units in model order,
+each tier's ``fraction`` of the moment bytes in turn, chunks of ``chunk_mb``), so the step finds them where it would
+have put them.
 """
 from __future__ import annotations
 
@@ -18,21 +19,34 @@ from .store._protocol import locked
 
 
 def choose_units(spec, opt_state, fraction: float) -> frozenset:
-    """The units offload_state(fraction=...) places in its store: whole units in model order until their moments
-    make up ``fraction`` of all moment bytes (fs.load(..., offload=) places a loaded state's moments the same way)."""
-    return choose_layouts([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fraction)
+    """The units offload_state(store, fraction=...) places in its store: whole units in model order until their
+    moments make up ``fraction`` of all moment bytes."""
+    return frozenset(choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank,
+                                  (fraction,)))
 
 
-def choose_layouts(layouts, rank: int, fraction: float) -> frozenset:
-    """``choose_units`` over the unit layouts that have moments, before a state exists (fs.init(..., offload=))."""
+def choose_tiers(layouts, rank: int, fractions) -> dict:
+    """Unit name -> tier (an index into ``fractions``): whole units in model order, the first ones to tier 0 until
+    their moments make up ``fractions[0]`` of all moment bytes, the next ones to tier 1 until the tiers so far hold
+    ``fractions[0] + fractions[1]``, and so on; the units left stay on the device (absent)."""
     sizes = [(u.name, 2 * u.opt_numel(rank)) for u in layouts]
-    total, acc, names = sum(b for _, b in sizes), 0, set()
+    total, acc, out, tier, bound = sum(b for _, b in sizes), 0, {}, 0, fractions[0]
     for name, b in sizes:
-        if acc >= fraction * total - 1e-9 * total:
+        while tier < len(fractions) and acc >= (bound - 1e-9) * total:  # this tier is full: the next one
+            tier += 1
+            bound += fractions[tier] if tier < len(fractions) else 0.0
+        if tier == len(fractions):
             break
-        names.add(name)
+        out[name] = tier
         acc += b
-    return frozenset(names)
+    return out
+
+
+def choose_stores(spec, opt_state, stores, fractions) -> dict:
+    """Unit name -> the store of its tier (``choose_tiers`` over the units that have moments): offload_state's
+    placement, which fs.init(..., offload=) and fs.load(..., offload=) follow too."""
+    tiers = choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fractions)
+    return {name: stores[t] for name, t in tiers.items()}
 
 
 def placer(offload, layouts, mesh):
@@ -45,13 +59,14 @@ def placer(offload, layouts, mesh):
     if not isinstance(offload, offload_state):
         raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
                                 f"with, not {type(offload).__name__}.")
-    store, chunk, tag = offload.store, offload.chunk_numel, uuid.uuid4().hex[:8]
+    chunk, tag = offload.chunk_numel, uuid.uuid4().hex[:8]
     # the units AdamW makes moments for (AdamW.init: the trainable ones)
-    chosen = choose_layouts([u for u in layouts if u.trainable], mesh.rank, offload.fraction)
+    tiers = choose_tiers([u for u in layouts if u.trainable], mesh.rank, offload.fractions)
 
     def place(u, param, s):
-        if u.name not in chosen:
+        if u.name not in tiers:
             return param, s
+        store = offload.stores[tiers[u.name]]
         created = []
         try:
             with locked(store):

@@ -1,39 +1,19 @@
-"""step.plan(state, batch): what one step will cost on this rank, before it runs.
-
-The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
-gather, reduce and grads policies called in the order a step calls them, and a dry ``Comm`` (``dry=True``: the
-step's own bookkeeping of every collective, with no transport) that counts what each would move. The order is the
-schedule the gather policy holds, else the one the last step of this step function observed (which units forward
-called and backward read, and which parameters got a gradient), else, before any step, the layout's order with
-every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and
-no stage needs a cost model of another. The update stage, which touches state rather than layouts, says what it
-will write and read through ``UpdatePolicy.plan``. Nothing of the model's compute runs: activations are not in the
-plan (they are the model's, as in DDP or FSDP2), and neither are the framework's own allocations. The plan
-assumes the update runs: a step that skips it (non-finite gradients, an fp16 overflow) makes no new state and
-writes nothing to a store.
+"""``fs.Plan``: what one step will hold and move on this rank (``step.plan(state, batch)``, made by fshard/_planner.py),
+its prediction of the process's peak RSS, the check against a memory budget and the offload fractions that fit it.
 
 Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py
-checks they agree within 5%). Policies are copied before the simulation, so planning changes no schedule or
-bucket plan of the real step.
+checks they agree within 5%).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-from types import SimpleNamespace
+import math
 
 import optree
 import torch
 
-from ._accumulate import Accumulator
 from ._errors import MemoryBudgetError
-from ._base import Grads, UpdatePolicy
-from ._agreement import CHECKED, agree
-from ._collectives import Comm, CollectivesView
-from ._init import ROOT
 from ._state import NAMESPACE
-from ._stored import StoredParam
-from ._unit import StepRun
 
 # (metric, what it is): the rows of print(plan), in order
 MEMORY = (
@@ -71,11 +51,17 @@ class Plan:
       rank, world_size, micro_batches, donate, params: the setting it was made for (params: parameters in the
         model, for the DDP comparison line).
       unknown: stages whose policy says nothing of its cost (their figures count as 0).
-      bounds: figures a step does not measure, name -> bytes: ``store/peak_bytes``, the most the optimizer's store
+      tiers: the step's offload_state stores, nearest first, as ``(location, in_memory, fraction)``; empty without
+        offload_state. device: the mesh's device type ("cpu", "cuda").
+      bounds: figures a step does not measure, name -> bytes: ``offload/movable_bytes`` (the state offload_state
+        moves off the device per unit, all units: moments, and parameters and their copies with ``params=True``)
+        and ``offload/device_bytes`` (the part of it on the device now); ``store/peak_bytes``, the most the optimizer's store
         (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore; tests/test_reliability.py
-        samples it); ``store/buffer_bytes``, the store's pool buffers its streams use at most (host memory);
-        ``mem/activation_bytes``, the storages the last step's forward saved for backward (activations; measured
-        by the step as ``metrics["mem/activation_bytes"]``; absent before the step function's first step).
+        samples it; with several stores, their sum); ``store/memory_peak_bytes``, the part of it in stores that
+        live in memory (CPUStore: host RAM); ``store/buffer_bytes``, the store's pool buffers its streams use at
+        most (host memory); ``mem/activation_bytes``, the storages forward saves for backward (activations):
+        measured by the last step (``metrics["mem/activation_bytes"]``), or before a step function's first step
+        estimated by a forward on the meta device (``activations()``; absent where the model cannot run there).
     """
 
     figures: dict
@@ -87,6 +73,8 @@ class Plan:
     unknown: tuple = ()
     bounds: dict = dataclasses.field(default_factory=dict)
     baseline_rss: int = 0
+    tiers: tuple = ()
+    device: str = "cpu"
 
     def __getitem__(self, key: str) -> int:
         return self.figures[key]
@@ -94,11 +82,12 @@ class Plan:
     @property
     def predicted_rss(self) -> int:
         """This process's peak RSS during the step, predicted: ``baseline_rss`` (its RSS when planned, less what the
-        state and the store's buffers held in memory then: the interpreter, torch, the model's template), plus the
-        peak of fshard-owned memory, plus the store's stream buffers, plus the activations the last step's forward
-        saved for backward (``bounds["mem/activation_bytes"]``; none before a step function's first step).
-        Allocator slack is not in it (benchmarks/RESULTS.md, "Parameter offload", measures how close it comes)."""
+        state and the stores held in memory then: the interpreter, torch, the model's template), plus the peak of
+        fshard-owned memory, plus the stores' stream buffers, plus what in-memory stores hold at their peak, plus
+        the activations (``bounds["mem/activation_bytes"]``). Allocator slack is not in it (benchmarks/RESULTS.md,
+        "Parameter offload", measures how close it comes)."""
         return (self.baseline_rss + self.figures["mem/peak_bytes"] + self.bounds.get("store/buffer_bytes", 0)
+                + self.bounds.get("store/memory_peak_bytes", 0)
                 + self.bounds.get("mem/activation_bytes", 0))
 
     def check(self, max_memory: int) -> "Plan":
@@ -123,10 +112,46 @@ class Plan:
         if not self.donate and big(f["mem/new_state_bytes"]):
             fixes.append(f"compose with donate=True (the update writes {_size(f['mem/new_state_bytes']).strip()} "
                          "of new state otherwise)")
+        fractions = self.fractions(max_memory)
+        if fractions is not None:
+            fixes.insert(0, f"offload more: fs.offload_state(({', '.join(t[0] for t in self.tiers)}), "
+                            f"fraction={fractions}) (Plan.fractions), here and in fs.init(..., offload=)")
         raise MemoryBudgetError(
             f"step.plan: this step needs about {_size(self.predicted_rss).strip()} on rank {self.rank} at its peak, "
             f"over max_memory={_size(max_memory).strip()}. Largest parts: {top}. To fit: "
             + ("; or ".join(fixes) if fixes else "a smaller model or batch, or more ranks") + ". Nothing ran.")
+
+    def fractions(self, max_memory: int) -> tuple | None:
+        """Fractions for the step's offload_state tiers (``fs.offload_state(stores, fraction=...)``, one per store)
+        under which this prediction fits ``max_memory``: the bytes over the budget (and a tenth more) move, as a
+        share of ``offload/movable_bytes``, off the device to the nearest tier that takes them out of the budget: a
+        store on disk on a CPU mesh, whose in-memory stores count against the same RAM (their units go there too,
+        if the device's are not enough), any store on CUDA. The current fractions when the plan fits already; None
+        without offload_state or when no placement of the state fits (the rest of the step is over the budget).
+        An estimate (the transients of offloaded units differ: reads instead of resident shards): plan again with
+        them."""
+        if not self.tiers:
+            return None
+        fr = [t[2] for t in self.tiers]
+        over = self.predicted_rss - max_memory
+        if over <= 0:
+            return tuple(fr)
+        relief = [i for i, t in enumerate(self.tiers) if not t[1] or self.device != "cpu"]
+        movable = self.bounds.get("offload/movable_bytes", 0)
+        if not relief or movable <= 0:
+            return None
+        need, to = 1.1 * over / movable, relief[0]
+        for j in [None] + [j for j in range(len(fr)) if j not in relief]:  # the device first, then RAM tiers
+            have = 1.0 - sum(fr) if j is None else fr[j]
+            take = min(need, have)
+            fr[to] += take
+            if j is not None:
+                fr[j] -= take
+            need -= take
+        if need > 1e-9:
+            return None
+        return tuple(min(1.0 - sum(fr[:i]) - sum(fr[i + 1:]), math.ceil(x * 100) / 100) if i == to else x
+                     for i, x in enumerate(fr))
 
     def __str__(self) -> str:
         f = self.figures
@@ -147,16 +172,6 @@ class Plan:
         if self.unknown:
             lines.append(f"(not planned: {', '.join(self.unknown)}: its policy has no plan)")
         return "\n".join(lines)
-
-
-def _rss() -> int:
-    """This process's resident set now (Linux; elsewhere its peak so far)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _size(b: int) -> str:
@@ -194,169 +209,3 @@ def peak_bytes(f: dict) -> int:
         "mem/grad_shard_peak_bytes", "mem/accum_bytes", "mem/param_read_bytes"))
 
 
-@dataclasses.dataclass(frozen=True)
-class _PlanMesh:
-    """The mesh a simulated step sees: the real rank and world size; unit data on meta. ``group`` is a stand-in
-    (never used: the Comm is dry) that is set where the real mesh has a process group, so that the dry Comm counts
-    exactly what the real one would."""
-
-    rank: int
-    world_size: int
-    backend: str
-    device: torch.device = torch.device("meta")
-    group: object = None
-
-
-def _dry_comm(mesh, device: str) -> Comm:
-    group = "simulated" if mesh.group is not None else None
-    return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), group), dry=True)
-
-
-def _copy(policy):
-    """A copy that shares nothing the simulation changes (a wrapper's inner policy included); a policy that
-    cannot be deep-copied (it holds a lock or a thread) is copied shallowly."""
-    try:
-        return copy.deepcopy(policy)
-    except Exception:  # noqa: BLE001
-        return copy.copy(policy)
-
-
-class _NoUpdate(UpdatePolicy):
-    """The simulated step begins no update during backward."""
-
-
-def plan(step, state, batch, observed=None) -> Plan:
-    """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective.
-    ``observed``: ``(forward, backward, active)`` of the last step this step function ran (the units forward called
-    and backward read, in order, and which parameters got a gradient): the order used when the gather policy holds
-    no schedule; before any step, the layout's order, reversed in backward, every parameter getting a gradient."""
-    spec, mesh = state.spec, state.spec.mesh
-    pol = step.policy
-    sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce),
-                              update=_NoUpdate())  # copies: planning must not change the real policies
-    comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
-    ctrl = _dry_comm(mesh, "cpu")  # control messages: tiny real tensors, as agree() and the grads stage make them
-    if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
-        agree(ctrl, [], [0] * CHECKED)
-    k = len(pol.batches(batch))
-    stored = {n: p for n, p in state.params.items() if isinstance(p, StoredParam)}  # (a gather counts, not reads)
-    fake = SimpleNamespace(spec=spec, params={u.name: stored.get(u.name) or
-                                              torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
-                                              for u in spec.units}, copies={})
-    acc, scratch, runs, accum = Accumulator(k), {}, [], 0
-    for i in range(k):
-        run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)
-        runs.append(run)
-        _simulate(sim, run, observed)
-        accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
-    run = runs[-1]
-    agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
-    shards = run._grad_shards()
-    ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
-    got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
-    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, spec=spec, active=got, transform_state=state.transform_state))
-    f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
-         "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
-         "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
-         "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
-         "mem/grad_shard_peak_bytes": sum(g.nbytes for g in shards.values()),  # (the update's plan may lower it)
-         "mem/param_read_bytes": max(r._read_peak for r in runs),
-         "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-         "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
-         "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
-         "mem/new_state_bytes": 0, **state_figures(state)}
-    unknown = ()
-    active = {name: list(u._got) for name, u in run.units.items()}
-    update = pol.update.plan(run, state, active, step.donate)  # while the simulated units still hold their grads
-    for r in runs:
-        r._close()
-    if update is None:
-        unknown = ("update",)
-    else:
-        f.update({k: f.get(k, 0) + v if k.startswith("io/") else v for k, v in update.items()})
-    bounds = {k: f.pop(k) for k in ("store/peak_bytes", "store/buffer_bytes", "store/pool_bytes") if k in f}
-    f["mem/peak_bytes"] = peak_bytes(f)
-    params = sum(s.numel for u in spec.units for s in u.slots)
-    held = f["mem/state_bytes"] + bounds.pop("store/pool_bytes", 0)  # in the process's RSS now, and in the plan
-    if observed is not None and len(observed) > 3:  # what the last step's forward saved for backward
-        bounds["mem/activation_bytes"] = observed[3]
-    return Plan(f, mesh.rank, mesh.world_size, k, step.donate, params, unknown, bounds,
-                max(0, _rss() - held))
-
-
-def _simulate(pol, run: StepRun, observed) -> None:
-    """One micro-batch's gather and reduce events, in the order a step makes them: the root bound around the
-    whole forward, each unit called in the schedule's order; in backward each unit read, its use finished, its
-    gradient handed to the reduce policy (the root's at the end), then the reduce policy's finish."""
-    gather, units = pol.gather, run.units
-    schedule = gather.schedule
-    if schedule is not None:
-        forward, backward = [n for n in schedule.forward if n != ROOT], list(schedule.backward)
-    elif observed is not None:
-        forward, backward = list(observed[0]), list(observed[1])
-    else:
-        forward = [n for n in units if n != ROOT]
-        backward = ([ROOT] if ROOT in units else []) + forward[::-1]
-    if observed is not None:  # which parameters got a gradient, as in the last step
-        for name, got in observed[2].items():
-            if name in units:
-                units[name]._got = list(got)
-    else:
-        for u in units.values():
-            u._got = [True] * len(u._got)
-    for u in units.values():  # a routed group's members move together here (below), not through its calls
-        u._member = False
-    gather.start(run)
-    root = units.get(ROOT)
-    if root is not None:
-        gather.before_forward(run, root)
-    for names in _chunks(forward, run.spec.groups):
-        for name in names:
-            run.order.append(name)
-            gather.before_forward(run, units[name])
-        for name in names:
-            gather.after_forward(run, units[name])
-    if root is not None:
-        gather.after_forward(run, root)
-    run.phase = "backward"
-    last = {n: i for i, n in enumerate(backward)}
-    i = 0
-    for names in _chunks(backward, run.spec.groups):
-        for name in names:
-            gather.before_backward(run, units[name])
-        for name in names:
-            if name != ROOT:  # the root's use lasts to the end of backward (the embedding is the first layer)
-                _finish_use(run, gather, units[name], i == last[name])
-            i += 1
-    for name in dict.fromkeys(forward):  # units whose parameters backward never reads: their gradient still comes
-        if name not in last:
-            _finish_use(run, gather, units[name], True)
-    if root is not None:
-        _finish_use(run, gather, root, True)
-    run._end_backward()
-    gather.finish(run)
-    run._release_all()
-
-
-def _chunks(order: list[str], groups) -> list[list[str]]:
-    """``order`` cut into the steps a step takes: a routed group's members (consecutive, as its call gathers
-    them) together, every other unit alone."""
-    group_of = {m: tuple(members) for _, members in groups for m in members}
-    out, i = [], 0
-    while i < len(order):
-        members = group_of.get(order[i])
-        if members and tuple(order[i:i + len(members)]) == members:
-            out.append(list(members))
-            i += len(members)
-        else:
-            out.append([order[i]])
-            i += 1
-    return out
-
-
-def _finish_use(run, gather, unit, last_use: bool) -> None:
-    gather.after_backward(run, unit)
-    if last_use and unit.trainable:
-        run._grad_arrived(unit, torch.empty(unit.layout.numel, dtype=run._param_dtype or unit.layout.dtype,
-                                            device="meta"))

@@ -32,7 +32,8 @@ from ._guards import check_loss, check_template, check_usable, checked_update, e
 from ._errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
                       UnboundParameterError)
 from ._init import ROOT
-from ._plan import Plan, new_state_bytes, peak_bytes, plan, state_figures
+from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
+from ._planner import plan
 from ._reads import Reader
 from ._recompute import with_buffers
 from ._state import TrainState
@@ -89,7 +90,7 @@ class Step:
 
     def plan(self, state: TrainState, batch, max_memory: int | None = None) -> Plan:
         """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
-        it). No collective and no compute: the step's policies run on a simulated step (fshard/_plan.py) of
+        it). No collective and no compute: the step's policies run on a simulated step (fshard/_planner.py) of
         ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
         step, its metrics carry the same figures, measured. ``max_memory`` (bytes): raise ``MemoryBudgetError``,
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
@@ -264,10 +265,11 @@ class Step:
         return loss.detach(), gather_metrics
 
     def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
-        """loss_fn(template, batch), with the root unit and the buffers bound for the whole call."""
-        root, binding = run.units.get(ROOT), dict(buffers)
+        """loss_fn(template, batch), with the root unit and the buffers bound for the whole call (the gather policy
+        the run was made with: step.plan's meta forward runs a copy)."""
+        root, binding, gather = run.units.get(ROOT), dict(buffers), run._policy.gather
         if root is not None:
-            self.policy.gather.before_forward(run, root)
+            gather.before_forward(run, root)
             binding.update(root._bind([s.aliases for s in root.layout.slots]))
         with _meta_reads(
                 "a parameter was used while its unit was not gathered (outside a step, the template's tensors are "
@@ -278,7 +280,7 @@ class Step:
             loss = functional_call(_Caller(run.spec.template, self.loss_fn),
                                    {"m." + k: v for k, v in binding.items()}, (batch,))
         if root is not None:
-            self.policy.gather.after_forward(run, root)
+            gather.after_forward(run, root)
         check_loss(loss)
         check_template(run.spec)
         return loss

@@ -12,6 +12,7 @@ is covered by fshard/_recompute.py's hooks.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import optree
@@ -26,7 +27,13 @@ from ._reads import Launches, Reader
 from ._recompute import attach, detach, produced, through
 from ._route import _ACTIVE, _UnitForward
 from ._routed import finish_groups
-from ._stored import StoredParam, resident
+from ._stored import StoredParam
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` lives in: its StorageImpl's address, shared by every view and kept when the storage is
+    resized (a data pointer is neither: a freed buffer refilled moves, and meta storages all point at 0)."""
+    return t.untyped_storage()._cdata
+
 
 class _Gather(torch.autograd.Function):
     """shard -> full flat buffer, as autograd sees it. The data is gathered by ``UnitRun.launch`` into the unit's
@@ -269,7 +276,8 @@ class StepRun(StepView):
         self._live_bytes = self._peak_bytes = 0
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
         self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
-        self._grad_peak = 0  # the most gradient-shard bytes held at once
+        self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
+        self._grad_lock = threading.Lock()
         self._reader = reader  # reads the shards held in a store
         self._read_bytes = self._read_peak = 0  # parameter shards read from a store (or being read) for gathers
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
@@ -291,11 +299,15 @@ class StepRun(StepView):
                               f"elements of {shard.dtype} as the gradient shard of unit {unit.name!r}, whose shard "
                               f"has {unit.layout.shard_numel} of {unit.layout.dtype}.")
         unit._grad = shard
+        with self._grad_lock:  # (grad_freed comes from an update's worker thread)
+            self._grad_held += shard.nbytes
+            self._grad_peak = max(self._grad_peak, self._grad_held)
         if self.last:
             self._policy.update.overlap(self, unit)
-        held = sum(u._grad.nbytes for u in self.units.values()  # (an update during backward may have freed some)
-                   if u._grad is not None and u._grad.untyped_storage().nbytes() > 0)
-        self._grad_peak = max(self._grad_peak, held)
+
+    def grad_freed(self, unit: UnitRun) -> None:
+        with self._grad_lock:
+            self._grad_held -= unit.layout.shard_numel * unit.layout.dtype.itemsize
 
     def _grad_arrived(self, unit: UnitRun, grad: torch.Tensor) -> None:
         """A unit's whole gradient, once every use of it has contributed: reduced now in the last micro-batch;
@@ -313,7 +325,7 @@ class StepRun(StepView):
         self._policy.reduce.reduce(self, unit, grad)
 
     def _on_alive(self, unit: UnitRun, sign: int) -> None:
-        ptr = unit._buf.untyped_storage().data_ptr()
+        ptr = _storage_id(unit._buf)
         if sign > 0:
             self._live[ptr] = unit
         else:
@@ -382,9 +394,9 @@ class StepRun(StepView):
 
     def _pack(self, t: torch.Tensor):
         try:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = _storage_id(t)
             unit = self._live.get(ptr) if self._live else None
-            if unit is None and self.phase == "forward" and t.device.type != "meta":  # an activation backward keeps
+            if unit is None and self.phase == "forward":  # an activation backward keeps (step.plan: meta ones)
                 self._activations[ptr] = t.untyped_storage().nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, nested)
             unit = None

@@ -224,7 +224,7 @@ def _failing_model(begun=()):
 
 def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monkeypatch):
     import fshard as fs
-    from fshard import _offload
+    from fshard import _offload_update as _offload
     abandoned = []
     keep = _offload._Early.abandon
     monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
