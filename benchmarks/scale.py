@@ -19,6 +19,9 @@ disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a
           and moments during backward (overlap_backward, in place with donate) and frees its gradient shard;
           gather_ahead(2) (reads two units ahead) + bucket_reduce(per_unit=True) (each unit's gradient shard a
           tensor of its own, so that it can be freed) + mixed_precision
+  fshard-auto  the same transforms, the state in three tiers (device, CPUStore, NVMeStore) with the fractions
+          step.plan chooses for this rank's share of the budget (plan.fractions): a plan of the state with every
+          unit on NVMe, then the state made again with as much on the device as the plan says fits
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect ddp --out /tmp/scale.jsonl
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/scale.py --bisect fsdp2 --out /tmp/scale.jsonl
@@ -29,6 +32,7 @@ disk bytes and I/O, and the loss of each step go to ``--out`` (JSON lines) and a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -46,8 +50,9 @@ GIB = 1 << 30
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 8192, 64
 LR = [3e-4]  # --lr (the trials of 2026-11 before fshard-params ran at 3e-4)
 MMAP = [0]  # --mmap-threshold
-SYSTEMS = ["ddp", "fsdp2", "fshard", "fshard-params"]
-BOUND = {"ddp": "RAM", "fsdp2": "RAM", "fshard": "RAM", "fshard-params": "disk space; time: disk bandwidth"}
+SYSTEMS = ["ddp", "fsdp2", "fshard", "fshard-params", "fshard-auto"]
+BOUND = {"ddp": "RAM", "fsdp2": "RAM", "fshard": "RAM", "fshard-params": "disk space; time: disk bandwidth",
+         "fshard-auto": "RAM, then disk"}
 
 
 # ---- the parent: trials under a memory watchdog, and the search --------------------------------------------------
@@ -191,16 +196,27 @@ def trial(args) -> None:
         # overlap_backward=False: an update begun during backward writes a clone of the unit's shard and copy (the
         # input must survive a failure before the commit), 6 bytes a parameter more at the peak (measured: 1.25 GiB
         # of 3.65 at 8 layers); the largest model wants the least memory
+        # fshard-params: reads two units ahead (fshard/_reads.py); one bucket per unit, so each gradient shard is a
+        # tensor of its own that the unit's update during backward frees
+        params_ts = lambda off: (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(), off)
+        make = lambda off: fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(),  # noqa: E731
+                                   fs.adamw(lr=args.lr, weight_decay=0.1), init_fn=init_weights, seed=0, offload=off)
         if args.trial == "fshard":
             off = fs.offload_state(store, overlap_backward=False)
             ts = (fs.gather_ahead(1), fs.bucket_reduce(25), fs.mixed_precision(), off)
-        else:
+        elif args.trial == "fshard-params":
             off = fs.offload_state(store, params=True)
-            # reads two units ahead (fshard/_reads.py); one bucket per unit, so each gradient shard is a tensor of
-            # its own that the unit's update during backward frees
-            ts = (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(), off)
-        state = fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(), fs.adamw(lr=args.lr, weight_decay=0.1),
-                        init_fn=init_weights, seed=0, offload=off)
+            ts = params_ts(off)
+        else:  # fshard-auto: device, CPU memory and NVMe tiers, the fractions chosen by step.plan from the budget
+            tiers = (fs.CPUStore(), store)
+            off = fs.offload_state(tiers, fraction=(0.0, 1.0), params=True)  # first all on NVMe: never the model
+            with fs.compose(loss_fn, *params_ts(off), donate=True) as probe:
+                fractions = probe.plan(make(off), batches[0]).fractions(args.rank_budget)
+            extra["fractions"] = fractions
+            gc.collect()  # (the probe's state: its items go at the store's next operation)
+            off = fs.offload_state(tiers, fraction=fractions or (0.0, 1.0), params=True)
+            ts = params_ts(off)
+        state = make(off)
         extra["init_s"] = time.perf_counter() - t_init
         fstep = fs.compose(loss_fn, *ts, donate=True)
         holder = [state]

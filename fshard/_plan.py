@@ -123,24 +123,27 @@ class Plan:
 
     def fractions(self, max_memory: int) -> tuple | None:
         """Fractions for the step's offload_state tiers (``fs.offload_state(stores, fraction=...)``, one per store)
-        under which this prediction fits ``max_memory``: the bytes over the budget (and a tenth more) move, as a
-        share of ``offload/movable_bytes``, off the device to the nearest tier that takes them out of the budget: a
-        store on disk on a CPU mesh, whose in-memory stores count against the same RAM (their units go there too,
-        if the device's are not enough), any store on CUDA. The current fractions when the plan fits already; None
-        without offload_state or when no placement of the state fits (the rest of the step is over the budget).
-        An estimate (the transients of offloaded units differ: reads instead of resident shards): plan again with
-        them."""
+        that fit this prediction into ``max_memory`` with as much of the state on the device as it allows. The
+        bytes over the budget (and a tenth more) move, as a share of ``offload/movable_bytes``, off the device to
+        the nearest tier that takes them out of the budget: a store on disk on a CPU mesh, whose in-memory stores
+        count against the same RAM (their units go there too, if the device's are not enough), any store on CUDA.
+        Under the budget, nine tenths of the room left bring units back from that tier to the device. None without
+        offload_state, or when no placement of the state fits (the rest of the step is over the budget). An
+        estimate (an offloaded unit's transients differ: reads instead of a resident shard): plan again with them,
+        and make the state with them (``fs.init(..., offload=)``: units already in a store stay there)."""
         if not self.tiers:
             return None
         fr = [t[2] for t in self.tiers]
         over = self.predicted_rss - max_memory
-        if over <= 0:
-            return tuple(fr)
         relief = [i for i, t in enumerate(self.tiers) if not t[1] or self.device != "cpu"]
         movable = self.bounds.get("offload/movable_bytes", 0)
         if not relief or movable <= 0:
-            return None
-        need, to = 1.1 * over / movable, relief[0]
+            return None if over > 0 else tuple(fr)
+        to = relief[0]
+        if over <= 0:  # room: units of that tier back to the device (its fraction rounded up: whole hundredths)
+            fr[to] = math.ceil(100 * max(0.0, fr[to] + 0.9 * over / movable)) / 100
+            return tuple(fr)
+        need = 1.1 * over / movable
         for j in [None] + [j for j in range(len(fr)) if j not in relief]:  # the device first, then RAM tiers
             have = 1.0 - sum(fr) if j is None else fr[j]
             take = min(need, have)

@@ -186,7 +186,7 @@ def _fit(directory):
     with pytest.raises(fs.MemoryBudgetError) as e:
         p0.check(budget)
     assert f"fraction={fr}" in str(e.value)
-    assert p0.fractions(p0.predicted_rss) == (0.0, 0.0)  # fits already: as it is
+    assert p0.fractions(p0.predicted_rss) == (0.0, 0.0)  # fits already, everything on the device: as it is
     assert p0.fractions(p0.baseline_rss // 2) is None  # nothing the state could move fits that
     off2 = fs.offload_state((cpu, nvme), fraction=fr, chunk_mb=1, params=True)
     del state
@@ -195,14 +195,18 @@ def _fit(directory):
     with fs.compose(loss_fn, off2, donate=True) as step:
         p1 = step.plan(state, b)
     where = _where(state)
+    back = p1.fractions(p1.predicted_rss + movable // 4)  # room for a quarter of the state: some of it comes back
     cpu.close()
     nvme.close()
-    return fr, p1.predicted_rss, budget, where
+    return fr, p1.predicted_rss, budget, where, back
 
 
 def test_the_plan_chooses_fractions_that_fit_a_budget(tmp_path):
-    """On a CPU mesh the CPU tier is the same RAM as the device: the plan moves the excess to the disk tier."""
-    (fr, predicted, budget, where), = run_ranks(_fit, 1, str(tmp_path))
+    """On a CPU mesh the CPU tier is the same RAM as the device: the plan moves the excess to the disk tier; with
+    room left it brings units back to the device."""
+    (fr, predicted, budget, where, back), = run_ranks(_fit, 1, str(tmp_path))
     assert fr[0] == 0.0 and 0.5 <= fr[1] <= 1.0, fr
     assert predicted <= budget, (predicted, budget)
     assert "nvme" in where.values() and "cpu" not in where.values()
+    assert back[0] == 0.0 and fr[1] - 0.3 < back[1] < fr[1], (fr, back)
+
