@@ -205,9 +205,10 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     lacks are an error; optimizer state it lacks (parameters never updated) starts at zero, as in torch.
 
     The moments go where ``like`` keeps them: in memory, or in its store, streamed into it one chunk item at a time
-    (so a state whose moments only fit in a store loads). ``offload=``: the ``fs.offload_state`` the step is composed
-    with, to place them as that step would (its store, fraction and chunk size) rather than as ``like`` has them,
-    e.g. when ``like`` is fresh from ``fs.init``."""
+    (so a state whose moments only fit in a store loads); so do the parameters (``offload_state(params=True)``).
+    ``offload=``: the ``fs.offload_state`` the step is composed with, to place them as that step would (its stores,
+    fractions, chunk size and ``params``) rather than as ``like`` has them, e.g. when ``like`` is fresh from
+    ``fs.init``."""
     if not isinstance(like, TrainState):
         raise ArgumentError(f"fs.load(path, like): like must be an fs.TrainState (from fs.init), not "
                             f"{type(like).__name__}.")
@@ -222,8 +223,8 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     reader = _StreamingReader(str(path), {}, _Chunks())
     saved = reader.read_metadata().state_dict_metadata
     dev = mesh.device
-    params = {u.name: torch.zeros(u.shard_numel, dtype=u.dtype, device=dev) for u in spec.units}
     opt_state = _new_moments(like, offload, reader.targets)
+    params = _new_params(like, offload, reader.targets)
     buffers = {n: torch.empty(b.shape, dtype=b.dtype, device=dev) if b.is_meta else b.detach().clone()
                for n, b in like.buffers.items()}  # (an abstract like's meta buffers: the checkpoint must hold them)
     full = _entries(like, params, opt_state, buffers, for_load=True, window=reader.window)
@@ -273,6 +274,41 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
                       transform_state=transform_state or dict(like.transform_state), copies={})
 
 
+def _new_params(like: TrainState, offload, targets: dict) -> dict:
+    """Zeroed parameter shards to load into: in memory, or new items in their unit's store where the step keeps its
+    parameters there (``offload_state(params=True)``: its placement; without ``offload``, where ``like`` has them),
+    filled chunk by chunk as stored moments are (``targets``: rows of one), so a model whose parameters fit only in
+    a store loads. The head is chunked as the unit's moments, the tail (frozen parameters) apart, as
+    fshard/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (fshard/_checkpoint.py's
+    ``_param_items``)."""
+    spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
+    if offload is not None:
+        where = choose_stores(spec, like.opt_state, offload.stores, offload.fractions) if offload.params else {}
+    else:
+        where = {n: (p.head or p.tail).store for n, p in like.params.items() if isinstance(p, StoredParam)}
+    n_units, tag, out = len(spec.units), uuid.uuid4().hex[:8], {}
+    for i, u in enumerate(spec.units):
+        store = where.get(u.name)
+        if store is None:
+            out[u.name] = torch.zeros(u.shard_numel, dtype=u.dtype, device=dev)
+            continue
+        head_n = u.opt_numel(rank)
+        old = like.params[u.name] if offload is None else None  # (like's own chunks, matching its moments')
+        parts = []
+        for suffix, n, order, mine in (("param", head_n, n_units + i, old and old.head),
+                                       ("tail", u.shard_numel - head_n, 2 * n_units + i, old and old.tail)):
+            if n <= 0:
+                parts.append(None)
+                continue
+            chunks = mine.chunks if mine is not None else _chunks(n, offload.chunk_numel if offload else n)
+            items = _Items(store, f"{u.name}@load-{tag}/{suffix}", chunks, rows=("param",))
+            for c, (lo, hi) in enumerate(chunks):
+                targets[(order, c)] = (items, hi - lo, u.dtype, 1)
+            parts.append(items)
+        out[u.name] = StoredParam(parts[0], parts[1], u.shard_numel, head_n, u.dtype, _location(store))
+    return out
+
+
 def _new_moments(like: TrainState, offload, targets: dict) -> dict:
     """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
     fill, in order: (unit index, chunk index) -> (items, numel, dtype))."""
@@ -295,7 +331,7 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
             continue
         items = _Items(where[0], f"{u.name}@load-{tag}", where[1])
         for c, (lo, hi) in enumerate(items.chunks):
-            targets[(order, c)] = (items, hi - lo, u.dtype)
+            targets[(order, c)] = (items, hi - lo, u.dtype, 2)
         out[u.name] = _stored_state(items, count, n, u.dtype, _location(where[0]))
     return out
 

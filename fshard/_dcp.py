@@ -183,8 +183,8 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 class _StreamingReader(FileSystemReader):
-    """DCP's file reader, asked for one target chunk of stored moments at a time (``targets``: (order, chunk index)
-    -> (items, numel, dtype), in the order to fill them): everything else first, then each chunk's reads into one
+    """DCP's file reader, asked for one target chunk of stored moments (or parameters) at a time (``targets``: (order,
+    chunk index) -> (items, numel, dtype, rows), in the order to fill them): everything else first, then each chunk's reads into one
     zeroed buffer (what the checkpoint lacks stays zero, as a fresh moment), put into its store and waited for."""
 
     def __init__(self, path: str, targets: dict, window: _Chunks):
@@ -196,9 +196,9 @@ class _StreamingReader(FileSystemReader):
         for it in plan.items:
             by_chunk.setdefault(planner.chunk_of(it.dest_index), []).append(it)
         super().read_data(dataclasses.replace(plan, items=by_chunk.pop(None, [])), planner).wait()
-        for where, (items, n, dtype) in self.targets.items():
+        for where, (items, n, dtype, rows) in self.targets.items():
             c = where[1]
-            self.window.tensor = torch.zeros(2, n, dtype=dtype)
+            self.window.tensor = torch.zeros(rows, n, dtype=dtype)
             self.window.key = ("load", items.key, c)
             if where in by_chunk:
                 super().read_data(dataclasses.replace(plan, items=by_chunk[where]), planner).wait()

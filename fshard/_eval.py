@@ -25,7 +25,7 @@ from ._agreement import agree, check_ranks
 from ._collectives import Comm
 from ._guards import check_usable, exclusive, spec_of
 from ._errors import RankDivergenceError
-from ._unit import StepRun
+from ._run import StepRun
 
 
 @contextlib.contextmanager

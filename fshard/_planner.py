@@ -36,7 +36,7 @@ from ._gather_ahead import Schedule
 from ._init import ROOT
 from ._plan import Plan, peak_bytes, state_figures
 from ._stored import StoredParam
-from ._unit import StepRun
+from ._run import StepRun
 
 
 def _rss() -> int:

@@ -39,7 +39,7 @@ from ._recompute import with_buffers
 from ._state import TrainState
 from ._stored import StoredParam
 from ._transforms import fold
-from ._unit import StepRun
+from ._run import StepRun
 
 
 class _Caller(nn.Module):

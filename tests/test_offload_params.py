@@ -145,6 +145,11 @@ def test_a_checkpoint_of_stored_parameters_resumes_bitwise(tmp_path):
         for x in bs[2:]:
             ref, _ = step(ref, x)
         loaded = fs.load(tmp_path / "ckpt", like=s, offload=off)
+        # the parameters load into the store, chunk by chunk, never whole in memory (a model that fits only there)
+        assert all(isinstance(p, fs.StoredParam) for n, p in loaded.params.items() if n in loaded.opt_state)
+        again = fs.load(tmp_path / "ckpt", like=s)  # without offload=: where like keeps them
+        assert all(isinstance(p, fs.StoredParam) for n, p in again.params.items() if n in again.opt_state)
+        del again
         assert {n: p.numpy().tobytes() for n, p in fs.full_params(loaded).items()} == \
             {n: p.numpy().tobytes() for n, p in fs.full_params(s).items()}
         for x in bs[2:]:
