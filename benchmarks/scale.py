@@ -207,16 +207,24 @@ def trial(args) -> None:
         elif args.trial == "fshard-params":
             off = fs.offload_state(store, params=True)
             ts = params_ts(off)
-        else:  # fshard-auto: device, CPU memory and NVMe tiers, the fractions chosen by step.plan from the budget
-            tiers = (fs.CPUStore(), store)
-            off = fs.offload_state(tiers, fraction=(0.0, 1.0), params=True)  # first all on NVMe: never the model
-            with fs.compose(loss_fn, *params_ts(off), donate=True) as probe:
-                fractions = probe.plan(make(off), batches[0]).fractions(args.rank_budget)
-            extra["fractions"] = fractions
-            gc.collect()  # (the probe's state: its items go at the store's next operation)
-            off = fs.offload_state(tiers, fraction=fractions or (0.0, 1.0), params=True)
+        else:  # fshard-auto: device, CPU memory and NVMe tiers, the fractions chosen by step.plan from the budget:
+            # the state first all on NVMe (never the whole model in memory), then made again with the fractions its
+            # plan says fit (units back to the device), and once more if that plan is still over the budget
+            tiers, fractions, state, tried = (fs.CPUStore(), store), (0.0, 1.0), None, []
+            for _ in range(3):
+                off = fs.offload_state(tiers, fraction=fractions, params=True)
+                state = make(off)
+                with fs.compose(loss_fn, *params_ts(off), donate=True) as probe:
+                    p = probe.plan(state, batches[0])
+                tried.append((fractions, p.predicted_rss / GIB))
+                new = p.fractions(args.rank_budget)
+                if new is None or new == fractions or (p.predicted_rss <= args.rank_budget and len(tried) > 1):
+                    break
+                fractions, state = new, None
+                gc.collect()  # (the last state's items go at the store's next operation)
+            extra["fractions"], extra["fractions_tried"] = fractions, tried
             ts = params_ts(off)
-        state = make(off)
+        state = state if args.trial == "fshard-auto" else make(off)
         extra["init_s"] = time.perf_counter() - t_init
         fstep = fs.compose(loss_fn, *ts, donate=True)
         holder = [state]
@@ -301,7 +309,7 @@ def plot(jsonl: str, png: str) -> None:
     for system in sorted({r["system"] for r in rows}):
         ok = sorted((r["params"] / 1e9, r) for r in rows if r["system"] == system and r["fits"])
         bad = [(r["params"] / 1e9, r["tree_peak_gib"]) for r in rows if r["system"] == system and not r["fits"]]
-        label = f"{system} (bound: {BOUND[system]})"
+        label = f"{system} (bound: {BOUND[system.split()[0]]})"
         if ok:
             a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], "o-", label=label)
             line = b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], "o-", label=label)[0]

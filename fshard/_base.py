@@ -121,6 +121,8 @@ class StepView(Protocol):
         reduction, no update. A gather policy then frees what it would keep for backward.
       donate: the step updates its input in place (``compose(..., donate=True)``); an update begun during
         backward may too, after ``step.state.donation.take(step)`` (a failing step's input then refuses use).
+      param_dtype, param_copies: what the gather policy declares (the dtype units compute in, None: their own;
+        whether the state keeps copies of the shards in it, ``TrainState.copies``).
     """
 
     spec: ShardSpec
@@ -134,6 +136,8 @@ class StepView(Protocol):
     grads_unread: bool
     training: bool
     donate: bool
+    param_dtype: torch.dtype | None
+    param_copies: bool
 
     def scratch(self, owner: object) -> dict:
         """The per-step scratch space of ``owner`` (a policy): a dict shared by the micro-batches of one step and

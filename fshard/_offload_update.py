@@ -110,7 +110,11 @@ class OffloadUpdate(UpdatePolicy):
                 continue
             stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
             copy = state.copies.get(u.name)
-            unit_bytes = moments + (p.nbytes + (0 if copy is None else copy.nbytes) if self.params else 0)
+            # on the device a unit holds its moments, and with params=True its shard, its copy (param_copies) and
+            # its gradient shard until the update (in a store, an update during backward frees that)
+            wide = step.param_copies and step.param_dtype not in (None, u.dtype)
+            unit_bytes = moments + (p.nbytes + (u.shard_numel * step.param_dtype.itemsize if wide else 0)
+                                    + u.shard_numel * u.dtype.itemsize if self.params else 0)
             movable += unit_bytes
             on_device += 0 if stored else unit_bytes
             sp = isinstance(p, StoredParam)  # its head is rewritten with the moments; its tail never

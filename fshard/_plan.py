@@ -53,9 +53,10 @@ class Plan:
       unknown: stages whose policy says nothing of its cost (their figures count as 0).
       tiers: the step's offload_state stores, nearest first, as ``(location, in_memory, fraction)``; empty without
         offload_state. device: the mesh's device type ("cpu", "cuda").
-      bounds: figures a step does not measure, name -> bytes: ``offload/movable_bytes`` (the state offload_state
-        moves off the device per unit, all units: moments, and parameters and their copies with ``params=True``)
-        and ``offload/device_bytes`` (the part of it on the device now); ``store/peak_bytes``, the most the optimizer's store
+      bounds: figures a step does not measure, name -> bytes: ``offload/movable_bytes`` (what the units
+        offload_state places hold on the device, all of them: moments, and with ``params=True`` the shard, its
+        copy and its gradient shard, which an update during backward frees where the unit is in a store) and
+        ``offload/device_bytes`` (the part of it on the device now); ``store/peak_bytes``, the most the optimizer's store
         (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore; tests/test_reliability.py
         samples it; with several stores, their sum); ``store/memory_peak_bytes``, the part of it in stores that
         live in memory (CPUStore: host RAM); ``store/buffer_bytes``, the store's pool buffers its streams use at

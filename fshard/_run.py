@@ -32,6 +32,7 @@ class StepRun(StepView):
         self._comm, self.comm = comm, CollectivesView(comm, before=self._launches.flush)
         self.grads_unchanged, self.grads_unread = policy.grads_unchanged, policy.grads_unread
         self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
+        self.param_dtype, self.param_copies = self._param_dtype, policy.gather.param_copies
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
         self._backward_order: list[str] = []  # units in the order backward began reading them (one entry per use)
