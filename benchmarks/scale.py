@@ -107,6 +107,7 @@ def run_trial(system: str, layers: int, budget: int, timeout_s: float, workdir: 
             break
         time.sleep(0.02)
     log = proc.communicate()[0]
+    (Path(workdir) / f"trial-{system}-{layers}.log").write_text(log)  # (what each rank printed)
     res = json.loads(out.read_text()) if out.exists() and why is None and proc.returncode == 0 else {}
     if "refused" in res:  # step.plan said it cannot fit: the trial stopped before its first step
         why, res = f"refused by step.plan: {res['refused']}", {}
@@ -217,6 +218,9 @@ def trial(args) -> None:
                 with fs.compose(loss_fn, *params_ts(off), donate=True) as probe:
                     p = probe.plan(state, batches[0])
                 tried.append((fractions, p.predicted_rss / GIB))
+                if rank == 0:
+                    print(f"[fshard-auto] fractions {fractions}: predicted {p.predicted_rss / GIB:.2f} GiB per rank, "
+                          f"budget {args.rank_budget / GIB:.2f}", flush=True)
                 new = p.fractions(args.rank_budget)
                 if new is None or new == fractions or (p.predicted_rss <= args.rank_budget and len(tried) > 1):
                     break
