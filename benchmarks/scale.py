@@ -303,37 +303,41 @@ def torch_step(model, loss_fn):
 
 
 def plot(jsonl: str, png: str) -> None:
-    """s/step and the tree's peak RSS against model size, one line per system; trials that did not fit as crosses
-    at the memory they had reached when stopped."""
+    """s/step, the tree's peak RSS and the store on disk against model size, one line per system (dashed: an
+    earlier session's, "(session N)" in its name); trials that did not fit as crosses at the memory they had reached
+    when stopped. One legend under the panels, with the bound that limits each system."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(jsonl) if line.strip()]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 5.6))
     for system in sorted({r["system"] for r in rows}):
-        ok = sorted((r["params"] / 1e9, r) for r in rows if r["system"] == system and r["fits"])
+        ok = sorted(((r["params"] / 1e9, r) for r in rows if r["system"] == system and r["fits"]), key=lambda x: x[0])
         bad = [(r["params"] / 1e9, r["tree_peak_gib"]) for r in rows if r["system"] == system and not r["fits"]]
+        style = "o--" if "session" in system else "o-"
         label = f"{system} (bound: {BOUND[system.split()[0]]})"
         if ok:
-            a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], "o-", label=label)
-            line = b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], "o-", label=label)[0]
-            c.plot([x for x, _ in ok], [r.get("disk_gib", 0) for _, r in ok], "o-", label=system,
-                   color=line.get_color())
+            line = a.plot([x for x, _ in ok], [r["s_per_step"] for _, r in ok], style, label=label)[0]
+            b.plot([x for x, _ in ok], [r["tree_peak_gib"] for _, r in ok], style, color=line.get_color())
+            c.plot([x for x, _ in ok], [r.get("disk_gib", 0) for _, r in ok], style, color=line.get_color())
             if bad:
                 b.plot(*zip(*bad), "x", color=line.get_color(), label=f"{system}: stopped over the budget")
     budget = max((r.get("budget_gib", 0) for r in rows), default=0)
     if budget:
-        b.axhline(budget, color="gray", ls="--", lw=1, label=f"budget {budget:.1f} GiB")
+        b.axhline(budget, color="gray", ls=":", lw=1, label=f"memory budget {budget:.1f} GiB")
     free = max((r.get("disk_free_gib", 0) for r in rows), default=0)
     if free:
-        c.axhline(free, color="gray", ls="--", lw=1, label=f"free disk {free:.0f} GiB")
+        c.axhline(free, color="gray", ls="-.", lw=1, label=f"free disk {free:.0f} GiB")
     a.set(xlabel="parameters (B)", ylabel="s / step (median of 3)", title="time, world size 2, batch 1")
     b.set(xlabel="parameters (B)", ylabel="peak RSS of both ranks (GiB)", title="memory")
     c.set(xlabel="parameters (B)", ylabel="store on disk, both ranks (GiB)", title="disk")
+    handles, labels = [], []
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+        h, lab = ax.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(png, dpi=110)
 
 
