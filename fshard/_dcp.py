@@ -184,8 +184,9 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 class _StreamingReader(FileSystemReader):
     """DCP's file reader, asked for one target chunk of stored moments (or parameters) at a time (``targets``: (order,
-    chunk index) -> (items, numel, dtype, rows), in the order to fill them): everything else first, then each chunk's reads into one
-    zeroed buffer (what the checkpoint lacks stays zero, as a fresh moment), put into its store and waited for."""
+    chunk index) -> (items, numel, dtype, rows), in the order to fill them): everything else first, then each
+    chunk's reads into one zeroed buffer (what the checkpoint lacks stays zero, as a fresh moment), put into its
+    store and waited for."""
 
     def __init__(self, path: str, targets: dict, window: _Chunks):
         super().__init__(path)

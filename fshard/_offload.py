@@ -55,8 +55,8 @@ class offload_state(Transform):
     params: keep the chosen units' fp32 parameter shards in the store too (``StoredParam``): each gather reads its
     unit's shard (ahead, on the step's reader thread), the update streams it beside the moments, and with donate +
     overlap_backward each unit's gradient shard is freed once updated, so memory holds a few units, not the model
-    (design/OFFLOAD.md; a 4.87B GPT in 3.7 GiB at world size 2, benchmarks/RESULTS.md). No ``param_copies`` for
-    them: a gather casts what it reads.
+    (design/OFFLOAD.md; a 4.87B GPT in 1.9 GiB per rank at world size 2, benchmarks/RESULTS.md). No
+    ``param_copies`` for them: a gather casts what it reads.
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated

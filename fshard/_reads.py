@@ -1,20 +1,20 @@
 """Parameter shards held in a store (``offload_state(params=True)``), read ahead of their gathers.
 
-A unit whose shard is in a store is read when its gather is launched: the read, and its cast to the compute dtype,
-run on the step function's reader thread (``Reader``) while compute goes on. The gather itself is a collective,
-which every rank must issue in the same order from one thread, so it is issued on the compute thread once the read
-is done: launched units wait in a queue (``Launches``) and their gathers are issued in launch order, at every
-launch, acquire and release of a unit (the heads whose reads are done), and all the way up to a unit that is
-acquired or released (waiting for the reads before it). Any other collective a policy issues (a reduction in
-backward) first issues every launched gather: gathers and the other collectives then interleave at the same
-places on every rank, whatever the reads' timing (the order ranks must agree on). So ``gather_ahead(depth)``'s prefetch reads ``depth``
-units ahead, and with ``depth >= 2`` the next unit's gather is issued while the current one computes
-(read -> gather -> compute, overlapped). Without a reader (``step.plan``'s dry run) a launch issues at once.
+A unit whose shard is in a store is read when its gather is launched: the read, and its cast to the compute dtype, run
+on the step function's reader thread (``Reader``) while compute goes on. The gather itself is a collective, which every
+rank must issue in the same order from one thread, so it is issued on the compute thread once the read is done: launched
+units wait in a queue (``Launches``) and their gathers are issued in launch order, at every launch, acquire and release
+of a unit (the heads whose reads are done), and all the way up to a unit that is acquired or released (waiting for the
+reads before it). Any other collective a policy issues (a reduction in backward) first issues every launched gather:
+gathers and the other collectives then interleave at the same places on every rank, whatever the reads' timing (the
+order ranks must agree on). So ``gather_ahead(depth)``'s prefetch reads ``depth`` units ahead, and with ``depth >= 2``
+the next unit's gather is issued while the current one computes (read -> gather -> compute, overlapped). Without a
+reader (``step.plan``'s dry run) a launch issues at once.
 
 The alternatives: reading on the compute thread at launch (what fshard did first) serialised every read with compute
 (about 2 of the 3.4 s of forward on the 8-layer scale GPT, benchmarks/RESULTS.md); issuing the gather from the reader
-thread would let two threads issue collectives (the reader's gathers and the compute thread's reductions in backward)
-in an order that differs from rank to rank, which gloo and NCCL pair up wrongly or hang on.
+thread would let two threads issue collectives (the reader's gathers and the compute thread's reductions in backward) in
+an order that differs from rank to rank, which gloo and NCCL pair up wrongly or hang on.
 """
 from __future__ import annotations
 

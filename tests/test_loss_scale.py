@@ -95,8 +95,8 @@ def _composed():
                 # a plan assumes the update runs; a skipped step makes no new state and writes nothing
                 skip_only = {"mem/new_state_bytes", "mem/peak_bytes", "io/write_bytes", "io/read_bytes"}
                 # before the first step the plan is of the later steps, which prefetch along the recorded schedule
-                first = {"mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes"} if i == 0 and "ahead" in name \
-                    else set()
+                first = ({"mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes"}
+                         if i == 0 and "ahead" in name else set())
                 assert set(off) <= (skip_only if m["skipped"] else set()) | first, (name, [(k, plan[k], m[k])
                                                                                           for k in off])
         out[name] = (rows, {n: t.numpy().tobytes() for n, t in fs.full_params(state).items()}, int(state.skipped))

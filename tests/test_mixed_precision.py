@@ -95,9 +95,10 @@ def _with_others():
                 state, m = step(state, [b, b] if "accumulate" in name else b)
                 losses.append(m["loss"])
                 # (before the first step the plan is of the later steps, which prefetch along the recorded schedule)
-                skip = ("mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes") if i == 0 and "ahead" in name \
-                    else ()
-                assert all(abs(plan[k] - m[k]) <= 0.05 * max(plan[k], m[k]) for k in plan.figures if k not in skip), name
+                skip = (("mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes")
+                        if i == 0 and "ahead" in name else ())
+                assert all(abs(plan[k] - m[k]) <= 0.05 * max(plan[k], m[k])
+                           for k in plan.figures if k not in skip), name
         full = fs.full_params(state)
         out[name] = (losses, {n: (str(t.dtype), t.detach().numpy().tobytes()) for n, t in full.items()},
                      m["comm/gather_bytes"], m["comm/reduce_bytes"], m.get("grad_norm"))

@@ -617,3 +617,22 @@ def test_a_forwarding_proxy_is_a_store_and_an_incomplete_one_is_not():
     assert not is_store(missing)
     with pytest.raises(fs.ArgumentTypeError, match="store must be"):
         fs.offload_state(missing)
+
+
+def test_a_slot_finds_the_engines_descriptor_by_its_hint_or_by_a_scan(tmp_path, monkeypatch):
+    """Slot creation looks at the two descriptors the engine opens next (its io_uring, then the file) before it
+    scans every descriptor (quadratic in the slots: fshard/store/_layout.py); a wrong hint (another thread opened a
+    descriptor in between) falls back to the scan and finds the same one."""
+    import os
+    from fshard.store import _layout
+    a = _layout.Slot(str(tmp_path / "a"), "uring")
+    assert a.direct_ok and os.readlink(f"/proc/self/fd/{a.efd}") == str(tmp_path / "a") and a.efd != a.fd
+    seen = []
+    monkeypatch.setattr(_layout, "_next_fds", lambda n=2: (a.fd, 10_000))  # wrong: our own fd, and none at all
+    scan = _layout._engine_fd
+    monkeypatch.setattr(_layout, "_engine_fd", lambda *args: (seen.append(args), scan(*args))[1])
+    b = _layout.Slot(str(tmp_path / "b"), "uring")
+    assert b.direct_ok and os.readlink(f"/proc/self/fd/{b.efd}") == str(tmp_path / "b") and b.efd != b.fd
+    assert seen and seen[0][3] == (10_000, a.fd)
+    a.destroy()
+    b.destroy()
