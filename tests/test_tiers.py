@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _dist import run_ranks
+from test_offload_params import _bytes as _snapshot  # full parameters and every moment, as bytes
 
 STEPS = 3
 
@@ -56,16 +57,6 @@ def _gpt():
     torch.manual_seed(0)
     cfg = GPTConfig.tiny(n_layers=4)
     return GPT(cfg), loss_fn, lambda r, n: synthetic_batches(cfg, 2, STEPS, seed=5, rank=r, world_size=n)
-
-
-def _snapshot(state):
-    import fshard as fs
-    out = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
-    for name, s in state.opt_state.items():
-        for f in ("exp_avg", "exp_avg_sq"):
-            v = getattr(s, f)
-            out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.Stored) else v).numpy().tobytes()
-    return out
 
 
 def _where(state) -> dict:
