@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tie-weights", action="store_true", help="tie lm_head.weight to the token embedding")
     p.add_argument("--nvme-dir", default=None, help="keep the AdamW moments in an NVMe store in this directory")
     p.add_argument("--offload-fraction", type=float, default=1.0, help="share of the moments offloaded")
+    p.add_argument("--offload-params", action="store_true",
+                   help="with --nvme-dir: the fp32 parameter shards in the store too (read ahead of each gather), "
+                        "placed there by fs.init, and one bucket per unit (each gradient shard freed once updated)")
     p.add_argument("--depth", type=int, default=2, help="gather_ahead depth (0: blocking gathers)")
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket_reduce bucket size (0: blocking reduce)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: no clipping)")
@@ -70,7 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "first attempt only (TORCHELASTIC_RESTART_COUNT 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: CPUs / ranks on this node, at least 1)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.offload_params and not args.nvme_dir:
+        p.error("--offload-params keeps the parameter shards in the NVMe store: give --nvme-dir DIR too")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -94,23 +100,26 @@ def main(argv=None) -> dict:
     opt = fs.adamw(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
                    weight_decay_mask=None if args.decay_all else (lambda name, p: p.ndim >= 2))
     latest = fs.latest(args.checkpoint_dir) if args.checkpoint_dir else None
+    store = offload = None
+    if args.nvme_dir:
+        store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
+        offload = fs.offload_state(store, fraction=args.offload_fraction, params=args.offload_params)
     torch.manual_seed(args.seed)
-    # resuming: an abstract state (shapes only) to load into, so the initial weights are never made
-    state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed, abstract=latest is not None)
+    # resuming: an abstract state (shapes only) to load into, so the initial weights are never made; with
+    # --offload-params each unit's shard and moments go to the store as fs.init makes it (never the whole model)
+    state = fs.init(model, mesh, opt, init_fn=init_weights, seed=args.seed, abstract=latest is not None,
+                    offload=offload if args.offload_params and latest is None else None)
     del model  # the state owns the (sharded) parameters now
 
     transforms = [fs.gather_ahead(args.depth)] if args.depth else []
     if args.bucket_mb:
-        transforms.append(fs.bucket_reduce(args.bucket_mb))
+        transforms.append(fs.bucket_reduce(per_unit=True) if args.offload_params else fs.bucket_reduce(args.bucket_mb))
     if args.precision != "fp32":  # wraps the gather and reduce stages: after the transforms that set them
         transforms.append(fs.mixed_precision(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.precision]),
                                              torch.float32))
     if args.clip:  # fp16's loss scaling skips overflowing steps itself (and backs the scale off)
         transforms += [fs.clip_by_global_norm(args.clip)] + ([fs.skip_nonfinite()] if args.precision != "fp16" else [])
-    store = offload = None
-    if args.nvme_dir:
-        store = fs.NVMeStore(os.path.join(args.nvme_dir, f"rank{rank}"))
-        offload = fs.offload_state(store, fraction=args.offload_fraction)
+    if offload is not None:
         transforms.append(offload)
     done = 0  # steps (batches) already trained: a checkpoint's update and skip counts
     if latest is not None:

@@ -43,7 +43,9 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
     # (resumed from): the kill before step 7 finds step 6 saved when saves block; an asynchronous save of step 6
     # may still be running then, and the restart takes step 3, the newest complete one
     runs = {"offloaded, blocking": (["--nvme-dir", str(tmp_path / "nvme")], ("(step 6)",)),
-            "offloaded, async": (["--nvme-dir", str(tmp_path / "nvme2"), "--async-save"], ("(step 3)", "(step 6)"))}
+            "offloaded, async": (["--nvme-dir", str(tmp_path / "nvme2"), "--async-save"], ("(step 3)", "(step 6)")),
+            # parameters in the store too: the restart loads them back into it (fs.load(..., offload=))
+            "parameters offloaded": (["--nvme-dir", str(tmp_path / "nvme3"), "--offload-params"], ("(step 6)",))}
     for name, (flags, resumed) in runs.items():
         d = tmp_path / name.replace(", ", "-")
         got, log = _train(tmp_path, d.name, "--checkpoint-dir", str(d), "--save-every", "3", "--fault-at", "7",
