@@ -103,7 +103,7 @@ class OffloadUpdate(UpdatePolicy):
         in_place = dict(peak)  # per store, the largest chunk items written back in place
         frees = self.overlap_backward and step.grads_unread and spec.mesh.device.type == "cpu"
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
-        movable = on_device = 0  # the state bytes offload moves per unit (Plan.fractions), and those on the device
+        movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
         for u in spec.units:
             s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
