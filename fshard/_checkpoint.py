@@ -301,17 +301,15 @@ def _new_params(like: TrainState, offload, targets: dict) -> dict:
                 parts.append(None)
                 continue
             chunks = mine.chunks if mine is not None else _chunks(n, offload.chunk_numel if offload else n)
-            items = _Items(store, f"{u.name}@load-{tag}/{suffix}", chunks, rows=("param",))
-            for c, (lo, hi) in enumerate(chunks):
-                targets[(order, c)] = (items, hi - lo, u.dtype, 1)
-            parts.append(items)
+            parts.append(_target(targets, order, _Items(store, f"{u.name}@load-{tag}/{suffix}", chunks,
+                                                        rows=("param",)), u.dtype))
         out[u.name] = StoredParam(parts[0], parts[1], u.shard_numel, head_n, u.dtype, _location(store))
     return out
 
 
 def _new_moments(like: TrainState, offload, targets: dict) -> dict:
     """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
-    fill, in order: (unit index, chunk index) -> (items, numel, dtype))."""
+    fill, in order: ``_target``)."""
     spec, rank = like.spec, like.spec.mesh.rank
     chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
     tag = uuid.uuid4().hex[:8]
@@ -329,11 +327,17 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
             out[u.name] = AdamWState(count, torch.zeros(n, dtype=u.dtype, device=spec.mesh.device),
                                      torch.zeros(n, dtype=u.dtype, device=spec.mesh.device))
             continue
-        items = _Items(where[0], f"{u.name}@load-{tag}", where[1])
-        for c, (lo, hi) in enumerate(items.chunks):
-            targets[(order, c)] = (items, hi - lo, u.dtype, 2)
+        items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1]), u.dtype)
         out[u.name] = _stored_state(items, count, n, u.dtype, _location(where[0]))
     return out
+
+
+def _target(targets: dict, order: int, items, dtype) -> "_Items":
+    """Register each chunk item of ``items`` (new keys in a store) for the streaming reader to fill, as
+    ``targets[(order, chunk)] = (items, numel, dtype, rows)``; return ``items``."""
+    for c, (lo, hi) in enumerate(items.chunks):
+        targets[(order, c)] = (items, hi - lo, dtype, len(items.rows))
+    return items
 
 
 def _check_shape(path: Path, fqn: str, md, v) -> None:

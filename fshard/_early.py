@@ -124,8 +124,7 @@ class _Early:
                  in_place=False):
         self.store, self.opt, self.name, self.param, self.grad, self.s = store, opt, name, param, grad, s
         # free_grad: (step, unit) whose shard to free once consumed, or None; in_place: the step donates
-        self.free_grad, self.in_place = free_grad is not None, in_place
-        self.freed, self.unit = (free_grad[0].grad_freed, free_grad[1]) if free_grad is not None else (None, None)
+        self.free_grad, self.in_place = free_grad, in_place
         self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
         self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
         self.created: list = []  # keys written so far (appended by the worker)
@@ -146,9 +145,9 @@ class _Early:
                           self.metrics, donate=self.in_place, record=self.record)
             if pkey is not None and not self.in_place:
                 p = p.renewed(_Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
-            if self.free_grad and owns_storage(self.grad):  # nothing reads it after its update (grads_unread)
-                _free(self.grad)
-                self.freed(self.unit)
+            if self.free_grad is not None and _free(self.grad):  # nothing reads it after its update (grads_unread)
+                step, unit = self.free_grad
+                step.grad_freed(unit)
         finally:
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
@@ -172,10 +171,12 @@ def owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous()
 
 
-def _free(t: torch.Tensor) -> None:
-    """Free ``t``'s storage if ``t`` is all of it."""
-    if owns_storage(t):
-        t.untyped_storage().resize_(0)
+def _free(t: torch.Tensor) -> bool:
+    """Free ``t``'s storage if ``t`` is all of it; whether it did."""
+    if not owns_storage(t):
+        return False
+    t.untyped_storage().resize_(0)
+    return True
 
 
 def _settle(works) -> None:

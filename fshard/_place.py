@@ -18,13 +18,6 @@ from ._stored import put_moments, put_param
 from .store._protocol import locked
 
 
-def choose_units(spec, opt_state, fraction: float) -> frozenset:
-    """The units offload_state(store, fraction=...) places in its store: whole units in model order until their
-    moments make up ``fraction`` of all moment bytes."""
-    return frozenset(choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank,
-                                  (fraction,)))
-
-
 def choose_tiers(layouts, rank: int, fractions) -> dict:
     """Unit name -> tier (an index into ``fractions``): whole units in model order, the first ones to tier 0 until
     their moments make up ``fractions[0]`` of all moment bytes, the next ones to tier 1 until the tiers so far hold

@@ -80,6 +80,28 @@ class _NoUpdate(UpdatePolicy):
     """The simulated step begins no update during backward."""
 
 
+def _simulated(pol):
+    """The step's policies for a simulated step: copies (planning must not change the real policies), no update."""
+    return dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce), update=_NoUpdate())
+
+
+def _meta_state(spec, stored: dict | None = None) -> SimpleNamespace:
+    """What a simulated step's units are made from: every shard a meta tensor (no data), except the ``StoredParam``
+    leaves in ``stored``, kept so that a gather counts their reads."""
+    stored = stored or {}
+    return SimpleNamespace(spec=spec, params={u.name: stored.get(u.name) or
+                                              torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
+                                              for u in spec.units}, copies={})
+
+
+def _layout_order(spec) -> tuple[list, list]:
+    """(forward, backward) of a model that calls its units once each in layout order, without the root in forward
+    (bound around all of it): backward begins at the root (its parameters are used around all the others)."""
+    names = [u.name for u in spec.units if u.name != ROOT]
+    root = [ROOT] if any(u.name == ROOT for u in spec.units) else []
+    return names, root + names[::-1]
+
+
 def plan(step, state, batch, observed=None) -> Plan:
     """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective.
     ``observed``: ``(forward, backward, active)`` of the last step this step function ran (the units forward called
@@ -87,8 +109,7 @@ def plan(step, state, batch, observed=None) -> Plan:
     no schedule; before any step, the layout's order, reversed in backward, every parameter getting a gradient."""
     spec, mesh = state.spec, state.spec.mesh
     pol = step.policy
-    sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce),
-                              update=_NoUpdate())  # copies: planning must not change the real policies
+    sim = _simulated(pol)
     if observed is None and sim.gather.schedule is None:  # the steps after the first follow what it records
         _assume_schedule(sim.gather, spec)
     comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
@@ -96,10 +117,7 @@ def plan(step, state, batch, observed=None) -> Plan:
     if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
         agree(ctrl, [], [0] * CHECKED)
     k = len(pol.batches(batch))
-    stored = {n: p for n, p in state.params.items() if isinstance(p, StoredParam)}  # (a gather counts, not reads)
-    fake = SimpleNamespace(spec=spec, params={u.name: stored.get(u.name) or
-                                              torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
-                                              for u in spec.units}, copies={})
+    fake = _meta_state(spec, {n: p for n, p in state.params.items() if isinstance(p, StoredParam)})
     acc, scratch, runs, accum = Accumulator(k), {}, [], 0
     for i in range(k):
         run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)
@@ -153,10 +171,9 @@ def _assume_schedule(gather, spec) -> None:
     """Before any step, a gather policy that follows a schedule it records (gather_ahead) is planned with the one
     the first step will record for a model that calls its units in layout order: forward the root then the units,
     backward the root then the units reversed (its prefetch in the later steps is what the plan is for)."""
-    names = [u.name for u in spec.units if u.name != ROOT]
-    root = [ROOT] if any(u.name == ROOT for u in spec.units) else []
+    forward, backward = _layout_order(spec)
     try:
-        gather.schedule = Schedule(root + names, root + names[::-1])
+        gather.schedule = Schedule(([ROOT] if backward[:1] == [ROOT] else []) + forward, backward)
     except AttributeError:  # a policy whose schedule cannot be set: planned as it is
         pass
 
@@ -169,11 +186,8 @@ def activations(step, state, batch) -> int | None:
     a value from a tensor): the plan then leaves activations out until a step has measured them."""
     spec = state.spec
     meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
-    fake = SimpleNamespace(spec=spec, params={u.name: torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
-                                              for u in spec.units}, copies={})
-    pol = step.policy
-    sim = dataclasses.replace(pol, gather=_copy(pol.gather), reduce=_copy(pol.reduce), update=_NoUpdate())
-    run = StepRun(fake, _dry_comm(spec.mesh, "meta"), sim, Accumulator(1), {}, last=True)
+    sim = _simulated(step.policy)
+    run = StepRun(_meta_state(spec), _dry_comm(spec.mesh, "meta"), sim, Accumulator(1), {}, last=True)
     try:
         with torch.random.fork_rng(devices=[]), train_mode(spec.template, True), run._active():
             sim.gather.start(run)
@@ -197,8 +211,7 @@ def _simulate(pol, run: StepRun, observed) -> None:
     elif observed is not None:
         forward, backward = list(observed[0]), list(observed[1])
     else:
-        forward = [n for n in units if n != ROOT]
-        backward = ([ROOT] if ROOT in units else []) + forward[::-1]
+        forward, backward = _layout_order(run.spec)
     if observed is not None:  # which parameters got a gradient, as in the last step
         for name, got in observed[2].items():
             if name in units:
@@ -259,5 +272,5 @@ def _chunks(order: list[str], groups) -> list[list[str]]:
 def _finish_use(run, gather, unit, last_use: bool) -> None:
     gather.after_backward(run, unit)
     if last_use and unit.trainable:
-        run._grad_arrived(unit, torch.empty(unit.layout.numel, dtype=run._param_dtype or unit.layout.dtype,
+        run._grad_arrived(unit, torch.empty(unit.layout.numel, dtype=run.param_dtype or unit.layout.dtype,
                                             device="meta"))

@@ -57,6 +57,12 @@ class Launches:
     def __init__(self):
         self.queue: deque = deque()
 
+    def add(self, unit) -> None:
+        """A launched unit: queued behind the ones before it, then the heads whose reads are done are issued."""
+        unit._queued = True
+        self.queue.append(unit)
+        self.pump()
+
     def pump(self, until=None) -> None:
         """Issue the gathers at the head of the queue whose reads are done; with ``until`` (a queued unit), every
         one up to and including it, waiting for their reads."""

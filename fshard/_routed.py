@@ -152,7 +152,7 @@ def group_done(run, call: GroupCall) -> None:
             grad = run._acc.take(u.name, u._stash) if u._stash is not None else run._acc.grads.pop(u.name, None)
             u._stash = None
             if grad is None:  # no token reached it on this rank: a zero gradient, so every rank reduces it
-                grad = torch.zeros(u.layout.numel, dtype=run._param_dtype or u.layout.dtype, device=u.shard.device)
+                grad = torch.zeros(u.layout.numel, dtype=run.param_dtype or u.layout.dtype, device=u.shard.device)
             run._reduce(u, grad)
     for u in members:
         run._reading.discard(u.name)

@@ -31,8 +31,8 @@ class StepRun(StepView):
         # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
         self._comm, self.comm = comm, CollectivesView(comm, before=self._launches.flush)
         self.grads_unchanged, self.grads_unread = policy.grads_unchanged, policy.grads_unread
-        self._param_dtype = policy.gather.param_dtype  # None: units compute in their own dtype
-        self.param_dtype, self.param_copies = self._param_dtype, policy.gather.param_copies
+        # what the gather policy declares: the compute dtype (None: the units' own), and copies kept in it
+        self.param_dtype, self.param_copies = policy.gather.param_dtype, policy.gather.param_copies
         self.phase = "forward"  # the step sets "backward" once forward has returned
         self.order: list[str] = []  # units in the order forward used them
         self._backward_order: list[str] = []  # units in the order backward began reading them (one entry per use)
@@ -120,7 +120,7 @@ class StepRun(StepView):
         else:
             self.order.append(route.name)
             gather.before_forward(self, unit)
-        if self._param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
+        if self.param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
             args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
         if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
             # a frozen unit has no gradient to end its backward use: a node on its inputs does (fshard/_recompute.py)
@@ -149,8 +149,8 @@ class StepRun(StepView):
         self._policy.gather.before_backward(self, unit)
 
     def _cast(self, x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self._param_dtype:
-            return x.to(self._param_dtype)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+            return x.to(self.param_dtype)
         return x
 
     @contextlib.contextmanager

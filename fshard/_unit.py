@@ -113,7 +113,7 @@ class UnitRun(UnitView):
     def launch(self) -> None:
         if self.alive:
             return
-        run, comm, dtype = self._run, self._run._comm, self._run._param_dtype or self.layout.dtype
+        run, comm, dtype = self._run, self._run._comm, self._run.param_dtype or self.layout.dtype
         with comm.gather_scope():
             if self._buf is None:
                 self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
@@ -128,9 +128,7 @@ class UnitRun(UnitView):
                 self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}")
         self.alive = True
         run._on_alive(self, +1)
-        self._queued = True
-        run._launches.queue.append(self)  # gathers are issued in launch order (fshard/_reads.py)
-        run._launches.pump()
+        run._launches.add(self)  # gathers are issued in launch order (fshard/_reads.py)
 
     def _read_done(self) -> bool:
         return self._read is None or self._read.done()
@@ -138,7 +136,7 @@ class UnitRun(UnitView):
     def _issue(self) -> None:
         """Issue the gather of a launched unit (its read, if any, done: waited for here)."""
         self._queued = False
-        comm, dtype = self._run._comm, self._run._param_dtype or self.layout.dtype
+        comm, dtype = self._run._comm, self._run.param_dtype or self.layout.dtype
         if self._stored is not None:
             if comm.dry:  # step.plan: counted, not read
                 shard = torch.empty(self._stored.numel, dtype=dtype, device="meta")

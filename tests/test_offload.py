@@ -349,7 +349,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
     """fs.init(..., offload=): the chosen units' moments are in the store from the start (the device never holds
     them all), at the places the step would have moved them to, and training is bitwise the same."""
     import fshard as fs
-    from fshard._place import choose_units
+    from fshard._place import choose_stores
     model, loss_fn, batches = _model()
     runs = {}
     for where in ("init", "step"):
@@ -363,7 +363,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
                     state, m = step(state, b)
             runs[where] = (stored, m["loss"], {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()},
                            _moments(state))
-    chosen = choose_units(state.spec, state.opt_state, fraction)
+    chosen = choose_stores(state.spec, state.opt_state, (None,), (fraction,))  # (the placement's unit names)
     assert runs["init"][0] == set(chosen) and not runs["step"][0]
     assert runs["init"][1:] == runs["step"][1:]
     with pytest.raises(fs.ArgumentTypeError, match="offload="):
