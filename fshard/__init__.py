@@ -41,7 +41,7 @@ from ._bucket_reduce import bucket_reduce
 from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
 from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
-                      CollectiveError, ConcurrentStepError, DonatedStateError, FrozenStateError, FshardError, InitError,
+                      CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError, FshardError, InitError,
                       LossError, MemoryBudgetError, MeshMismatchError, PolicyError, RankDivergenceError,
                       RankFailedError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
                       TemplateCallError, TransformConflictError,
@@ -88,7 +88,7 @@ __all__ = [
     "Store", "CPUStore", "NVMeStore",
     # errors: every one an FshardError
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
-    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "FrozenStateError", "InitError", "LossError",
+    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "EmptyBatchError", "FrozenStateError", "InitError", "LossError",
     "MemoryBudgetError", "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError",
     "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
     "TorchVersionError", "TransformConflictError", "UnboundParameterError",

@@ -20,6 +20,10 @@ class BatchMismatchError(FshardError):
     """Ranks passed batches of different structure to the same step."""
 
 
+class EmptyBatchError(BatchMismatchError, ValueError):
+    """A rank's batch has no samples (every tensor in it is empty) and loss_fn returned a non-finite loss for it."""
+
+
 class RankDivergenceError(FshardError):
     """Ranks issued different collectives, or disagree on the step, the model, its initial values, the optimizer's
     hyperparameters or the composed transforms."""

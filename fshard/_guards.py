@@ -1,13 +1,15 @@
 """What a step checks before and while it runs, so that a misuse is an error naming the fix and changes nothing:
 the state is usable and its mesh alive, one step at a time per step function and per model template, the loss is a
-differentiable scalar, forward created no parameter, the update policy returned what the protocol says."""
+differentiable scalar (and not the NaN of an empty batch), forward created no parameter, the update policy returned
+what the protocol says."""
 from __future__ import annotations
 
 import contextlib
 
+import optree
 import torch
 
-from ._errors import (ArgumentTypeError, ConcurrentStepError, InitError, LossError, MeshMismatchError, PolicyError,
+from ._errors import (ArgumentTypeError, ConcurrentStepError, EmptyBatchError, InitError, LossError, MeshMismatchError, PolicyError,
                       StepClosedError)
 from ._state import ShardSpec, TrainState
 from ._stored import StoredParam
@@ -65,6 +67,25 @@ def check_loss(loss) -> None:
                 else type(loss).__name__)
         raise LossError(f"loss_fn must return a floating-point scalar tensor (0-dim), but returned {what}. Reduce it "
                         "to one number inside loss_fn, e.g. return loss.mean().")
+
+
+def check_empty(loss, batch, rank: int) -> None:
+    """A batch whose tensors all have no element has no sample, and a mean loss over it is 0/0 = NaN: committed, the
+    step would report NaN as the mean over ranks (the gradients, all zero on that rank, would still be averaged
+    over every rank, as DDP does). Refused instead, naming the usual cause, before backward: the step then fails on
+    every rank and changes nothing. A loss_fn that handles an empty batch (returns a finite loss, e.g. a sum over
+    the tokens divided by a global count) is let through. Cheap: the loss is read (a device sync) only when the
+    batch is empty."""
+    leaves = [x for x in optree.tree_leaves(batch, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+    if not leaves or any(x.numel() for x in leaves) or loss.is_meta or bool(torch.isfinite(loss)):
+        return
+    raise EmptyBatchError(
+        f"rank {rank} passed a batch with no samples (every tensor in it is empty), and loss_fn returned "
+        f"{float(loss)} for it, so the step would report that as the loss. Give every rank at least one sample per "
+        "micro-batch: torch's DistributedSampler pads the ranks to equal sizes (keep drop_last=False there) or drops "
+        "the uneven tail (drop_last=True in the DataLoader); a custom split must do the same. A loss_fn that should "
+        "accept empty batches must return a finite loss for them (e.g. sum over the tokens / a global token count). "
+        "Nothing was updated, on any rank.")
 
 
 def check_template(spec) -> None:

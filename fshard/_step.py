@@ -28,7 +28,7 @@ from ._base import Grads
 from ._agreement import agree, check_ranks, small_hash
 from ._collectives import Comm
 from ._eval import evaluate, train_mode
-from ._guards import check_loss, check_template, check_usable, checked_update, exclusive, spec_of
+from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, exclusive, spec_of
 from ._errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
                       UnboundParameterError)
 from ._init import ROOT
@@ -282,6 +282,7 @@ class Step:
         if root is not None:
             gather.after_forward(run, root)
         check_loss(loss)
+        check_empty(loss, batch, run.spec.mesh.rank)
         check_template(run.spec)
         return loss
 

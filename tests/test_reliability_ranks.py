@@ -25,6 +25,9 @@ rank, Ctrl-C) run in groups of their own. The table:
 | hung | stops itself (SIGSTOP) before a step | (stopped) | CollectiveError naming the step and the rank | intact |
 | ctrl_c | - | - | Ctrl-C during a wait is a KeyboardInterrupt within 2 s | - |
 
+An empty batch on one rank whose mean loss is NaN is an ``EmptyBatchError`` there and a ``RankFailedError`` naming it on
+the others, in a step and in ``step.eval`` (``test_an_empty_batch_whose_loss_is_nan_is_refused_on_every_rank``).
+
 A dead rank (``os._exit``) is tests/test_multirank.py's ``test_a_dead_rank_makes_the_others_fail_instead_of_hanging``.
 """
 from __future__ import annotations
@@ -299,3 +302,49 @@ def test_ctrl_c_interrupts_a_wait_for_another_rank():
     status, (kind, _, seconds) = outcome[0]
     assert status == "ok" and kind == "KeyboardInterrupt" and seconds < 3, outcome[0]
     assert outcome[1][0] != "hung", outcome[1]
+
+
+# --- an empty batch on one rank (issue #37) ------------------------------------------------------------------------
+
+def _empty_batch(n):
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    x, y = next(awkward_batches(2, 1, mesh.rank, n))
+    empty = (x[:0], y[:0])
+    mine = empty if mesh.rank == n - 1 else (x, y)
+    snap = _snapshot(state)
+    step = fs.compose(awkward_loss, fs.gather_ahead(2), fs.bucket_reduce(1))
+    out = {"mean": _outcome(lambda: step(state, mine)) + (_intact(state, snap),),
+           "eval": _outcome(lambda: step.eval(state, mine)) + (_intact(state, snap),)}
+
+    def summed(module, batch):  # a loss_fn that handles an empty batch: a sum over tokens / the global count
+        x, y = batch
+        return torch.nn.functional.cross_entropy(module(x).flatten(0, 1), y.flatten(), reduction="sum") / (
+            2 * 6 * (n - 1))
+    new, m = fs.compose(summed)(state, mine)
+    out["summed"] = (m["loss"], int(new.step))
+    out["after"] = float(step(state, (x, y))[1]["loss"])  # the same state still trains
+    return out
+
+
+def test_an_empty_batch_whose_loss_is_nan_is_refused_on_every_rank():
+    n = 2
+    outcome = spawn(_empty_batch, n, n, timeout_s=180, collective_timeout_s=TIMEOUT_S)
+    assert all(s == "ok" for s, _ in outcome.values()), outcome
+    for r, (_, row) in outcome.items():
+        for case in ("mean", "eval"):
+            kind, text, seconds, intact = row[case]
+            assert intact and seconds < TIMEOUT_S, (r, case, row[case])
+            if r == n - 1:
+                assert kind == "EmptyBatchError", (r, case, kind, text)
+                assert "rank 1 passed a batch with no samples" in text and "DistributedSampler" in text, text
+                assert "Nothing was updated" in text
+            else:
+                assert kind == "RankFailedError" and "EmptyBatchError" in text, (r, case, kind, text)
+        loss, step = row["summed"]
+        assert step == 1 and loss == loss and loss > 0  # finite: such a loss_fn trains through an empty batch
+        assert row["after"] == row["after"]
+    assert issubclass(fs.EmptyBatchError, fs.BatchMismatchError)
