@@ -21,11 +21,15 @@ message (the fix it names), run under a timeout. Cases so far:
 - A second step while one runs, on the same step function, on a state of the same ``fs.init``, or an eval pass, is
   a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
   calls step in parallel, bitwise.
+- Store directories die with their run (issue #37): a SIGKILLed process's is removed by the next ``NVMeStore`` in
+  the same parent (with a message, the space back); those of live processes, other hosts, boots or containers, and
+  directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -344,3 +348,114 @@ def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
                                                   r"fraction=.*donate=True and .*overlap_backward=False"):
             step(s1, next(awkward_batches(2, 1)))
         ft.check_unchanged(s1, snap)
+
+
+# --- store directories die with their run (issue #37) ----------------------------------------------------------
+
+_HOLDER = ("import sys, time, torch, fshard as fs\n"
+           "s = fs.NVMeStore(sys.argv[1])\n"
+           "s.put('m', torch.ones(2 << 20)).wait()\n"  # 8 MiB on disk
+           "print(s.directory, flush=True)\n"
+           "time.sleep(120)\n")
+
+
+def _holding(parent) -> tuple:
+    """A process holding an NVMe store of 8 MiB in ``parent``, and its store directory."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(parent)], stdout=subprocess.PIPE, text=True)
+    d = p.stdout.readline().strip()
+    assert os.path.isdir(d) and os.path.basename(d).startswith(f"fshard-store-{p.pid}-"), d
+    return p, d
+
+
+def _fake(parent, name: str, **changes) -> str:
+    """A store directory with an owner record like this process's, with ``changes``, and a 1 MiB slot file."""
+    from fshard.store._owner import OWNER_NAME, this_process
+    d = os.path.join(parent, name)
+    os.makedirs(d)
+    with open(os.path.join(d, OWNER_NAME), "w") as f:
+        f.write(json.dumps({**this_process(), **changes}))
+    with open(os.path.join(d, "slot-000000"), "wb") as f:
+        f.write(b"x" * (1 << 20))
+    return d
+
+
+def test_a_killed_processs_store_is_removed_by_the_next_store_and_the_space_comes_back(tmpfs, capsys):
+    parent = tmpfs("size=32m")
+    free = lambda: os.statvfs(parent).f_bfree * os.statvfs(parent).f_frsize  # noqa: E731
+    before = free()
+    p, d = _holding(parent)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert os.path.isdir(d) and free() <= before - (8 << 20)  # killed: nothing of its own ran
+    with fs.NVMeStore(parent) as s:
+        assert not os.path.exists(d) and os.listdir(parent) == [os.path.basename(s.directory)]
+        assert free() >= before - (1 << 20)  # the 8 MiB are back (less this store's own record)
+    err = capsys.readouterr().err
+    assert (f"removed 1 store directory of dead processes in {parent}, 8.0 MiB freed: "
+            f"{os.path.basename(d)} (pid {p.pid})") in err, err
+
+
+def test_the_sweep_leaves_live_foreign_and_unproven_directories_alone(tmp_path, capsys):
+    from fshard.store._owner import start_time
+    me = os.getpid()
+    live, d_live = _holding(tmp_path)  # a live process of ours
+    try:
+        kept = [d_live,
+                _fake(tmp_path, f"fshard-store-{me}-alive", pid=me),  # this process: alive, its own start time
+                _fake(tmp_path, "fshard-store-1-nohost", pid=1, start=0, host="another-machine"),  # shared disk
+                _fake(tmp_path, "fshard-store-1-noboot", pid=1, start=0, boot="an-earlier-boot"),
+                _fake(tmp_path, "fshard-store-1-nons", pid=1, start=0, pidns="pid:[1]"),  # another container
+                _fake(tmp_path, "fshard-store-7-misnamed", pid=1, start=0),  # the record names another pid
+                _fake(tmp_path, "fshard-store-1-badrecord", pid="1")]  # not a record fshard writes
+        os.makedirs(tmp_path / "fshard-store-1-norecord")  # fshard did not make it (or died before the record)
+        (tmp_path / "fshard-store-1-norecord" / "slot-000000").write_bytes(b"mine")
+        (tmp_path / "checkpoints").mkdir()  # the user's own
+        kept += [str(tmp_path / "fshard-store-1-norecord"), str(tmp_path / "checkpoints")]
+        # a pid in use by another process than the record's (the pid was reused): the owner is gone
+        reused = _fake(tmp_path, f"fshard-store-{me}-reused", pid=me, start=start_time(me) - 1)
+        dead = _fake(tmp_path, "fshard-store-999999999-dead", pid=999999999)  # no such process
+        with fs.NVMeStore(tmp_path):
+            for d in kept:
+                assert os.path.isdir(d), d
+            assert not os.path.exists(reused) and not os.path.exists(dead)
+        assert (tmp_path / "fshard-store-1-norecord" / "slot-000000").read_bytes() == b"mine"
+        err = capsys.readouterr().err
+        assert "removed 2 store directories of dead processes" in err and "2.0 MiB freed" in err, err
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+
+
+def test_a_terminated_process_removes_its_store_and_still_dies_by_sigterm(tmp_path):
+    p, d = _holding(tmp_path)
+    p.terminate()  # what torchrun sends the other workers when one fails
+    assert p.wait(timeout=60) == -signal.SIGTERM  # the exit status the agent and shells read is unchanged
+    assert not os.path.exists(d) and os.listdir(tmp_path) == []
+
+
+def test_the_sigterm_handler_is_only_installed_over_the_default_and_taken_out_at_close(tmp_path):
+    from fshard.store._owner import TermCleanup
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    a, b = fs.NVMeStore(tmp_path), fs.NVMeStore(tmp_path)
+    assert isinstance(signal.getsignal(signal.SIGTERM), TermCleanup)
+    a.close()
+    assert isinstance(signal.getsignal(signal.SIGTERM), TermCleanup)  # b is still open
+    b.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        with fs.NVMeStore(tmp_path):
+            assert signal.getsignal(signal.SIGTERM) is mine  # the user's handler is theirs
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    made = []
+    t = threading.Thread(target=lambda: made.append(fs.NVMeStore(tmp_path)))  # not the main thread: no handler
+    t.start()
+    t.join(60)
+    assert made and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    made[0].close()
+
