@@ -24,6 +24,9 @@ message (the fix it names), run under a timeout. Cases so far:
 - Store directories die with their run (issue #37): a SIGKILLed process's is removed by the next ``NVMeStore`` in
   the same parent (with a message, the space back); those of live processes, other hosts, boots or containers, and
   directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
+- The native build (issues #37, #38): a symlinked lock never touches its target; an unwritable cache loads the built
+  library with a warning, and without one is a ``BuildError`` naming the path; two checkouts share one build (no
+  relink), and a changed source builds under a new key with a message saying what changed.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -459,3 +463,118 @@ def test_the_sigterm_handler_is_only_installed_over_the_default_and_taken_out_at
     assert made and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     made[0].close()
 
+
+# --- the native build: a safe lock, one build per machine (issues #37, #38) -------------------------------------
+
+def _built():
+    """The build directory of this checkout's ops (built once; the suite's ops tests have built it already)."""
+    from fshard.ops import _build
+    _build.build()
+    return _build.cache_root() / _build.inputs(_build.want_cuda()).name
+
+
+@pytest.fixture(scope="module")
+def ops_copies(tmp_path_factory):
+    """Two copies of the ops sources, in two directories, with the same contents (two checkouts)."""
+    from fshard.ops import _build
+    root = tmp_path_factory.mktemp("checkouts")
+    for c in ("a", "b"):
+        shutil.copytree(_build.SRC_DIR, root / c / "ops")
+    return root / "a" / "ops", root / "b" / "ops"
+
+
+def _load_ops(src=None, cache=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in (("FSHARD_OPS_SRC", src), ("FSHARD_OPS_CACHE", cache)) if v is not None}
+    return _python("import warnings; warnings.simplefilter('always')\n"
+                   "from fshard.ops import _build; print(_build.build().__file__)", timeout=timeout,
+                   **{k: str(v) for k, v in env.items()})
+
+
+def test_two_checkouts_share_one_build(ops_copies):
+    d = _built()
+    so = next(d.glob("fshard_ops_*.so"))
+    mark = lambda: (so.stat().st_ino, so.stat().st_mtime_ns)  # noqa: E731
+    before = mark()
+    for src in ops_copies:  # each a fresh process, as a second checkout or a CI clone would be
+        out = _load_ops(src)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == str(so) and "building" not in out.stderr and "rebuilt" not in out.stderr, \
+            out.stderr[-3000:]
+        assert mark() == before  # not relinked
+    assert "-I" + str(d / "src") in (d / "build.ninja").read_text()  # built from the cache's copy of the sources
+    assert str(ops_copies[0]) not in (d / "build.ninja").read_text()
+
+
+def test_a_changed_source_builds_a_new_key_and_says_why(tmp_path, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+    from fshard.ops import _build
+    seen = []
+
+    def fake_load(name, sources, build_directory, **kw):  # stands for torch's build: records it, makes the .so
+        seen.append((name, sources, kw["extra_include_paths"]))
+        so = os.path.join(build_directory, f"{name}.so")
+        if not os.path.exists(so):
+            open(so, "w").close()
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("FSHARD_OPS_CACHE", str(tmp_path / "cache"))
+    first = _build.build()
+    assert "no build in this cache yet" in capsys.readouterr().err
+    changed = tmp_path / "changed"
+    shutil.copytree(_build.SRC_DIR, changed)
+    with open(changed / "adamw.h", "a") as f:
+        f.write("\n// an edit\n")
+    monkeypatch.setattr(_build, "SRC_DIR", changed)
+    second = _build.build()
+    err = capsys.readouterr().err
+    assert second != first, (first, second)
+    assert f"the sources changed (adamw.h) since the last build in this cache, {first}" in err, err
+    src = tmp_path / "cache" / second / "src"
+    assert seen[-1][1][0] == str(src / "bindings.cpp") and seen[-1][2] == [str(src)]
+    assert (src / "adamw.h").read_bytes() == (changed / "adamw.h").read_bytes()
+    assert _build.build() == second and "building" not in capsys.readouterr().err  # built: nothing to say
+
+
+def test_a_symlinked_lock_never_touches_its_target(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("fshard.lock", "*.o"))
+    target = tmp_path / "precious"
+    target.write_text("the user's file")
+    (cache / d.name / "fshard.lock").symlink_to(target)
+    out = _load_ops(cache=cache)  # the built library is there: loaded without the lock, with a warning
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+    assert "symbolic link, which fshard never follows" in out.stderr and "without the lock" in out.stderr, out.stderr
+    (cache / d.name / f"{d.name}.so").unlink()
+    out = _load_ops(cache=cache)  # nothing to load instead: a BuildError naming the lock
+    assert out.returncode != 0 and "BuildError" in out.stderr, out.stderr[-3000:]
+    assert f"cannot open the build lock {cache / d.name / 'fshard.lock'}" in out.stderr, out.stderr[-3000:]
+    assert target.read_text() == "the user's file" and (cache / d.name / "fshard.lock").is_symlink()
+
+
+def test_an_unwritable_cache_loads_the_built_library_with_a_warning(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("*.o"))
+    empty = tmp_path / "empty"
+    (empty / d.name).mkdir(parents=True)
+    mounted = []
+    try:
+        for p in (cache / d.name, empty / d.name):  # read-only, even for root: a read-only bind mount
+            for args in (["--bind", str(p), str(p)], ["-o", "remount,ro,bind", str(p)]):
+                subprocess.run(["mount", *args], check=True, capture_output=True)
+            mounted.append(p)
+        listed = sorted(os.listdir(cache / d.name))
+        out = _load_ops(cache=cache)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+        assert "RuntimeWarning" in out.stderr and "without the lock (nothing is rebuilt)" in out.stderr, out.stderr
+        assert "PermissionError" not in out.stderr and sorted(os.listdir(cache / d.name)) == listed
+        out = _load_ops(cache=empty)
+        assert out.returncode != 0 and "BuildError" in out.stderr and "PermissionError: " not in out.stderr
+        assert f"no built library at {empty / d.name / (d.name + '.so')}" in out.stderr, out.stderr[-3000:]
+    finally:
+        for p in mounted:
+            subprocess.run(["umount", "-l", str(p)], check=False)
