@@ -438,30 +438,30 @@ def test_a_terminated_process_removes_its_store_and_still_dies_by_sigterm(tmp_pa
 
 
 def test_the_sigterm_handler_is_only_installed_over_the_default_and_taken_out_at_close(tmp_path):
-    from fshard.store._owner import TermCleanup
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    a, b = fs.NVMeStore(tmp_path), fs.NVMeStore(tmp_path)
-    assert isinstance(signal.getsignal(signal.SIGTERM), TermCleanup)
-    a.close()
-    assert isinstance(signal.getsignal(signal.SIGTERM), TermCleanup)  # b is still open
-    b.close()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-
-    def mine(signum, frame):
-        pass
-
-    signal.signal(signal.SIGTERM, mine)
-    try:
-        with fs.NVMeStore(tmp_path):
-            assert signal.getsignal(signal.SIGTERM) is mine  # the user's handler is theirs
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    made = []
-    t = threading.Thread(target=lambda: made.append(fs.NVMeStore(tmp_path)))  # not the main thread: no handler
-    t.start()
-    t.join(60)
-    assert made and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    made[0].close()
+    code = ("import signal, sys, threading, fshard as fs\n"  # a fresh process: no store of other tests is open
+            "from fshard.store._owner import TermCleanup\n"
+            "d, handler = sys.argv[1], lambda: signal.getsignal(signal.SIGTERM)\n"
+            "assert handler() is signal.SIG_DFL\n"
+            "a, b = fs.NVMeStore(d), fs.NVMeStore(d)\n"
+            "assert isinstance(handler(), TermCleanup)\n"
+            "a.close()\n"
+            "assert isinstance(handler(), TermCleanup)\n"  # b is still open
+            "b.close()\n"
+            "assert handler() is signal.SIG_DFL\n"
+            "def mine(signum, frame): pass\n"
+            "signal.signal(signal.SIGTERM, mine)\n"
+            "with fs.NVMeStore(d):\n"
+            "    assert handler() is mine\n"  # the user's handler stays theirs
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+            "made = []\n"
+            "t = threading.Thread(target=lambda: made.append(fs.NVMeStore(d)))\n"  # not the main thread: none
+            "t.start(); t.join(60)\n"
+            "assert made and handler() is signal.SIG_DFL\n"
+            "made[0].close()\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert os.listdir(tmp_path) == []
 
 
 # --- the native build: a safe lock, one build per machine (issues #37, #38) -------------------------------------

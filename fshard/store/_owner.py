@@ -120,6 +120,20 @@ def _empty(directory: str) -> int:
     return total
 
 
+def _remove(directory: str) -> None:
+    """Remove a store directory: its files, then itself. A store's directory is flat, so anything else in it (a
+    subdirectory) keeps it (rmdir fails). A file already gone is fine: two new stores may sweep at once."""
+    for e in os.scandir(directory):
+        try:
+            os.unlink(e.path)
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -144,7 +158,7 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
             if rec is None or not e.name.startswith(f"{PREFIX}{rec['pid']}-") or not owner_gone(rec, me):
                 continue
             n = _empty(e.path)
-            shutil.rmtree(e.path)
+            _remove(e.path)
         except OSError as err:  # another sweeper got there first, or no permission: not this store's concern
             log.info("fshard.store: left %s: %s", e.path, err)
             continue
