@@ -106,7 +106,9 @@ def _empty(directory: str) -> int:
     keeps its files referenced until the kernel's deferred teardown runs, and an unlinked file's blocks stay in
     use until then; truncated, they come back at once (as _layout's discard does for a live slot)."""
     total = 0
-    for e in os.scandir(directory):
+    with os.scandir(directory) as entries:
+        listed = list(entries)
+    for e in listed:
         try:
             total += e.stat(follow_symlinks=False).st_blocks * 512
             if e.is_file(follow_symlinks=False):
@@ -123,7 +125,9 @@ def _empty(directory: str) -> int:
 def _remove(directory: str) -> None:
     """Remove a store directory: its files, then itself. A store's directory is flat, so anything else in it (a
     subdirectory) keeps it (rmdir fails). A file already gone is fine: two new stores may sweep at once."""
-    for e in os.scandir(directory):
+    with os.scandir(directory) as entries:
+        listed = list(entries)
+    for e in listed:
         try:
             os.unlink(e.path)
         except FileNotFoundError:
@@ -146,7 +150,8 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
     on stderr names them and the bytes freed. Returns the names removed. Never raises: a store still opens."""
     me, removed, freed = this_process(), [], 0
     try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(PREFIX) and e.path != own]
+        with os.scandir(parent) as listed:
+            entries = [e for e in listed if e.name.startswith(PREFIX) and e.path != own]
     except OSError as e:
         log.warning("fshard.store: cannot list %s to remove dead processes' stores: %s", parent, e)
         return removed
