@@ -24,9 +24,10 @@ message (the fix it names), run under a timeout. Cases so far:
 - Store directories die with their run (issue #37): a SIGKILLed process's is removed by the next ``NVMeStore`` in
   the same parent (with a message, the space back); those of live processes, other hosts, boots or containers, and
   directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
-- The native build (issues #37, #38): a symlinked lock never touches its target; an unwritable cache loads the built
-  library with a warning, and without one is a ``BuildError`` naming the path; two checkouts share one build (no
-  relink), and a changed source builds under a new key with a message saying what changed.
+- The native build (issues #37, #38): a symlinked lock never touches its target (nor a hard link; a FIFO is refused);
+  an unwritable cache loads the built library with a warning, and without one is a ``BuildError`` naming the path;
+  two checkouts share one build (no relink), and a changed source builds under a new key with a message saying what
+  changed.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -552,6 +553,23 @@ def test_a_symlinked_lock_never_touches_its_target(tmp_path):
     assert out.returncode != 0 and "BuildError" in out.stderr, out.stderr[-3000:]
     assert f"cannot open the build lock {cache / d.name / 'fshard.lock'}" in out.stderr, out.stderr[-3000:]
     assert target.read_text() == "the user's file" and (cache / d.name / "fshard.lock").is_symlink()
+
+
+def test_the_lock_is_only_ever_a_regular_file_of_its_own(tmp_path):
+    from fshard.ops._build import BuildLockError, _exclusive
+    for name, make in (("fifo", lambda p: os.mkfifo(p)),  # would block an open for reading
+                       ("hardlink", lambda p: os.link(tmp_path / "victim", p)),  # would write into another name
+                       ("symlink", lambda p: os.symlink(tmp_path / "victim", p))):
+        (tmp_path / "victim").write_text("keep")
+        d = tmp_path / name
+        d.mkdir()
+        make(d / "fshard.lock")
+        with pytest.raises(BuildLockError, match=f"build lock {d / 'fshard.lock'}"):
+            with _exclusive(d):
+                pass
+        assert (tmp_path / "victim").read_text() == "keep", name
+    with _exclusive(tmp_path):  # a regular file: created, and holds the holder's pid
+        assert (tmp_path / "fshard.lock").read_text() == str(os.getpid())
 
 
 def test_an_unwritable_cache_loads_the_built_library_with_a_warning(tmp_path):
