@@ -25,7 +25,8 @@ message (the fix it names), run under a timeout. Cases so far:
   the same parent (with a message, the space back); those of live processes, other hosts, boots or containers, and
   directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
 - The native build (issues #37, #38): a symlinked lock never touches its target (nor a hard link; a FIFO is refused);
-  an unwritable cache loads the built library with a warning, and without one is a ``BuildError`` naming the path;
+  an unwritable cache (or lock) loads the built library with a warning, and without one is a ``BuildError`` naming
+  the path;
   two checkouts share one build (no relink), and a changed source builds under a new key with a message saying what
   changed.
 
@@ -570,6 +571,23 @@ def test_the_lock_is_only_ever_a_regular_file_of_its_own(tmp_path):
         assert (tmp_path / "victim").read_text() == "keep", name
     with _exclusive(tmp_path):  # a regular file: created, and holds the holder's pid
         assert (tmp_path / "fshard.lock").read_text() == str(os.getpid())
+
+
+def test_a_lock_that_opens_in_a_directory_that_cannot_be_written_loads_the_built_library(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("*.o", "src"))  # src/ must be written
+    (cache / d.name / "fshard.lock").write_text("")
+    subprocess.run(["chattr", "+i", str(cache / d.name)], check=True)  # no new names in it, even for root
+    try:
+        out = _load_ops(cache=cache)
+    finally:
+        subprocess.run(["chattr", "-i", str(cache / d.name)], check=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+    assert "without the lock (nothing is rebuilt)" in out.stderr and "Operation not permitted" in out.stderr, \
+        out.stderr[-3000:]
+    assert not (cache / d.name / "src").exists()
 
 
 def test_an_unwritable_cache_loads_the_built_library_with_a_warning(tmp_path):

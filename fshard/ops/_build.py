@@ -231,6 +231,14 @@ def _unlocked(so: Path, name: str, why: BaseException):
     return _load_built(so, name)
 
 
+def _if_read_only(so: Path, name: str, err: BuildError, cause: Optional[BaseException]):
+    """The lock opened, but the sources or torch's baton cannot be written (a read-only build directory): load
+    the built library without building, as when the lock cannot be opened. Any other failure is raised."""
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return _unlocked(so, name, err)
+    raise err from cause
+
+
 def _mark(so: Path) -> Optional[tuple]:
     with contextlib.suppress(OSError):
         st = os.stat(so)
@@ -264,9 +272,9 @@ def build(verbose: bool = False):
                        "and takes about a minute")
                 log.info(msg)
                 print(msg, file=sys.stderr, flush=True)
-            src = _stage(build_dir, got)
-            sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if cuda else [])]
             try:
+                src = _stage(build_dir, got)
+                sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if cuda else [])]
                 mod = cpp_extension.load(
                     name=name, sources=sources, extra_cflags=cflags, extra_ldflags=list(LDFLAGS),  # (torch appends)
                     extra_cuda_cflags=["-O3", "-DFSHARD_WITH_CUDA"] if cuda else None,
@@ -278,10 +286,9 @@ def build(verbose: bool = False):
     except BuildLockError as e:
         return _unlocked(so, name, e)
     except BuildError as e:
-        perm = isinstance(e.__cause__, OSError) and e.__cause__.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-        if perm:  # the lock opened, but torch cannot write its own (a read-only build directory)
-            return _unlocked(so, name, e)
-        raise
+        return _if_read_only(so, name, e, e.__cause__)
+    except OSError as e:  # the lock's own writes (a stale baton in a read-only directory)
+        return _if_read_only(so, name, BuildError(f"fshard.ops: cannot build in {build_dir}: {e}"), e)
     if before is None:
         print(f"fshard.ops: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     elif after != before:
