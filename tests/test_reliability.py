@@ -26,9 +26,8 @@ message (the fix it names), run under a timeout. Cases so far:
   directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
 - The native build (issues #37, #38): a symlinked lock never touches its target (nor a hard link; a FIFO is refused);
   an unwritable cache (or lock) loads the built library with a warning, and without one is a ``BuildError`` naming
-  the path;
-  two checkouts share one build (no relink), and a changed source builds under a new key with a message saying what
-  changed.
+  the path; two checkouts share one build (no relink), and a changed source builds under a new key with a message
+  saying what changed.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
