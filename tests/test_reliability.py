@@ -21,12 +21,21 @@ message (the fix it names), run under a timeout. Cases so far:
 - A second step while one runs, on the same step function, on a state of the same ``fs.init``, or an eval pass, is
   a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
   calls step in parallel, bitwise.
+- Store directories die with their run (issue #37): a SIGKILLed process's is removed by the next ``NVMeStore`` in
+  the same parent (with a message, the space back); those of live processes, other hosts, boots or containers, and
+  directories without a valid owner record are left; a SIGTERMed process removes its own and still dies by SIGTERM.
+- The native build (issues #37, #38): a symlinked lock never touches its target (nor a hard link; a FIFO is refused);
+  an unwritable cache (or lock) loads the built library with a warning, and without one is a ``BuildError`` naming
+  the path; two checkouts share one build (no relink), and a changed source builds under a new key with a message
+  saying what changed.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -344,3 +353,263 @@ def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
                                                   r"fraction=.*donate=True and .*overlap_backward=False"):
             step(s1, next(awkward_batches(2, 1)))
         ft.check_unchanged(s1, snap)
+
+
+# --- store directories die with their run (issue #37) ----------------------------------------------------------
+
+_HOLDER = ("import sys, time, torch, fshard as fs\n"
+           "s = fs.NVMeStore(sys.argv[1])\n"
+           "s.put('m', torch.ones(2 << 20)).wait()\n"  # 8 MiB on disk
+           "print(s.directory, flush=True)\n"
+           "time.sleep(120)\n")
+
+
+def _holding(parent) -> tuple:
+    """A process holding an NVMe store of 8 MiB in ``parent``, and its store directory."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(parent)], stdout=subprocess.PIPE, text=True)
+    d = p.stdout.readline().strip()
+    assert os.path.isdir(d) and os.path.basename(d).startswith(f"fshard-store-{p.pid}-"), d
+    return p, d
+
+
+def _fake(parent, name: str, **changes) -> str:
+    """A store directory with an owner record like this process's, with ``changes``, and a 1 MiB slot file."""
+    from fshard.store._owner import OWNER_NAME, this_process
+    d = os.path.join(parent, name)
+    os.makedirs(d)
+    with open(os.path.join(d, OWNER_NAME), "w") as f:
+        f.write(json.dumps({**this_process(), **changes}))
+    with open(os.path.join(d, "slot-000000"), "wb") as f:
+        f.write(b"x" * (1 << 20))
+    return d
+
+
+def test_a_killed_processs_store_is_removed_by_the_next_store_and_the_space_comes_back(tmpfs, capsys):
+    parent = tmpfs("size=32m")
+    free = lambda: os.statvfs(parent).f_bfree * os.statvfs(parent).f_frsize  # noqa: E731
+    before = free()
+    p, d = _holding(parent)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert os.path.isdir(d) and free() <= before - (8 << 20)  # killed: nothing of its own ran
+    with fs.NVMeStore(parent) as s:
+        assert not os.path.exists(d) and os.listdir(parent) == [os.path.basename(s.directory)]
+        assert free() >= before - (1 << 20)  # the 8 MiB are back (less this store's own record)
+    err = capsys.readouterr().err
+    assert (f"removed 1 store directory of dead processes in {parent}, 8.0 MiB freed: "
+            f"{os.path.basename(d)} (pid {p.pid})") in err, err
+
+
+def test_the_sweep_leaves_live_foreign_and_unproven_directories_alone(tmp_path, capsys):
+    from fshard.store._owner import start_time
+    me = os.getpid()
+    live, d_live = _holding(tmp_path)  # a live process of ours
+    try:
+        kept = [d_live,
+                _fake(tmp_path, f"fshard-store-{me}-alive", pid=me),  # this process: alive, its own start time
+                _fake(tmp_path, "fshard-store-1-nohost", pid=1, start=0, host="another-machine"),  # shared disk
+                _fake(tmp_path, "fshard-store-1-noboot", pid=1, start=0, boot="an-earlier-boot"),
+                _fake(tmp_path, "fshard-store-1-nons", pid=1, start=0, pidns="pid:[1]"),  # another container
+                _fake(tmp_path, "fshard-store-7-misnamed", pid=1, start=0),  # the record names another pid
+                _fake(tmp_path, "fshard-store-1-badrecord", pid="1")]  # not a record fshard writes
+        os.makedirs(tmp_path / "fshard-store-1-norecord")  # fshard did not make it (or died before the record)
+        (tmp_path / "fshard-store-1-norecord" / "slot-000000").write_bytes(b"mine")
+        (tmp_path / "checkpoints").mkdir()  # the user's own
+        kept += [str(tmp_path / "fshard-store-1-norecord"), str(tmp_path / "checkpoints")]
+        # a pid in use by another process than the record's (the pid was reused): the owner is gone
+        reused = _fake(tmp_path, f"fshard-store-{me}-reused", pid=me, start=start_time(me) - 1)
+        dead = _fake(tmp_path, "fshard-store-999999999-dead", pid=999999999)  # no such process
+        with fs.NVMeStore(tmp_path):
+            for d in kept:
+                assert os.path.isdir(d), d
+            assert not os.path.exists(reused) and not os.path.exists(dead)
+        assert (tmp_path / "fshard-store-1-norecord" / "slot-000000").read_bytes() == b"mine"
+        err = capsys.readouterr().err
+        assert "removed 2 store directories of dead processes" in err and "2.0 MiB freed" in err, err
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+
+
+def test_a_terminated_process_removes_its_store_and_still_dies_by_sigterm(tmp_path):
+    p, d = _holding(tmp_path)
+    p.terminate()  # what torchrun sends the other workers when one fails
+    assert p.wait(timeout=60) == -signal.SIGTERM  # the exit status the agent and shells read is unchanged
+    assert not os.path.exists(d) and os.listdir(tmp_path) == []
+
+
+def test_the_sigterm_handler_is_only_installed_over_the_default_and_taken_out_at_close(tmp_path):
+    code = ("import signal, sys, threading, fshard as fs\n"  # a fresh process: no store of other tests is open
+            "from fshard.store._owner import TermCleanup\n"
+            "d, handler = sys.argv[1], lambda: signal.getsignal(signal.SIGTERM)\n"
+            "assert handler() is signal.SIG_DFL\n"
+            "a, b = fs.NVMeStore(d), fs.NVMeStore(d)\n"
+            "assert isinstance(handler(), TermCleanup)\n"
+            "a.close()\n"
+            "assert isinstance(handler(), TermCleanup)\n"  # b is still open
+            "b.close()\n"
+            "assert handler() is signal.SIG_DFL\n"
+            "def mine(signum, frame): pass\n"
+            "signal.signal(signal.SIGTERM, mine)\n"
+            "with fs.NVMeStore(d):\n"
+            "    assert handler() is mine\n"  # the user's handler stays theirs
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+            "made = []\n"
+            "t = threading.Thread(target=lambda: made.append(fs.NVMeStore(d)))\n"  # not the main thread: none
+            "t.start(); t.join(60)\n"
+            "assert made and handler() is signal.SIG_DFL\n"
+            "made[0].close()\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert os.listdir(tmp_path) == []
+
+
+# --- the native build: a safe lock, one build per machine (issues #37, #38) -------------------------------------
+
+def _built():
+    """The build directory of this checkout's ops (built once; the suite's ops tests have built it already)."""
+    from fshard.ops import _build
+    _build.build()
+    return _build.cache_root() / _build.inputs(_build.want_cuda()).name
+
+
+@pytest.fixture(scope="module")
+def ops_copies(tmp_path_factory):
+    """Two copies of the ops sources, in two directories, with the same contents (two checkouts)."""
+    from fshard.ops import _build
+    root = tmp_path_factory.mktemp("checkouts")
+    for c in ("a", "b"):
+        shutil.copytree(_build.SRC_DIR, root / c / "ops")
+    return root / "a" / "ops", root / "b" / "ops"
+
+
+def _load_ops(src=None, cache=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in (("FSHARD_OPS_SRC", src), ("FSHARD_OPS_CACHE", cache)) if v is not None}
+    return _python("import warnings; warnings.simplefilter('always')\n"
+                   "from fshard.ops import _build; print(_build.build().__file__)", timeout=timeout,
+                   **{k: str(v) for k, v in env.items()})
+
+
+def test_two_checkouts_share_one_build(ops_copies):
+    d = _built()
+    so = next(d.glob("fshard_ops_*.so"))
+    mark = lambda: (so.stat().st_ino, so.stat().st_mtime_ns)  # noqa: E731
+    before = mark()
+    for src in ops_copies:  # each a fresh process, as a second checkout or a CI clone would be
+        out = _load_ops(src)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == str(so) and "building" not in out.stderr and "rebuilt" not in out.stderr, \
+            out.stderr[-3000:]
+        assert mark() == before  # not relinked
+    assert "-I" + str(d / "src") in (d / "build.ninja").read_text()  # built from the cache's copy of the sources
+    assert str(ops_copies[0]) not in (d / "build.ninja").read_text()
+
+
+def test_a_changed_source_builds_a_new_key_and_says_why(tmp_path, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+    from fshard.ops import _build
+    seen = []
+
+    def fake_load(name, sources, build_directory, **kw):  # stands for torch's build: records it, makes the .so
+        seen.append((name, sources, kw["extra_include_paths"]))
+        so = os.path.join(build_directory, f"{name}.so")
+        if not os.path.exists(so):
+            open(so, "w").close()
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("FSHARD_OPS_CACHE", str(tmp_path / "cache"))
+    first = _build.build()
+    assert "no build in this cache yet" in capsys.readouterr().err
+    changed = tmp_path / "changed"
+    shutil.copytree(_build.SRC_DIR, changed)
+    with open(changed / "adamw.h", "a") as f:
+        f.write("\n// an edit\n")
+    monkeypatch.setattr(_build, "SRC_DIR", changed)
+    second = _build.build()
+    err = capsys.readouterr().err
+    assert second != first, (first, second)
+    assert f"the sources changed (adamw.h) since the last build in this cache, {first}" in err, err
+    src = tmp_path / "cache" / second / "src"
+    assert seen[-1][1][0] == str(src / "bindings.cpp") and seen[-1][2] == [str(src)]
+    assert (src / "adamw.h").read_bytes() == (changed / "adamw.h").read_bytes()
+    assert _build.build() == second and "building" not in capsys.readouterr().err  # built: nothing to say
+
+
+def test_a_symlinked_lock_never_touches_its_target(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("fshard.lock", "*.o"))
+    target = tmp_path / "precious"
+    target.write_text("the user's file")
+    (cache / d.name / "fshard.lock").symlink_to(target)
+    out = _load_ops(cache=cache)  # the built library is there: loaded without the lock, with a warning
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+    assert "symbolic link, which fshard never follows" in out.stderr and "without the lock" in out.stderr, out.stderr
+    (cache / d.name / f"{d.name}.so").unlink()
+    out = _load_ops(cache=cache)  # nothing to load instead: a BuildError naming the lock
+    assert out.returncode != 0 and "BuildError" in out.stderr, out.stderr[-3000:]
+    assert f"cannot open the build lock {cache / d.name / 'fshard.lock'}" in out.stderr, out.stderr[-3000:]
+    assert target.read_text() == "the user's file" and (cache / d.name / "fshard.lock").is_symlink()
+
+
+def test_the_lock_is_only_ever_a_regular_file_of_its_own(tmp_path):
+    from fshard.ops._build import BuildLockError, _exclusive
+    for name, make in (("fifo", lambda p: os.mkfifo(p)),  # would block an open for reading
+                       ("hardlink", lambda p: os.link(tmp_path / "victim", p)),  # would write into another name
+                       ("symlink", lambda p: os.symlink(tmp_path / "victim", p))):
+        (tmp_path / "victim").write_text("keep")
+        d = tmp_path / name
+        d.mkdir()
+        make(d / "fshard.lock")
+        with pytest.raises(BuildLockError, match=f"build lock {d / 'fshard.lock'}"):
+            with _exclusive(d):
+                pass
+        assert (tmp_path / "victim").read_text() == "keep", name
+    with _exclusive(tmp_path):  # a regular file: created, and holds the holder's pid
+        assert (tmp_path / "fshard.lock").read_text() == str(os.getpid())
+
+
+def test_a_lock_that_opens_in_a_directory_that_cannot_be_written_loads_the_built_library(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("*.o", "src"))  # src/ must be written
+    (cache / d.name / "fshard.lock").write_text("")
+    subprocess.run(["chattr", "+i", str(cache / d.name)], check=True)  # no new names in it, even for root
+    try:
+        out = _load_ops(cache=cache)
+    finally:
+        subprocess.run(["chattr", "-i", str(cache / d.name)], check=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+    assert "without the lock (nothing is rebuilt)" in out.stderr and "Operation not permitted" in out.stderr, \
+        out.stderr[-3000:]
+    assert not (cache / d.name / "src").exists()
+
+
+def test_an_unwritable_cache_loads_the_built_library_with_a_warning(tmp_path):
+    d = _built()
+    cache = tmp_path / "cache"
+    shutil.copytree(d, cache / d.name, ignore=shutil.ignore_patterns("*.o"))
+    empty = tmp_path / "empty"
+    (empty / d.name).mkdir(parents=True)
+    mounted = []
+    try:
+        for p in (cache / d.name, empty / d.name):  # read-only, even for root: a read-only bind mount
+            for args in (["--bind", str(p), str(p)], ["-o", "remount,ro,bind", str(p)]):
+                subprocess.run(["mount", *args], check=True, capture_output=True)
+            mounted.append(p)
+        listed = sorted(os.listdir(cache / d.name))
+        out = _load_ops(cache=cache)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip() == str(cache / d.name / f"{d.name}.so")
+        assert "RuntimeWarning" in out.stderr and "without the lock (nothing is rebuilt)" in out.stderr, out.stderr
+        assert "PermissionError" not in out.stderr and sorted(os.listdir(cache / d.name)) == listed
+        out = _load_ops(cache=empty)
+        assert out.returncode != 0 and "BuildError" in out.stderr and "PermissionError: " not in out.stderr
+        assert f"no built library at {empty / d.name / (d.name + '.so')}" in out.stderr, out.stderr[-3000:]
+    finally:
+        for p in mounted:
+            subprocess.run(["umount", "-l", str(p)], check=False)

@@ -1,7 +1,8 @@
 """Automatic restart and export (issue #21): examples/train_gpt.py under ``torchrun --max-restarts=2``, a rank killed
 with SIGKILL mid-training, resumes from fs.latest(--checkpoint-dir) and ends with parameters bitwise equal to an
-uninterrupted run's (NVMe-offloaded moments, saved blocking and in the background). The export it writes is
-``fs.full_state_dict(state, rank0_only=True)``, which gathers to rank 0 only, unit by unit (memory measured)."""
+uninterrupted run's (NVMe-offloaded moments, saved blocking and in the background), leaving no store files behind
+(issue #37). The export it writes is ``fs.full_state_dict(state, rank0_only=True)``, which gathers to rank 0 only,
+unit by unit (memory measured)."""
 from __future__ import annotations
 
 import os
@@ -53,6 +54,10 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
         assert any(f"{d}/step-0000000{r[-2]} {r}" in log for r in resumed), (name, log[-3000:])
         assert sorted(p.name for p in d.iterdir()) == ["step-00000009", "step-00000010"], name  # keep_last 2
         assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref), name
+        # no store files outlive the run (issue #37): the killed rank's are removed by its restart's store, the
+        # peer torchrun ended with SIGTERM removed its own, and the last run's closed
+        left = {r: os.listdir(os.path.join(flags[1], r)) for r in os.listdir(flags[1])}
+        assert left == {"rank0": [], "rank1": []}, (name, left)
 
 
 def _export(_):

@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ._errors import StoreDirectoryError, StoreError, StoreWriteError
+from ._owner import PREFIX, TermCleanup, sweep, unguard, write_owner
 
 _ENGINE_KEY = "v"  # each engine holds at most one entry, so one fixed key suffices
 DIO_ALIGN = 4096  # O_DIRECT buffer address, length and offset alignment we ask for (ext4 needs <= 4096)
@@ -89,9 +90,16 @@ def open_store_dir(directory: str, create: bool) -> str:
     if not os.path.isdir(directory):
         raise StoreDirectoryError(f"store directory {directory!r} is not a directory")
     try:  # a real creation, not os.access: it also catches read-only mounts and root on read-only filesystems
-        return tempfile.mkdtemp(prefix=f"fshard-store-{os.getpid()}-", dir=directory)
+        own = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
     except OSError as e:
         raise StoreDirectoryError(f"store directory {directory!r} is not writable: {e.strerror or e}") from e
+    try:
+        write_owner(own)  # what lets a later store prove this directory's owner gone (_owner.py)
+    except OSError as e:
+        shutil.rmtree(own, ignore_errors=True)
+        raise StoreDirectoryError(f"cannot write the owner record in {own!r}: {e.strerror or e}") from e
+    sweep(directory, own)  # directories of dead processes (killed, or ended by SIGTERM before this fix)
+    return own
 
 
 class Slot:
@@ -271,9 +279,11 @@ class SlotSpace:
         self._free.clear()
 
 
-def cleanup(space: SlotSpace, directory: str) -> None:
-    """Close every engine and remove the store's directory. Used by close(), weakref.finalize and atexit."""
+def cleanup(space: SlotSpace, directory: str, term: Optional[TermCleanup] = None) -> None:
+    """Close every engine and remove the store's directory. Used by close(), weakref.finalize and atexit (and
+    `term`, the SIGTERM handler, removes the directory when the process is terminated; see _owner.py)."""
     try:
         space.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        unguard(term, directory)

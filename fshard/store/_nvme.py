@@ -32,6 +32,7 @@ from ._checksum import checksum, validate_kind
 from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
+from ._owner import guard
 from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
 from ._protocol import DeferredDeletes, ItemMeta, as_bytes, from_bytes, meta_of
 from .._errors import ArgumentError
@@ -65,8 +66,9 @@ class NVMeStore(DeferredDeletes):
         items: Dict[Hashable, _Item] = {}
         keep = (lambda: max(16, len(items))) if max_free_slots is None else (lambda: max_free_slots)
         self._space = SlotSpace(self.directory, backend, keep)
-        # Runs on close(), on garbage collection, and at interpreter exit (finalize registers with atexit).
-        self._finalizer = weakref.finalize(self, cleanup, self._space, self.directory)
+        # Runs on close(), on garbage collection, and at interpreter exit (finalize registers with atexit); SIGTERM
+        # removes the directory through guard's handler, and a later store removes it if the process was killed.
+        self._finalizer = weakref.finalize(self, cleanup, self._space, self.directory, guard(self.directory))
         self.pool = BufferPool(max_buffers, max_buffer_bytes, block)
         self.events = events
         self._items = items
