@@ -21,6 +21,10 @@ message (the fix it names), run under a timeout. Cases so far:
 - A second step while one runs, on the same step function, on a state of the same ``fs.init``, or an eval pass, is
   a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
   calls step in parallel, bitwise.
+- A module registered at two paths (within one unit, or in two units) whose weight is also tied into another
+  module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta), and
+  like DDP at two ranks; no step leaves a bound tensor in the template (issue #37: the first step raised a false
+  ``InitError``).
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -344,3 +348,111 @@ def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
                                                   r"fraction=.*donate=True and .*overlap_backward=False"):
             step(s1, next(awkward_batches(2, 1)))
         ft.check_unchanged(s1, snap)
+
+
+# --- a module registered twice, its weight tied elsewhere (issue #37) ---------------------------------------------
+
+class _SharedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(6, 6), torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        x = torch.tanh(self.norm(self.lin(x)))
+        return self.again(x) if hasattr(self, "again") else x
+
+
+class _Shared(torch.nn.Module):
+    """Two blocks (units) and a head and an ``other`` projection (root); ``variant`` shares a Linear at two paths
+    (within one unit, or across the two units) and may tie its weight into the head or ``other``."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_SharedBlock(), _SharedBlock()])
+        self.head, self.other = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        lin = self.blocks[0].lin
+        if variant.startswith("within"):
+            self.blocks[0].again = lin  # a second path inside the unit (forward uses it again)
+        else:
+            self.blocks[1].lin = lin  # the same module in both units
+        if variant.endswith("tied_other"):
+            self.other.weight = lin.weight
+        elif variant.endswith("tied_head"):
+            self.head.weight = lin.weight
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x) + self.other(x)
+
+
+SHARED = ["across_tied_other", "across", "within", "within_tied_head", "across_tied_head", "within_tied_other"]
+SHARED_HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+
+
+def _shared_loss(m, x):
+    return m(x).square().mean()
+
+
+def _shared_vs_torch(variant: str, meta: bool, steps: int = 3):
+    """fshard (impl="torch") against torch AdamW, or DDP + AdamW at world size > 1, on the same batches: the
+    losses, whether every parameter is bitwise equal, and the template's tensors left off the meta device."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mesh = fs.Mesh.from_env() if "WORLD_SIZE" in os.environ else fs.Mesh.local()
+    ref = _Shared(variant)
+    if meta:  # built on meta and initialised by fs.init: the reference takes fshard's initial weights
+        with torch.device("meta"):
+            model = _Shared(variant)
+    else:
+        model = _Shared(variant)
+    state = fs.init(model, mesh, fs.adamw(**SHARED_HP, impl="torch"), seed=0)
+    if meta:
+        ref.load_state_dict(fs.full_state_dict(state))
+    opt = torch.optim.AdamW(ref.parameters(), **SHARED_HP)
+    ddp = DDP(ref) if mesh.world_size > 1 else ref
+    g = torch.Generator().manual_seed(1)
+    step, ours, theirs = fs.compose(_shared_loss), [], []
+    for _ in range(steps):
+        x = torch.randn(2 * mesh.world_size, 6, generator=g).chunk(mesh.world_size)[mesh.rank]
+        state, m = step(state, x)
+        ours.append(m["loss"])
+        opt.zero_grad(set_to_none=True)
+        loss = _shared_loss(ddp, x)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().double()
+        if mesh.world_size > 1:
+            torch.distributed.all_reduce(mean)
+        theirs.append(mean.item() / mesh.world_size)
+    full = fs.full_params(state)
+    equal = list(full) == [n for n, _ in ref.named_parameters()] and all(
+        torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
+    left = [n for n, t in list(state.spec.template.named_parameters(remove_duplicate=False)) +
+            list(state.spec.template.named_buffers(remove_duplicate=False)) if not t.is_meta]
+    return ours, theirs, equal, left, [(u.name, [s.aliases for s in u.slots]) for u in state.spec.units]
+
+
+@pytest.mark.parametrize("meta", [False, True])
+@pytest.mark.parametrize("variant", SHARED)
+def test_a_module_registered_twice_with_its_weight_tied_trains_like_torch(variant, meta):
+    ours, theirs, equal, left, units = _shared_vs_torch(variant, meta)
+    assert ours == theirs and equal, (ours, theirs)
+    assert left == []  # (the bug: a bound tensor left in the template, taken for a parameter made in forward)
+    root = dict(units)["<root>"]
+    if variant == "across_tied_other":  # the shared Linear is reached from both units: it lives in the root
+        assert ("blocks.0.lin.weight", "blocks.1.lin.weight", "other.weight") in root
+        assert ("blocks.0.lin.bias", "blocks.1.lin.bias") in root
+    if variant == "within":  # inside one unit: that unit's, one slot under both names
+        assert ("blocks.0.lin.weight", "blocks.0.again.weight") in dict(units)["blocks.0"]
+
+
+def _shared_all():
+    return {v: _shared_vs_torch(v, meta=False)[:4] for v in SHARED}
+
+
+def test_a_module_registered_twice_with_its_weight_tied_matches_ddp_at_two_ranks():
+    from _dist import run_ranks
+    for rank_result in run_ranks(_shared_all, 2):
+        for variant, (ours, theirs, equal, left) in rank_result.items():
+            assert ours == theirs and equal and left == [], (variant, ours, theirs, left)
