@@ -28,6 +28,7 @@ from ._state import ShardSpec, TrainState
 from .store._checksum import checksum
 from ._route import route_units
 from ._routed import route_groups, routed_groups
+from ._wrapped import check_not_wrapped
 
 ROOT = "<root>"
 
@@ -161,6 +162,7 @@ def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(f"fs.init(model, mesh, opt): model must be a torch.nn.Module, got "
                                 f"{type(model).__name__}.")
+    check_not_wrapped(model)  # DDP, DataParallel, FSDP1/2, torch.compile: the plain module is what fshard takes
     if not isinstance(mesh, Mesh):
         raise ArgumentTypeError(f"fs.init(model, mesh, opt): mesh must be an fs.Mesh (fs.Mesh.from_env() under "
                                 f"torchrun, fs.Mesh.local() for one rank), got {type(mesh).__name__}.")

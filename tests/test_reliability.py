@@ -25,6 +25,9 @@ message (the fix it names), run under a timeout. Cases so far:
   module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta), and
   like DDP at two ranks; no step leaves a bound tensor in the template (issue #37: the first step raised a false
   ``InitError``).
+- A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
+  DTensor parameter, ``torch.compile`` on the model or a submodule) is an ``InitError`` naming the wrapper and the
+  module to pass (``ddp.module``, ``compiled._orig_mod``, the model before sharding); that module trains (issue #38).
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -456,3 +459,80 @@ def test_a_module_registered_twice_with_its_weight_tied_matches_ddp_at_two_ranks
     for rank_result in run_ranks(_shared_all, 2):
         for variant, (ours, theirs, equal, left) in rank_result.items():
             assert ours == theirs and equal and left == [], (variant, ours, theirs, left)
+
+
+# --- a model already wrapped by DDP, DataParallel, FSDP or torch.compile (issue #38) -----------------------------
+
+def _plain():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+
+
+def _wrapped_cases():
+    """On one gloo rank (DDP and fully_shard need a process group): each wrapper's fs.init error (type, message),
+    and whether the plain module under it then trains. FSDP1 refuses to be built without an accelerator, so its
+    case is an instance made without its __init__ (fs.init checks the type; nothing of FSDP1 runs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo")
+
+    def fsdp1(m):
+        w = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+        torch.nn.Module.__init__(w)
+        w._modules["_fsdp_wrapped_module"] = m  # (add_module asks FSDP1 __getattr__, which recurses here)
+        return w
+
+    def inner(wrap):  # the wrapper on a submodule, not on the whole model
+        m = _plain()
+        m[0] = wrap(m[0])
+        return m
+
+    def dtensor(m):  # a tensor-parallel-style DTensor parameter, without fully_shard
+        m[0].weight = torch.nn.Parameter(distribute_tensor(m[0].weight.detach(), init_device_mesh("cpu", (1,)),
+                                                           [Replicate()]))
+        return m
+
+    cases = {"ddp": lambda: DistributedDataParallel(_plain()), "dp": lambda: torch.nn.DataParallel(_plain()),
+             "fsdp1": lambda: fsdp1(_plain()), "fsdp2": lambda: fully_shard(_plain()),
+             "fsdp2_inner": lambda: inner(fully_shard), "compile": lambda: torch.compile(_plain()),
+             "compile_inner": lambda: inner(torch.compile), "dtensor": lambda: dtensor(_plain())}
+    out = {}
+    for name, make in cases.items():
+        try:
+            fs.init(make(), fs.Mesh.local(), fs.adamw())
+            out[name] = ("accepted", "")
+        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+            out[name] = (type(e).__name__, str(e))
+    plain = torch.compile(_plain())._orig_mod  # what the message says to pass
+    state = fs.init(plain, fs.Mesh.local(), fs.adamw(lr=1e-2))
+    state, m = fs.compose(lambda mod, x: mod(x).square().mean())(state, torch.randn(3, 4))
+    return out, int(state.step), list(fs.full_state_dict(state))
+
+
+WRAPPED = {  # case -> fragments of the message: what wraps it, where, and what to pass instead
+    "ddp": ["the model is wrapped in DistributedDataParallel", "'module.'", "Pass the plain module, ddp.module"],
+    "dp": ["the model is wrapped in DataParallel", "Pass the plain module, dp.module"],
+    "fsdp1": ["wrapped in FullyShardedDataParallel (FSDP1)", "Pass the model before wrapping it", "FULL_STATE_DICT"],
+    "fsdp2": ["the model is sharded by fully_shard (FSDP2)", "DTensor shards", "before fully_shard was applied",
+              "full_state_dict=True"],
+    "fsdp2_inner": ["its submodule '0' is sharded by fully_shard (FSDP2)"],
+    "compile": ["the model is a torch.compile'd module (OptimizedModule)", "Pass the plain module, compiled._orig_mod",
+                "fshard does not compile the model yet"],
+    "compile_inner": ["its submodule '0' is a torch.compile'd module", "compiled._orig_mod"],
+    "dtensor": ["parameter '0.weight' is a DTensor", "Pass the model before it was sharded"],
+}
+
+
+def test_a_wrapped_model_is_refused_naming_the_wrapper_and_the_module_to_pass():
+    from _dist import run_ranks
+    (out, steps, keys), = run_ranks(_wrapped_cases, 1)
+    assert set(out) == set(WRAPPED)
+    for name, fragments in WRAPPED.items():
+        kind, msg = out[name]
+        assert kind == "InitError", (name, kind, msg)
+        for f in fragments:
+            assert f in msg, (name, f, msg)
+    assert steps == 1 and keys == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the plain module trains
