@@ -1,7 +1,7 @@
 """Models that another wrapper already holds, refused by fs.init with the module to pass instead.
 
 fshard shards, binds and reduces the plain model itself. A wrapper in the way either fails deep inside (FSDP2's
-DTensor shards have no ``.numpy()``), or is accepted and goes wrong (DDP's ``module.`` prefix on every name of the
+DTensor shards: no ``.numpy()``, Tensor and DTensor mixed in a copy), or is accepted and goes wrong (DDP's ``module.`` prefix on every name of the
 state and of ``fs.full_state_dict``; a compiled module's ``_orig_mod.``), so each is named with its fix up front.
 A wrapper can only exist if its torch module was imported, so only those already in ``sys.modules`` are looked up:
 checking costs no import of torch.distributed or dynamo.
