@@ -22,8 +22,8 @@ message (the fix it names), run under a timeout. Cases so far:
   a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
   calls step in parallel, bitwise.
 - A module registered at two paths (within one unit, or in two units) whose weight is also tied into another
-  module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta), and
-  like DDP at two ranks; no step leaves a bound tensor in the template (issue #37: the first step raised a false
+  module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta, and
+  under activation checkpointing), and like DDP at two ranks; no step leaves a bound tensor in the template (issue #37: the first step raised a false
   ``InitError``).
 - A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
   DTensor parameter, ``torch.compile`` on the model or a submodule) is an ``InitError`` naming the wrapper and the
@@ -42,6 +42,7 @@ import time
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import fshard as fs
 import fshard.testing as ft
@@ -369,9 +370,10 @@ class _Shared(torch.nn.Module):
     """Two blocks (units) and a head and an ``other`` projection (root); ``variant`` shares a Linear at two paths
     (within one unit, or across the two units) and may tie its weight into the head or ``other``."""
 
-    def __init__(self, variant: str):
+    def __init__(self, variant: str, checkpoint: bool = False):
         super().__init__()
         torch.manual_seed(0)
+        self.checkpoint = checkpoint
         self.blocks = torch.nn.ModuleList([_SharedBlock(), _SharedBlock()])
         self.head, self.other = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
         lin = self.blocks[0].lin
@@ -386,7 +388,7 @@ class _Shared(torch.nn.Module):
 
     def forward(self, x):
         for b in self.blocks:
-            x = b(x)
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
         return self.head(x) + self.other(x)
 
 
@@ -398,17 +400,17 @@ def _shared_loss(m, x):
     return m(x).square().mean()
 
 
-def _shared_vs_torch(variant: str, meta: bool, steps: int = 3):
+def _shared_vs_torch(variant: str, meta: bool, steps: int = 3, checkpoint: bool = False):
     """fshard (impl="torch") against torch AdamW, or DDP + AdamW at world size > 1, on the same batches: the
     losses, whether every parameter is bitwise equal, and the template's tensors left off the meta device."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     mesh = fs.Mesh.from_env() if "WORLD_SIZE" in os.environ else fs.Mesh.local()
-    ref = _Shared(variant)
+    ref = _Shared(variant, checkpoint)
     if meta:  # built on meta and initialised by fs.init: the reference takes fshard's initial weights
         with torch.device("meta"):
-            model = _Shared(variant)
+            model = _Shared(variant, checkpoint)
     else:
-        model = _Shared(variant)
+        model = _Shared(variant, checkpoint)
     state = fs.init(model, mesh, fs.adamw(**SHARED_HP, impl="torch"), seed=0)
     if meta:
         ref.load_state_dict(fs.full_state_dict(state))
@@ -448,6 +450,12 @@ def test_a_module_registered_twice_with_its_weight_tied_trains_like_torch(varian
         assert ("blocks.0.lin.bias", "blocks.1.lin.bias") in root
     if variant == "within":  # inside one unit: that unit's, one slot under both names
         assert ("blocks.0.lin.weight", "blocks.0.again.weight") in dict(units)["blocks.0"]
+
+
+def test_a_module_registered_twice_with_its_weight_tied_trains_like_torch_under_activation_checkpointing():
+    for variant in ("across_tied_head", "within_tied_other"):  # a recompute binds the shared module again
+        ours, theirs, equal, left, _ = _shared_vs_torch(variant, meta=False, checkpoint=True)
+        assert ours == theirs and equal and left == [], variant
 
 
 def _shared_all():
