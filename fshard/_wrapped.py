@@ -1,10 +1,10 @@
 """Models that another wrapper already holds, refused by fs.init with the module to pass instead.
 
 fshard shards, binds and reduces the plain model itself. A wrapper in the way either fails deep inside (FSDP2's
-DTensor shards: no ``.numpy()``, Tensor and DTensor mixed in a copy), or is accepted and goes wrong (DDP's ``module.`` prefix on every name of the
-state and of ``fs.full_state_dict``; a compiled module's ``_orig_mod.``), so each is named with its fix up front.
-A wrapper can only exist if its torch module was imported, so only those already in ``sys.modules`` are looked up:
-checking costs no import of torch.distributed or dynamo.
+DTensor shards: no ``.numpy()``, Tensor and DTensor mixed in a copy), or is accepted and goes wrong (DDP's
+``module.`` prefix on every name of the state and of ``fs.full_state_dict``; a compiled module's ``_orig_mod.``), so
+each is named with its fix up front. A wrapper can only exist if its torch module was imported, so FSDP's and
+dynamo's types are looked up only where they are in ``sys.modules``: the check imports neither.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from ._errors import InitError
 
 def check_not_wrapped(model: nn.Module) -> None:
     """Raise ``InitError`` naming the first wrapper found in ``model`` (itself or any submodule) and the fix."""
+    wrappers = _wrappers()
     for path, m in model.named_modules():
-        fix = _fix(m)
+        fix = next((fix for kind, fix in wrappers if isinstance(m, kind)), None)
         if fix is not None:
             where = "the model" if not path else f"its submodule {path!r}"
             raise InitError(f"fs.init: {where} is {fix}")
@@ -34,33 +35,32 @@ def check_not_wrapped(model: nn.Module) -> None:
                     "model built without sharding, and pass that.")
 
 
-def _fix(m: nn.Module) -> str | None:
-    """What wraps ``m`` and what to pass instead, or None for a plain module."""
+def _wrappers() -> list[tuple[type, str]]:
+    """(wrapper type, what it is and what to pass instead), for the wrapper types that can exist now."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
-    if isinstance(m, DistributedDataParallel):
-        return ("wrapped in DistributedDataParallel, which would prefix every name with 'module.' and all-reduce gradients "
-                "that fshard reduce-scatters itself. Pass the plain module, ddp.module (fshard replaces DDP: do not "
-                "wrap the model in it).")
-    if isinstance(m, DataParallel):
-        return ("wrapped in DataParallel, which replicates the model over the GPUs of one process. Pass the plain module, "
-                "dp.module: fshard runs one rank per device (torchrun) and shards the model itself.")
-    fsdp1 = _loaded("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel")
-    if fsdp1 is not None and isinstance(m, fsdp1):
-        return ("wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flat shards already. Pass the model before "
-                "wrapping it: fshard shards it itself. To carry trained weights over, load the full state dict "
-                "(FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT)) into a model built without FSDP.")
-    fsdp2 = _loaded("torch.distributed.fsdp", "FSDPModule")
-    if fsdp2 is not None and isinstance(m, fsdp2):
-        return ("sharded by fully_shard (FSDP2), whose parameters are DTensor shards already. Pass the model before "
-                "fully_shard was applied, built without it: fshard shards it itself. To carry trained weights over, "
-                "load its full state dict (torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
-                "options=StateDictOptions(full_state_dict=True))) into that unsharded model.")
-    compiled = _loaded("torch._dynamo.eval_frame", "OptimizedModule")
-    if compiled is not None and isinstance(m, compiled):
-        return ("a torch.compile'd module (OptimizedModule), which would prefix every name with '_orig_mod.'. Pass the plain "
-                "module, compiled._orig_mod. fshard does not compile the model yet (compiling a step is an open "
-                "issue): the step runs the model eagerly.")
-    return None
+    kinds = [
+        (DistributedDataParallel,
+         "wrapped in DistributedDataParallel, which would prefix every name with 'module.' and all-reduce gradients "
+         "that fshard reduce-scatters itself. Pass the plain module, ddp.module (fshard replaces DDP: do not wrap "
+         "the model in it)."),
+        (DataParallel,
+         "wrapped in DataParallel, which replicates the model over the GPUs of one process. Pass the plain module, "
+         "dp.module: fshard runs one rank per device (torchrun) and shards the model itself."),
+        (_loaded("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+         "wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flat shards already. Pass the model "
+         "before wrapping it: fshard shards it itself. To carry trained weights over, load the full state dict "
+         "(FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT)) into a model built without FSDP."),
+        (_loaded("torch.distributed.fsdp", "FSDPModule"),
+         "sharded by fully_shard (FSDP2), whose parameters are DTensor shards already. Pass the model before "
+         "fully_shard was applied, built without it: fshard shards it itself. To carry trained weights over, load "
+         "its full state dict (torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+         "options=StateDictOptions(full_state_dict=True))) into that unsharded model."),
+        (_loaded("torch._dynamo.eval_frame", "OptimizedModule"),
+         "a torch.compile'd module (OptimizedModule), which would prefix every name with '_orig_mod.'. Pass the "
+         "plain module, compiled._orig_mod. fshard does not compile the model yet (compiling a step is an open "
+         "issue): the step runs the model eagerly."),
+    ]
+    return [(kind, fix) for kind, fix in kinds if kind is not None]
 
 
 def _loaded(module: str, name: str):
