@@ -23,8 +23,8 @@ message (the fix it names), run under a timeout. Cases so far:
   calls step in parallel, bitwise.
 - A module registered at two paths (within one unit, or in two units) whose weight is also tied into another
   module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta, and
-  under activation checkpointing), and like DDP at two ranks; no step leaves a bound tensor in the template (issue #37: the first step raised a false
-  ``InitError``).
+  under activation checkpointing), and like DDP at two ranks; no step leaves a bound tensor in the template
+  (issue #37: the first step raised a false ``InitError``).
 - A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
   DTensor parameter, ``torch.compile`` on the model or a submodule) is an ``InitError`` naming the wrapper and the
   module to pass (``ddp.module``, ``compiled._orig_mod``, the model before sharding); that module trains (issue #38).
