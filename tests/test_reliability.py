@@ -22,7 +22,7 @@ message (the fix it names), run under a timeout. Cases so far:
   a ``ConcurrentStepError``; the running step's result is bitwise what it is alone. States of separate ``fs.init``
   calls step in parallel, bitwise.
 - A module registered at two paths (within one unit, or in two units) whose weight is also tied into another
-  module (the root's ``other`` or the head) trains bitwise like torch AdamW (built on the CPU or on meta, and
+  module (the root's ``other``, the head, a third unit) trains bitwise like torch AdamW (built on the CPU or on meta, and
   under activation checkpointing), and like DDP at two ranks; no step leaves a bound tensor in the template
   (issue #37: the first step raised a false ``InitError``).
 - A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
@@ -367,14 +367,14 @@ class _SharedBlock(torch.nn.Module):
 
 
 class _Shared(torch.nn.Module):
-    """Two blocks (units) and a head and an ``other`` projection (root); ``variant`` shares a Linear at two paths
-    (within one unit, or across the two units) and may tie its weight into the head or ``other``."""
+    """Three blocks (units) and a head and an ``other`` projection (root); ``variant`` shares a Linear at two paths
+    (within one unit, or across two units) and may tie its weight into the head, ``other`` or a third unit."""
 
     def __init__(self, variant: str, checkpoint: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.checkpoint = checkpoint
-        self.blocks = torch.nn.ModuleList([_SharedBlock(), _SharedBlock()])
+        self.blocks = torch.nn.ModuleList([_SharedBlock() for _ in range(3)])
         self.head, self.other = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
         lin = self.blocks[0].lin
         if variant.startswith("within"):
@@ -385,6 +385,8 @@ class _Shared(torch.nn.Module):
             self.other.weight = lin.weight
         elif variant.endswith("tied_head"):
             self.head.weight = lin.weight
+        elif variant.endswith("tied_unit"):
+            self.blocks[2].lin.weight = lin.weight
 
     def forward(self, x):
         for b in self.blocks:
@@ -392,7 +394,8 @@ class _Shared(torch.nn.Module):
         return self.head(x) + self.other(x)
 
 
-SHARED = ["across_tied_other", "across", "within", "within_tied_head", "across_tied_head", "within_tied_other"]
+SHARED = ["across_tied_other", "across", "within", "within_tied_head", "across_tied_head", "within_tied_other",
+          "across_tied_unit"]
 SHARED_HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 
 
