@@ -28,6 +28,7 @@ from ._state import ShardSpec, TrainState
 from .store._checksum import checksum
 from ._route import route_units
 from ._routed import route_groups, routed_groups
+from ._wrapped import check_not_wrapped
 
 ROOT = "<root>"
 
@@ -42,7 +43,9 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     Sequential. Parameters outside all units, and parameters tied across units, form the root unit.
     routed: modules (paths or modules) that call a data-dependent subset of their children, as a mixture-of-experts
     layer calls its experts: each child becomes a unit, and a call of the container gathers, reduces and frees all
-    of them on every rank, whatever each rank's tokens use (fshard/_routed.py).
+    of them on every rank, whatever each rank's tokens use (fshard/_routed.py). A module without such children
+    (fused experts: one module of 3-D parameters for all experts, as in transformers 5) is an ArgumentError: it is
+    gathered whole at each call already, so it needs no routed= (units=[...] makes it a unit of its own).
     init_fn / seed: for a model on the meta device, each unit is materialised with ``init_fn(module)`` (or each
     module's ``reset_parameters()``) under a seed derived from ``seed`` (default ``torch.initial_seed()``) and the
     unit's index, so the initial weights do not depend on the world size.
@@ -159,6 +162,7 @@ def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(f"fs.init(model, mesh, opt): model must be a torch.nn.Module, got "
                                 f"{type(model).__name__}.")
+    check_not_wrapped(model)  # DDP, DataParallel, FSDP1/2, torch.compile: the plain module is what fshard takes
     if not isinstance(mesh, Mesh):
         raise ArgumentTypeError(f"fs.init(model, mesh, opt): mesh must be an fs.Mesh (fs.Mesh.from_env() under "
                                 f"torchrun, fs.Mesh.local() for one rank), got {type(mesh).__name__}.")

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
+
+from ._route import call_bound
 
 
 def attach(template: nn.Module, names: dict[str, torch.Tensor]) -> list:
@@ -78,7 +79,7 @@ def with_buffers(template: nn.Module, buffers: dict[str, torch.Tensor], fn):
     """``fn()`` with the step's buffers bound to the template (a recompute in backward reads them)."""
     if not buffers:
         return fn()
-    return functional_call(_Thunk(template), {"m." + k: v for k, v in buffers.items()}, (fn,))
+    return call_bound(_Thunk(template), {"m." + k: v for k, v in buffers.items()}, (fn,))
 
 
 class _CallBackward(torch.autograd.Function):

@@ -9,11 +9,22 @@ from __future__ import annotations
 import contextvars
 
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ._errors import TemplateCallError
 from ._layout import UnitLayout
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
+
+
+def call_bound(module: nn.Module, tensors: dict, args=(), kwargs=None):
+    """``module(*args, **kwargs)`` with ``tensors`` (name -> tensor) in place of its parameters and buffers, as
+    ``torch.func.functional_call`` (every name of a tied tensor bound), but the originals put back in the reverse
+    order (torch's own ``stack_weights`` restore). functional_call puts them back in the order it swapped: a module
+    registered at two paths (``blocks[1].lin = blocks[0].lin``) is one attribute under two names, whose second
+    restore wrote the bound tensor back over the original, left in the template after the call (issue #37)."""
+    with _reparametrize_module(module, tensors, tie_weights=True, stack_weights=True):
+        return module(*args, **(kwargs or {}))
 
 
 class _Proxy(nn.Module):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._errors import InitError, TemplateCallError
+from ._errors import ArgumentError, InitError, TemplateCallError
 from ._recompute import produced, through
 from ._route import _ACTIVE, _Proxy
 
@@ -31,7 +31,8 @@ from ._route import _ACTIVE, _Proxy
 def routed_groups(model: nn.Module, routed, unit_mods: list) -> list[tuple[str, tuple[str, ...]]]:
     """(container path, member paths) per routed container: its children with parameters, the children of a
     child ModuleList or ModuleDict (which nobody calls) in its place. Members that are not units yet are appended
-    to ``unit_mods`` ((path, module), as fs.init's default units may already hold them)."""
+    to ``unit_mods`` ((path, module), as fs.init's default units may already hold them). A container with no such
+    child (fused experts: one module of 3-D parameters) is an ArgumentError, not an empty group."""
     if routed is None:
         return []
     paths = {id(m): p for p, m in model.named_modules()}
@@ -55,8 +56,26 @@ def routed_groups(model: nn.Module, routed, unit_mods: list) -> list[tuple[str, 
                     have.add(id(child))
                     unit_mods.append((paths[id(child)], child))
                 members.append(paths[id(child)])
+        if not members:
+            raise ArgumentError(_no_members(paths[id(m)], m))
         groups.append((paths[id(m)], tuple(members)))
     return groups
+
+
+def _no_members(path: str, m: nn.Module) -> str:
+    """Why a routed container without a child holding parameters is refused: its group would be empty, so
+    ``routed=`` would do nothing. The usual cause is fused experts (transformers 5's MoE layers)."""
+    fused = [f"{n} {tuple(p.shape)}" for n, p in m.named_parameters() if p.dim() >= 3]
+    head = (f"fs.init(routed=[{path!r}]): {type(m).__name__} has no child module with parameters, so no expert "
+            "would become a unit and routed= would do nothing.")
+    if not fused:
+        return (f"{head} Pass the module that calls a data-dependent subset of its children, each expert a child "
+                "module with parameters (e.g. SwitchTransformersExperts), or drop it from routed=.")
+    return (f"{head} Its experts are fused: 3-D parameters holding every expert at once ({', '.join(fused[:3])}), as "
+            "transformers 5 keeps them (Qwen3-MoE, DeepSeek-V3, GPT-OSS, Llama 4, Mixtral). Such a module is not "
+            "routed: it is gathered whole at each call, with the unit it lies in (by default its decoder layer), and "
+            "every rank calls it, so the ranks' collectives match without routed=. Drop it from routed= (pass "
+            f"nothing), or pass units=[..., {path!r}] to make it a unit of its own, gathered only for its call.")
 
 
 def _members(m: nn.Module):

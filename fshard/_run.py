@@ -8,14 +8,13 @@ import threading
 
 import optree
 import torch
-from torch.func import functional_call
 
 from ._base import StepView
 from ._collectives import CollectivesView
 from ._errors import PolicyError, TemplateCallError
 from ._reads import Launches, Reader
 from ._recompute import produced, through
-from ._route import _ACTIVE, _UnitForward
+from ._route import _ACTIVE, _UnitForward, call_bound
 from ._routed import finish_groups
 from ._unit import UnitRun, _Saved, _storage_id
 
@@ -112,8 +111,8 @@ class StepRun(StepView):
                                         "and was called outside a call of its container; call it through the "
                                         "container, which every rank calls.")
             unit.acquire()
-            return functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()},
-                                   args, kwargs)
+            return call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()},
+                              args, kwargs)
         recompute = self.phase == "backward"  # activation checkpointing runs the call again in backward
         if recompute:  # the unit's backward use begins; it stays gathered until that use's gradient is complete
             self._begin_backward(unit)
@@ -125,7 +124,7 @@ class StepRun(StepView):
         if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
             # a frozen unit has no gradient to end its backward use: a node on its inputs does (fshard/_recompute.py)
             _, args, kwargs = through(lambda: unit._use_done(None), args, kwargs)
-        out = functional_call(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
+        out = call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
         if not recompute:
             if torch.is_grad_enabled():  # backward enters the unit where its outputs' gradients are complete
                 for t in produced(out, args, kwargs):

@@ -21,7 +21,6 @@ import time
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 
 from ._accumulate import Accumulator
 from ._base import Grads
@@ -36,6 +35,7 @@ from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._planner import plan
 from ._reads import Reader
 from ._recompute import with_buffers
+from ._route import call_bound
 from ._state import TrainState
 from ._stored import StoredParam
 from ._transforms import fold
@@ -277,8 +277,8 @@ class Step:
                 "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
                 "it sees no data. Call the unit module, or choose units with fs.init(..., units=[...]) so that each "
                 "parameter is used inside a call of its unit."):
-            loss = functional_call(_Caller(run.spec.template, self.loss_fn),
-                                   {"m." + k: v for k, v in binding.items()}, (batch,))
+            loss = call_bound(_Caller(run.spec.template, self.loss_fn),
+                              {"m." + k: v for k, v in binding.items()}, (batch,))
         if root is not None:
             gather.after_forward(run, root)
         check_loss(loss)

@@ -3,7 +3,9 @@ experts. Switch Transformers with one unit per expert trains at world size 2 bit
 find_unused_parameters (plain, with gather_ahead + bucket_reduce, with activation checkpointing), with routing that
 demonstrably differs between the ranks; Mixtral (whose experts transformers 5 keeps in one module of 3-D
 parameters) with each experts module as a unit likewise. A small MoE covers an expert no rank uses (no update, as
-torch skips a parameter without a gradient), a container called twice, micro-batches, and misuse."""
+torch skips a parameter without a gradient), a container called twice, micro-batches, and misuse. A tiny Qwen3-MoE
+(fused experts, issue #37): routed= on its experts modules is an ArgumentError naming fused experts and the fix, and
+it trains without routed= (in its layers' units, or each experts module a unit) bitwise like torch."""
 from __future__ import annotations
 
 import copy
@@ -208,3 +210,50 @@ def test_plan_moves_a_routed_group_together():
         plan = step.plan(state, batch)
     for k in ("mem/peak_gathered_bytes", "mem/grad_shard_bytes", "comm/reduce_bytes", "comm/gather_bytes"):
         assert plan[k] == m[k], (k, plan[k], m[k])
+
+
+# --- fused experts: routed= refused with the reason (issue #37) -------------------------------------------------
+
+def _qwen3_moe():
+    """A tiny Qwen3-MoE of transformers 5: each layer's experts in one Qwen3MoeExperts of 3-D parameters."""
+    import transformers as T
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = T.Qwen3MoeConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=32, decoder_sparse_step=1,
+                           mlp_only_layers=[], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return T.Qwen3MoeForCausalLM(cfg)
+
+
+def test_routed_on_fused_experts_is_refused_with_the_reason_and_the_fix():
+    model, mesh = _qwen3_moe(), fs.Mesh.local()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dim() == 3  # the structure this test is about
+    experts = [n for n, _ in model.named_modules() if n.endswith("mlp.experts")]
+    with pytest.raises(fs.ArgumentError) as e:
+        fs.init(model, mesh, fs.adamw(), routed=experts)
+    msg = str(e.value)
+    assert "'model.layers.0.mlp.experts'" in msg and "Qwen3MoeExperts has no child module with parameters" in msg
+    assert re.search(r"experts are fused: 3-D parameters .*gate_up_proj \(4, 32, 32\)", msg)
+    assert "gathered whole" in msg and "Drop it from routed= (pass nothing)" in msg
+    assert "units=[..., 'model.layers.0.mlp.experts']" in msg
+    with pytest.raises(fs.ArgumentError, match="SwitchTransformersExperts"):  # no parameters at all: not fused
+        fs.init(model, mesh, fs.adamw(), routed=["model.layers.0.mlp.experts.act_fn"])
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_fused_experts_train_without_routed(units):
+    """Without routed= (in its layer's unit, or a unit of its own) a Qwen3-MoE steps bitwise like torch."""
+    model = _qwen3_moe()
+    ref = copy.deepcopy(model)
+    kw = dict(units=[n for n, _ in model.named_modules() if n.endswith("mlp.experts") or
+                     (n.startswith("model.layers.") and n.count(".") == 2)]) if units else {}
+    state = fs.init(model, fs.Mesh.local(), fs.adamw(**HP, impl="torch"), **kw)
+    assert ("model.layers.0.mlp.experts" in {u.name for u in state.spec.units}) == units
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    batch = next(_hf_batches(0, 1))
+    with fs.compose(_hf_loss) as step:
+        state, m = step(state, batch)
+    assert m["loss"] == oracle_step(ref, opt, _hf_loss, batch, 1)
+    diffs, bitwise = param_diffs(fs.full_params(state), ref)
+    assert bitwise, {n: d for n, d in diffs.items() if d}
