@@ -12,9 +12,15 @@ train: bootstrap
 test: bootstrap
 	.venv/bin/python -m pytest -q -n 2
 
-# A representative subset (tests marked quick: pytest.ini_options markers), a few minutes on 2 cores.
+# A representative subset, a few minutes on 2 cores: the state and its printing, the optimizer's schedules and
+# errors, property tests of the planners, DDP equivalence at 1-2 ranks, eval, abstract checkpoints, the example's
+# data pipeline and a short run, the README's samples.
+QUICK = tests/test_state.py tests/test_structures.py tests/test_schedules.py tests/test_errors.py \
+	tests/test_properties.py tests/test_ddp_equivalence.py tests/test_eval.py tests/test_checkpoint_abstract.py \
+	tests/test_train_example.py tests/test_readme.py
+
 test-quick: bootstrap
-	.venv/bin/python -m pytest -q -n 2 -m quick
+	.venv/bin/python -m pytest -q -n 2 $(QUICK)
 
 bootstrap:
 	@./scripts/bootstrap.sh

@@ -127,7 +127,8 @@ class RunLog:
             os.replace(path + ".tmp", path)
 
     def start_bar(self, initial: int) -> None:
-        """The bar starts after the first step, so its rate and ETA leave the kernel build out."""
+        """The bar starts after the first step (at ``initial`` steps done), so its rate and ETA leave the kernel
+        build out; the first step's own update then moves it to ``initial + 1``."""
         if self.on and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
@@ -154,7 +155,8 @@ class RunLog:
             if k != "step" and v == v:  # NaN (no rate yet) is left out
                 tb.add_scalar(f"train/{k}", v, n)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            post = {"loss": f"{loss:.3f}"} | ({"tok_s": f"{tps:,.0f}"} if tps == tps else {})  # (none on step 1)
+            self.bar.set_postfix(post, refresh=False)
             self.bar.update(1)
 
     def val(self, n: int, loss: float) -> None:

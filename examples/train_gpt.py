@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=os.path.join(_RUNS, "gpt"),
                    help="checkpoints, metrics.jsonl, tb/, loss.png, sample.txt (default: runs/gpt in the checkout)")
     p.add_argument("--cache-dir", default=os.path.join(_RUNS, "cache"), help="the trained tokenizer and tokens")
-    p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank (0: all)")
     p.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
     p.add_argument("--nvme-dir", default=None, help="keep the AdamW moments in an NVMe store in this directory")
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
         if i == done:  # the first step builds the native kernels (once per machine) and warms up: timed apart
             t_first, t_loop = dt, time.perf_counter()
             out.write(f"first step (builds native kernels once, then cached): {dt:.1f} s; loss {loss:.4f}")
-            out.start_bar(done + 1)
+            out.start_bar(done)  # the bar starts now: its rate and ETA leave this step out
         elapsed = time.perf_counter() - t_loop
         tps = tokens_per_step * (n_run - 1) / elapsed if n_run > 1 and elapsed > 0 else float("nan")
         out.step(i + 1, loss, metrics, dt, tps, float(lr(i) if callable(lr) else lr))
@@ -238,7 +238,7 @@ def main(argv=None) -> dict:
         out.write(f"timeline of step {args.steps}: {tl.path} ({tl.step_seconds:.3f} s, overlap {tl.overlap:.0%})")
 
     # a collective: rank 0 gets model.state_dict() of the trained model, unit by unit (the others: empty)
-    sd = fs.full_state_dict(state, rank0_only=True) if (args.export or args.sample_tokens) else {}
+    sd = fs.full_state_dict(state, rank0_only=True) if args.export or (corpus and args.sample_tokens) else {}
     if rank == 0 and args.export:
         torch.save(sd, args.export)
         out.write(f"exported {len(sd)} entries to {args.export}")

@@ -179,7 +179,7 @@ class Plan:
                      f"rank; this step holds {_size(f['mem/state_bytes'] + f['mem/grad_shard_peak_bytes']).strip()}")
         if self.unknown:
             lines.append(f"(not planned: {', '.join(self.unknown)}: its policy has no plan)")
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)
 
 
 def _size(b: int) -> str:

@@ -18,7 +18,6 @@ import torch
 import data
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.quick
 
 
 def _corpus(tmp_path, n=12):
