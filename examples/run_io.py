@@ -189,7 +189,7 @@ class RunLog:
         if summary["trained_now"] > 1:
             self.write(f"trained {summary['trained_now']} steps: the first in {summary['first_step_s']:.1f} s, the "
                        f"other {summary['trained_now'] - 1} in {_clock(summary['train_s'])} "
-                       f"({summary['tokens_per_s']:,.0f} tokens/s, validation included)")
+                       f"({summary['tokens_per_s']:,.0f} tokens/s, validation and checkpoints included)")
         elif summary["trained_now"] == 0:
             self.write(f"nothing to train: {d} is at step {summary['steps']} already (--steps N to go on, or "
                        f"delete {d} to start afresh)")
