@@ -107,3 +107,23 @@ def test_a_short_run_writes_its_outputs_and_a_rerun_resumes(tmp_path):
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000005", "step-00000008"]
     assert re.fullmatch(r"validation loss \d+\.\d{3} \(unigram baseline \d+\.\d{3}\)", log.strip().splitlines()[-1])
+
+
+def test_a_run_directory_refuses_another_models_checkpoints(tmp_path):
+    import argparse
+
+    import fshard as fs
+    from gpt import GPT, GPTConfig
+    from run_io import RunLog
+
+    args = argparse.Namespace(run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "run" / "ckpt"),
+                              data="stdlib")
+    log = RunLog(args, 0)
+    log.check_config(GPTConfig.tiny())  # a new directory: this run's config written
+    RunLog(args, 0).check_config(GPTConfig.small())  # no checkpoint yet: another model may take it over
+    state = fs.init(GPT(GPTConfig.small()), fs.Mesh.local(), fs.adamw())
+    fs.save(os.path.join(args.checkpoint_dir, "step-00000001"), state)
+    RunLog(args, 0).check_config(GPTConfig.small())  # the same model resumes
+    with pytest.raises(SystemExit, match=r"holds checkpoints of another run .* pass --run-dir DIR for a new run, "
+                                         r"or delete .* to start this one there afresh"):
+        RunLog(args, 0).check_config(GPTConfig.tiny())
