@@ -67,12 +67,12 @@ def test_the_unigram_baseline_is_the_entropy_of_the_token_frequencies():
     assert data.unigram_entropy(torch.arange(8), 8) == pytest.approx(math.log(8), abs=1e-12)
 
 
-def _run(run_dir, cache, steps):
+def _run(run_dir, cache, steps, *flags):
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
            os.path.join(_ROOT, "examples", "train_gpt.py"), "--tiny", "--steps", str(steps), "--threads", "1",
            "--run-dir", str(run_dir), "--cache-dir", str(cache), "--vocab", "512", "--max-train-mb", "0.3",
            "--eval-every", "3", "--eval-batches", "2", "--log-every", "2", "--save-every", "0",
-           "--sample-tokens", "8"]
+           "--sample-tokens", "8", "--schedule", "constant", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -101,12 +101,17 @@ def test_a_short_run_writes_its_outputs_and_a_rerun_resumes(tmp_path):
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(run / "ckpt") == ["step-00000005"] and (run / "sample.txt").read_text().startswith("def ")
 
-    log = _run(run, tmp_path / "cache", 8)
+    log = _run(run, tmp_path / "cache", 8, "--export", str(tmp_path / "resumed.pt"))
     assert f"resumed from {run}/ckpt/step-00000005 (step 5)" in log, log[-3000:]
     recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000005", "step-00000008"]
     assert re.fullmatch(r"validation loss \d+\.\d{3} \(unigram baseline \d+\.\d{3}\)", log.strip().splitlines()[-1])
+    # resumed = uninterrupted, bitwise: the sampler's stream picks up at step 5 (a constant learning rate: the
+    # schedule does not depend on --steps)
+    _run(tmp_path / "straight", tmp_path / "cache", 8, "--export", str(tmp_path / "straight.pt"))
+    got, ref = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def test_a_run_directory_refuses_another_models_checkpoints(tmp_path):
