@@ -43,7 +43,8 @@ def batches_for(args, cfg, corpus, rank: int, world: int, done: int):
     """(training batches from step ``done`` on, the validation batches of this rank, the unigram baseline of every
     rank's validation targets together)."""
     if corpus is None:
-        train = itertools.islice(synthetic_batches(cfg, args.batch_size, args.steps, args.seed, rank, world), done, None)
+        train = itertools.islice(synthetic_batches(cfg, args.batch_size, args.steps, args.seed, rank, world), done,
+                                 None)
         val = list(synthetic_batches(cfg, args.batch_size, 4, args.seed + 1000, rank, world))
         glob = torch.cat([y for _, y in synthetic_batches(cfg, args.batch_size * world, 4, args.seed + 1000)])
         return train, val, corpus_data.unigram_entropy(glob, cfg.vocab)

@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(_ROOT, "README.md")).read()
 
