@@ -132,3 +132,21 @@ def test_a_run_directory_refuses_another_models_checkpoints(tmp_path):
     with pytest.raises(SystemExit, match=r"holds checkpoints of another run .* pass --run-dir DIR for a new run, "
                                          r"or delete .* to start this one there afresh"):
         RunLog(args, 0).check_config(GPTConfig.tiny())
+
+
+def test_train_hf_trains_on_the_same_corpus(tmp_path):
+    import fshard as fs
+    import train_hf
+
+    c = data.prepare(str(tmp_path / "cache"), 300, root=_corpus(tmp_path), max_train_bytes=10**6,
+                     max_val_bytes=10**6)
+    args = train_hf.parse_args(["--model", "llama", "--data", "stdlib", "--steps", "3", "--seq-len", "16",
+                                "--batch-size", "2", "--precision", "fp32"])
+    cfg = train_hf.config(args, c)
+    assert cfg.vocab_size == 300
+    rows = list(train_hf.batches(cfg, args, 0, 1, c))
+    assert len(rows) == 3 and all(r.shape == (2, 16) for r in rows)
+    windows = {tuple(data.Windows(c.train, 16)[i][0].tolist()) for i in range(len(c.train) // 16)}
+    assert all(tuple(r[k].tolist()) in windows for r in rows for k in range(2))  # the corpus' windows
+    state, losses, _ = train_hf.train(args, fs.Mesh.local(), corpus=c)
+    assert len(losses) == 3 and all(math.isfinite(float(x)) for x in losses) and int(state.step) == 3
