@@ -1,9 +1,9 @@
 """Train the example GPT with fshard on real text: a user-written loop over the public API.
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --small --steps 400   # what `make train` runs
-    python examples/train_gpt.py --tiny --steps 50                                         # world size 1
-    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20 --run-dir /tmp/big        # the 27.4M default GPT
-    torchrun --nproc-per-node 2 examples/train_gpt.py --data synthetic --tiny --steps 50   # no corpus at all
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --small --steps 400       # `make train`
+    python examples/train_gpt.py --tiny --steps 50 --run-dir runs/tiny                         # world size 1
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20 --run-dir runs/big            # the 27.4M GPT
+    torchrun --nproc-per-node 2 examples/train_gpt.py --data synthetic --tiny --run-dir runs/syn  # no corpus
 
 The data (``--data stdlib``, examples/data.py) is the Python standard library's own source, tokenized by a
 byte-level BPE trained on it once (cached under ``--cache-dir``); a ``DataLoader`` with a ``DistributedSampler``
