@@ -67,6 +67,13 @@ class GPTConfig:
         kw.update(overrides)
         return cls(**kw)
 
+    @classmethod
+    def small(cls, **overrides) -> "GPTConfig":
+        """The preset `make train` uses on text: vocab 4096, dim 128, 4 layers, 4 heads, seq 128."""
+        kw = dict(vocab=4096, dim=128, n_layers=4, n_heads=4, seq=128)
+        kw.update(overrides)
+        return cls(**kw)
+
     @property
     def residual_std(self) -> float:
         return BASE_STD / math.sqrt(2 * self.n_layers)

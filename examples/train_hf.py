@@ -5,8 +5,14 @@
         --checkpointing --nvme-dir "$(mktemp -d)"                                            # 2 ranks, gloo on CPU
 
 --model is a transformers model type (gpt2, llama, mistral, qwen2, ...) built from its config with tiny sizes, or a
-local directory holding a config.json (--pretrained also loads its weights). Nothing is downloaded. The data is
-synthetic and learnable: counting sequences modulo the vocabulary, each rank its own rows of one global batch.
+local directory holding a config.json (--pretrained also loads its weights). Nothing is downloaded. The data
+(--data): counting sequences modulo the vocabulary, synthetic and learnable, each rank its own rows of one global
+batch; or stdlib, the Python standard library's source under examples/data.py's BPE (the corpus of
+examples/train_gpt.py), each rank its slice through a DistributedSampler, ending with the validation loss and its
+unigram baseline:
+
+    torchrun --standalone --nproc-per-node 2 examples/train_hf.py --model llama --data stdlib --steps 200 \
+        --seq-len 64 --batch-size 8
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers as T  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (_HERE, os.path.dirname(_HERE)) if p not in sys.path]
 import fshard as fs  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,18 +49,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="clip_by_global_norm max norm (0: none)")
     p.add_argument("--save", default=None, help="save_pretrained the trained model here (rank 0)")
     p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank: fs.init checks it)")
+    p.add_argument("--data", choices=("counting", "stdlib"), default="counting",
+                   help="counting: synthetic sequences; stdlib: the standard library's source (examples/data.py)")
+    p.add_argument("--vocab", type=int, default=4096, help="--data stdlib: the BPE's vocabulary size")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.dirname(_HERE), "runs", "cache"),
+                   help="--data stdlib: the trained tokenizer and tokens")
     return p.parse_args(argv)
 
 
-def config(args) -> T.PretrainedConfig:
+def corpus_for(args, mesh):
+    """examples/data.py's corpus for --data stdlib (rank 0 builds the cache, the others wait), else None."""
+    if args.data != "stdlib":
+        return None
+    import data
+
+    import torch.distributed as dist
+    return data.prepare(args.cache_dir, args.vocab, mesh.rank, dist.barrier if dist.is_initialized() else None)
+
+
+def config(args, corpus=None) -> T.PretrainedConfig:
     if os.path.isdir(args.model):
         return T.AutoConfig.from_pretrained(args.model)
     keys = T.AutoConfig.for_model(args.model).to_dict()
-    return T.AutoConfig.for_model(args.model, **{k: v for k, v in TINY.items() if k in keys})
+    sizes = {**TINY, **({"vocab_size": corpus.vocab} if corpus is not None else {})}
+    return T.AutoConfig.for_model(args.model, **{k: v for k, v in sizes.items() if k in keys})
 
 
-def batches(cfg, args, rank: int, world_size: int):
-    """Each rank's rows of a deterministic global batch: counting sequences modulo the vocabulary."""
+def batches(cfg, args, rank: int, world_size: int, corpus=None):
+    """Each rank's rows: of a deterministic global batch of counting sequences modulo the vocabulary, or with a
+    corpus, its DistributedSampler's slice of the training windows (the model shifts the labels itself)."""
+    if corpus is not None:
+        import itertools
+
+        import data
+        dl = data.loader(data.Windows(corpus.train, args.seq_len), args.batch_size, rank, world_size, shuffle=True,
+                         seed=args.seed)
+        yield from (x for x, _ in itertools.islice(data.train_batches(dl), args.steps))
+        return
     g = torch.Generator().manual_seed(0)
     for _ in range(args.steps):
         start = torch.randint(0, cfg.vocab_size, (args.batch_size * world_size, 1), generator=g)
@@ -72,9 +104,9 @@ def loss_fn(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-def train(args, mesh, store=None):
+def train(args, mesh, store=None, corpus=None):
     """Model to loop; returns (state, losses, config)."""
-    cfg = config(args)
+    cfg = config(args, corpus)
     with torch.device("meta"):  # built on meta: fs.init materialises one unit at a time, with HF's own init
         model = T.AutoModelForCausalLM.from_config(cfg)
     if args.pretrained:
@@ -85,7 +117,7 @@ def train(args, mesh, store=None):
                     seed=args.seed)
     losses = []
     with fs.compose(loss_fn, *transforms(args, store)) as step:
-        for batch in batches(cfg, args, mesh.rank, mesh.world_size):
+        for batch in batches(cfg, args, mesh.rank, mesh.world_size, corpus):
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
             if mesh.rank == 0 and (len(losses) % 10 == 0 or len(losses) == 1):
@@ -102,13 +134,31 @@ def hand_off(state, cfg):
     return model.eval()
 
 
+@torch.no_grad()
+def report_text(model, corpus, args, windows: int = 64) -> None:
+    """A sample from the trained model, then the validation loss on the first held-out windows against the
+    unigram baseline of the tokens it is measured on (the last line)."""
+    import data
+
+    prompt = torch.tensor([corpus.tok.encode("def ").ids])
+    out = model.generate(prompt, max_new_tokens=40, do_sample=True, top_k=10, pad_token_id=0)
+    print("sample:", repr(corpus.tok.decode(out[0].tolist())))
+    val = data.Windows(corpus.val, args.seq_len)
+    xs = torch.stack([val[i][0] for i in range(min(windows, len(val)))])
+    loss = float(model(input_ids=xs, labels=xs).loss)
+    print(f"validation loss {loss:.3f} (unigram baseline {data.unigram_entropy(xs[:, 1:], corpus.vocab):.3f})")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     mesh = fs.Mesh.from_env()
     store = fs.NVMeStore(os.path.join(args.nvme_dir, f"r{mesh.rank}")) if args.nvme_dir else None
-    state, losses, cfg = train(args, mesh, store)
+    corpus = corpus_for(args, mesh)
+    state, losses, cfg = train(args, mesh, store, corpus)
     model = hand_off(state, cfg)
-    if mesh.rank == 0:
+    if mesh.rank == 0 and corpus is not None:
+        report_text(model, corpus, args)
+    elif mesh.rank == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
         prompt = torch.arange(5, 10).unsqueeze(0)
         with torch.no_grad():

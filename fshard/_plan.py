@@ -158,24 +158,28 @@ class Plan:
                      for i, x in enumerate(fr))
 
     def __str__(self) -> str:
+        """A table: a header line, then two sections of (what, size) rows in one aligned column, then the DDP
+        comparison. Every size is bytes in binary units (``_size``)."""
         f = self.figures
+        mem = [(what, f[k]) for k, what in MEMORY] + [("optimizer state in a store", f["mem/store_bytes"])]
+        if "store/peak_bytes" in self.bounds:
+            mem.append(("the store at its peak (disk for NVMe), at most", self.bounds["store/peak_bytes"]))
+        mem += [("peak of fshard-owned memory", f["mem/peak_bytes"]),
+                ("peak RSS of this process, predicted", self.predicted_rss)]
+        moved = [(what, f[k]) for k, what in TRAFFIC]
+        w = max(len(what) for what, _ in mem + moved) + 2
+        row = lambda what, b: f"  {what:<{w}}{_size(b)}"  # noqa: E731
         lines = [f"fshard step plan: rank {self.rank} of {self.world_size}, {self.micro_batches} micro-batch(es), "
                  f"donate={self.donate}", "memory on this rank"]
-        lines += [f"  {what:48s}{_size(f[k])}" for k, what in MEMORY]
-        lines += [f"  {'optimizer state in a store':48s}{_size(f['mem/store_bytes'])}"]
-        if "store/peak_bytes" in self.bounds:
-            lines.append(f"  {'the store at its peak (disk for NVMe), at most':48s}"
-                         f"{_size(self.bounds['store/peak_bytes'])}")
-        lines += [f"  {'peak of fshard-owned memory':48s}{_size(f['mem/peak_bytes'])}  (+ activations)",
-                  f"  {'peak RSS of this process, predicted':48s}{_size(self.predicted_rss)}",
-                  "moved per step by this rank"]
-        lines += [f"  {what:48s}{_size(f[k])}" for k, what in TRAFFIC]
+        lines += [row(what, b) + ("  (+ activations)" if what == "peak of fshard-owned memory" else "")
+                  for what, b in mem]
+        lines += ["moved per step by this rank"] + [row(what, b) for what, b in moved]
         ddp = 16 * self.params  # fp32 param + grad + two moments, replicated
         lines.append(f"DDP with fp32 AdamW would hold {_size(ddp).strip()} of parameters, gradients and moments per "
                      f"rank; this step holds {_size(f['mem/state_bytes'] + f['mem/grad_shard_peak_bytes']).strip()}")
         if self.unknown:
             lines.append(f"(not planned: {', '.join(self.unknown)}: its policy has no plan)")
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)
 
 
 def _size(b: int) -> str:

@@ -233,19 +233,25 @@ class TrainState:
                 "stored": sum(t.nbytes for t in opt if not isinstance(t, torch.Tensor))}
 
     def __repr__(self) -> str:
-        m = self.spec.mesh
-        rows = [f"TrainState(step={int(self.step)}, skipped={int(self.skipped)}, {m}, optimizer={self.spec.optimizer}"
+        """A table, one row per unit, under two header lines; no object addresses (a weight-decay mask shows as
+        its function's name)."""
+        rows = [f"TrainState(step={int(self.step)}, skipped={int(self.skipped)}, {self.spec.mesh}"
                 f"{', ' + repr(self.donation) if self.donation.done else ''})",
-                f"  {'unit':<24}{'params':>7}{'numel':>12}{'padded':>12}{'shard':>11}{'master':>10}{'compute':>10}"
-                f"{'bytes/rank':>12}"]
+                f"  optimizer: {_describe(self.spec.optimizer)}"]
         dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        table = []
         for u in self.spec.units:
             opt = optree.tree_leaves(self.opt_state.get(u.name), namespace=NAMESPACE)
             copy = self.copies.get(u.name)
             per_rank = sum(t.nbytes for t in opt + [self.params[u.name]] if isinstance(t, torch.Tensor)) + (
                 0 if copy is None else copy.nbytes)
-            rows.append(f"  {u.name:<24}{len(u.slots):>7}{u.used_numel:>12,}{u.numel:>12,}{u.shard_numel:>11,}"
-                        f"{dt(u.dtype):>10}{dt(self.compute_dtype(u.name)):>10}{per_rank:>12,}")
+            table.append((u.name, len(u.slots), u.used_numel, u.numel, u.shard_numel, dt(u.dtype),
+                          dt(self.compute_dtype(u.name)), per_rank))
+        table.append(("total", *(sum(r[i] for r in table) for i in range(1, 5)), "", "", sum(r[7] for r in table)))
+        w = max(len("unit"), *(len(r[0]) for r in table)) + 2  # the longest unit name sets the first column
+        rows.append(f"  {'unit':<{w}}{'params':>7}{'numel':>12}{'padded':>12}{'shard':>11}{'master':>10}"
+                    f"{'compute':>10}{'bytes/rank':>14}")
+        rows += [f"  {n:<{w}}{k:>7}{a:>12,}{b:>12,}{c:>11,}{d:>10}{e:>10}{f:>14,}" for n, k, a, b, c, d, e, f in table]
         nb = self.nbytes()
         copies = f", {dt(next(iter(self.copies.values())).dtype)} copies {nb['copies']:,} B" if self.copies else ""
         rows.append(f"  per rank: params {nb['params']:,} B{copies}, opt_state {nb['opt_state']:,} B, "
@@ -256,7 +262,7 @@ class TrainState:
             stored = [(f, getattr(s, f)) for f in getattr(s, "__dataclass_fields__", {})
                       if not isinstance(getattr(s, f), torch.Tensor)]
             rows += [f"  {name}.{f}: {v!r}" for f, v in stored]
-        rows += [f"  transform_state[{k!r}]: {v!r}" for k, v in self.transform_state.items()]
+        rows += [f"  transform_state[{k!r}]: {_describe(v)}" for k, v in self.transform_state.items()]
         return "\n".join(rows)
 
     def compute_dtype(self, unit: str) -> torch.dtype:
@@ -267,6 +273,22 @@ class TrainState:
             if isinstance(getattr(entry, "param_dtype", None), torch.dtype):
                 return entry.param_dtype
         return self.spec.unit(unit).dtype
+
+
+def _describe(obj) -> str:
+    """``obj`` for print(state): its repr, unless that holds an object's address (a function's repr does): then a
+    dataclass as ``Name(field=value, ...)`` over its repr fields, a function by its name (``<lambda>`` for a lambda),
+    anything else by its type's name."""
+    text = repr(obj)
+    if " at 0x" not in text:
+        return text
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f"{f.name}={_describe(getattr(obj, f.name))}" for f in dataclasses.fields(obj) if f.repr]
+        return f"{type(obj).__name__}({', '.join(fields)})"
+    if isinstance(obj, (tuple, list)):
+        inner = ", ".join(_describe(x) for x in obj)
+        return f"({inner}{',' if len(obj) == 1 else ''})" if isinstance(obj, tuple) else f"[{inner}]"
+    return getattr(obj, "__name__", type(obj).__name__)
 
 
 _CHILDREN = ("params", "opt_state", "step", "skipped", "buffers", "transform_state", "copies")

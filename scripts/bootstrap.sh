@@ -8,6 +8,8 @@ VENV=.venv
 TORCH_VERSION=2.13.0
 MATPLOTLIB_VERSION=3.11.2  # draws fs.timeline's PNG (imported only there); needs no torch
 TRANSFORMERS_VERSION=5.23.0  # test dependency (tests/test_hf_*.py); torch is an optional extra, so 2.13.0 stays
+TOKENIZERS_VERSION=0.23.3  # the example's BPE (examples/data.py); the version transformers installs with it
+TENSORBOARD_VERSION=2.21.0  # torch.utils.tensorboard's writer (examples/train_gpt.py); it needs no torch
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV"
@@ -42,6 +44,16 @@ fi
 if ! "$VPY" -c "import transformers as t, sys; sys.exit(t.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
   echo "[bootstrap] installing transformers==$TRANSFORMERS_VERSION"
   pip_install "transformers==$TRANSFORMERS_VERSION"
+fi
+
+if ! "$VPY" -c "import tokenizers as t, sys; sys.exit(t.__version__ != '$TOKENIZERS_VERSION')" 2>/dev/null; then
+  echo "[bootstrap] installing tokenizers==$TOKENIZERS_VERSION"
+  pip_install "tokenizers==$TOKENIZERS_VERSION"
+fi
+
+if ! "$VPY" -c "import tensorboard as t, sys; sys.exit(t.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null; then
+  echo "[bootstrap] installing tensorboard==$TENSORBOARD_VERSION"
+  pip_install "tensorboard==$TENSORBOARD_VERSION"
 fi
 
 have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

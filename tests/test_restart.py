@@ -24,7 +24,9 @@ def _train(tmp, name: str, *flags: str, restarts: int = 0):
     export = tmp / f"{name}.pt"
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
            f"--max-restarts={restarts}", os.path.join(_ROOT, "examples", "train_gpt.py"), "--tiny", "--steps",
-           str(STEPS), "--threads", "1", "--log-every", "0", "--export", str(export), *flags]
+           str(STEPS), "--threads", "1", "--log-every", "0", "--export", str(export),
+           # synthetic data: no corpus to tokenize; the run's logs in a directory of its own (a shared one resumes)
+           "--data", "synthetic", "--run-dir", str(tmp / f"{name}-run"), *flags]
     # torchrun's shared store keeps a dead rank's address across restarts (pytorch/pytorch#135712); torch's switch
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
