@@ -101,6 +101,15 @@ def test_the_build_lock_is_released_by_a_killed_holder_and_waited_for_while_held
         waited = time.monotonic() - t0
     live.wait(timeout=60)
     assert waited > 1.0, waited
+    assert f"waiting for the build in process {live.pid}" in capsys.readouterr().err
+    (tmp_path / f"{tmp_path.name}.so").write_bytes(b"")  # built: a holder now only loads it, and a wait says nothing
+    live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "2", "live"], stdout=subprocess.PIPE,
+                            text=True)
+    assert live.stdout.readline().strip() == "held"
+    with _exclusive(tmp_path):
+        pass
+    live.wait(timeout=60)
+    assert "waiting" not in capsys.readouterr().err
 
 
 # --- timeouts -----------------------------------------------------------------------------------------------------

@@ -155,8 +155,9 @@ def _exclusive(build_dir: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            print(f"fshard.ops: waiting for the build in process {holder} ({build_dir})", file=sys.stderr, flush=True)
+            if not (build_dir / f"{build_dir.name}.so").exists():  # else the holder only loads it: no news
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+                _say(f"fshard.ops: waiting for the build in process {holder} ({build_dir})")
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)  # a regular file of ours (checked above): who holds it, for a waiter's message
         os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -168,6 +169,12 @@ def _exclusive(build_dir: Path):
         yield
     finally:
         os.close(fd)  # drops the flock
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write, so that the lines of ranks starting together never run into each other."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _stage(build_dir: Path, got: Inputs) -> Path:
@@ -271,7 +278,7 @@ def build(verbose: bool = False):
                        f"{build_dir}: {_why(build_dir, got)}. This happens once per source version and machine "
                        "and takes about a minute")
                 log.info(msg)
-                print(msg, file=sys.stderr, flush=True)
+                _say(msg)
             try:
                 src = _stage(build_dir, got)
                 sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if cuda else [])]
@@ -290,7 +297,7 @@ def build(verbose: bool = False):
     except OSError as e:  # the lock's own writes (a stale baton in a read-only directory)
         return _if_read_only(so, name, BuildError(f"fshard.ops: cannot build in {build_dir}: {e}"), e)
     if before is None:
-        print(f"fshard.ops: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        _say(f"fshard.ops: built in {time.perf_counter() - t0:.0f} s")
     elif after != before:
         print(f"fshard.ops: ninja rebuilt {so} ({time.perf_counter() - t0:.0f} s): an input outside the sources "
               "changed (a header of torch or the system, or build.ninja was edited)", file=sys.stderr, flush=True)
