@@ -26,11 +26,11 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _runs(mode: str, n: int) -> str:
+def _runs(mode: str, n: int, timeout_s: float) -> str:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the load
     try:
         proc = subprocess.run([sys.executable, os.path.join(_HERE, "_exit_runs.py"), mode, str(n)],
-                              capture_output=True, text=True, timeout=600,
+                              capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     finally:
         busy.kill()
@@ -46,13 +46,15 @@ def _runs(mode: str, n: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 20 runs: 3.5 s of CPU each (both ranks); 13 s of wall time under heavy load
 def test_the_example_exits_with_code_0_in_20_runs_under_load():
-    _runs("example", 20)
+    _runs("example", 20, 840)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_script_that_catches_an_fshard_error_then_destroys_the_group_exits_with_code_0():
-    _runs("fails", 8)
+    _runs("fails", 8, 540)
 
 
 def test_the_background_group_and_thread_are_closed_by_their_owner_at_exit():
