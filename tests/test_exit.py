@@ -12,8 +12,8 @@ Each run is a pair of ranks forked from one process that imported torch and fsha
 fresh interpreter per rank cost 10-30 s of imports on a loaded 2-core machine, 20 torchrun launches of the example
 7-10 minutes, over the suite's budget; a forked rank runs the same code from ``train_gpt.main`` on, and leaves the
 same way (``sys.exit`` at top level: atexit, then finalization). A busy loop runs beside them (the load under which
-the abort was seen). Each rank also checks the teardown order itself, where the abort was a matter of timing: no
-``fs.Mesh`` is left once the run's objects are dropped, and (the example) gloo's and the store's threads are gone
+the abort was seen). Each rank of the example also checks the teardown order itself, where the abort was a matter
+of timing: no ``fs.Mesh`` is left once the run's objects are dropped, and gloo's and the store's threads are gone
 once ``destroy_process_group()`` returns, which failed on every run before the fix."""
 from __future__ import annotations
 
