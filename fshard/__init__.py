@@ -44,7 +44,7 @@ from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, Batc
                       CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError, FshardError, InitError,
                       LossError, MemoryBudgetError, MeshMismatchError, PolicyError, RankDivergenceError,
                       RankFailedError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
-                      TemplateCallError, TransformConflictError,
+                      StepError, TemplateCallError, TransformConflictError,
                       UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
@@ -90,8 +90,8 @@ __all__ = [
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
     "CollectiveError", "ConcurrentStepError", "DonatedStateError", "EmptyBatchError", "FrozenStateError", "InitError", "LossError",
     "MemoryBudgetError", "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError",
-    "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StoreError", "TemplateCallError",
-    "TorchVersionError", "TransformConflictError", "UnboundParameterError",
+    "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StepError", "StoreError",
+    "TemplateCallError", "TorchVersionError", "TransformConflictError", "UnboundParameterError",
 ]
 
 

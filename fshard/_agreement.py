@@ -30,7 +30,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._errors import BatchMismatchError, CollectiveError, RankDivergenceError, RankFailedError
+from ._errors import (BatchMismatchError, CollectiveError, FshardError, RankDivergenceError, RankFailedError,
+                      StepError)
 
 HASH_BITS = 20  # small enough that sum(h**2) over 8 ranks is exact in float64 (see all_equal)
 _DESC_BYTES = 320  # one rank's descriptor in the all-gather after a failed check
@@ -106,6 +107,28 @@ def _descriptors(comm, mine: str) -> list[str]:
     wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm,
                lambda: "the exchange of what each rank did")
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
+
+
+def foreign(error: BaseException) -> bool:
+    """Is ``error`` one a failing rank raises as a ``StepError`` (``step_error``)? Not fshard's own errors (they
+    name their fix), nor KeyboardInterrupt and SystemExit (not Exceptions: a retry must not catch them)."""
+    return isinstance(error, Exception) and not isinstance(error, FshardError)
+
+
+def step_error(comm, error: Exception, told: bool) -> StepError:
+    """What the failing rank raises from a ``foreign`` error, so that one ``except fs.FshardError`` catches a
+    step's failure on every rank (the others raise ``RankFailedError``). ``told``: whether the other ranks know
+    (``Comm.fail``)."""
+    mesh, where = comm.mesh, f" in {comm.context}" if comm.context else ""
+    others = ("" if mesh.world_size == 1 else
+              " The other ranks raise RankFailedError naming it." if told else
+              " The other ranks were not told (fs.compose(check_collectives=False) leaves collectives unchecked): "
+              "they fail at their collective timeout with CollectiveError.")
+    return StepError(
+        f"rank {mesh.rank} failed{where}: {type(error).__name__}: {error} (the cause, above). No rank committed the "
+        f"step, so every rank's input state is unchanged (unless it was donated and its update had begun).{others} "
+        "To retry, catch fs.FshardError on every rank and call the step again with the same state; to stop, fix "
+        "the cause.")
 
 
 # --- waits ---------------------------------------------------------------------------------------------------------

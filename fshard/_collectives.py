@@ -59,7 +59,8 @@ class Flight:
             except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
                 futures = []
             for i, fut in enumerate(futures):
-                fut.add_done_callback(lambda _f, i=i: self._stamps.__setitem__(i, time.perf_counter()))
+                # (the stamps, not the flight: gloo's thread then holds no reference to the step's objects)
+                fut.add_done_callback(lambda _f, i=i, s=self._stamps: s.__setitem__(i, time.perf_counter()))
 
     def done(self) -> bool:
         """Has every work completed? Never blocks; ``wait()`` is still what makes the output usable."""
@@ -82,6 +83,8 @@ class Flight:
         self._comm.seconds[self.phase + "_exposed"] += t1 - t0
         if blocked and self.t_done > t0:  # (gloo may run the completion callback before is_completed() says so)
             self._comm.span("wait", f"{self.phase}:{self.tag}", t0, t1)
+        self._comm = None  # a record now: no cycle with comm.flights, so a step's Comm (and its mesh's process
+        # group) is freed when the step ends, not at a later garbage collection (design: "Exit and teardown")
 
 
 class Comm:
@@ -148,20 +151,23 @@ class Comm:
         every rank or raises on every rank (``RankFailedError`` if one has failed)."""
         self._check(("vote", tag, "", 0), force=True)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> bool:
         """This rank raised ``error`` mid-step: complete what is in flight, then post the failure at the other
         ranks' next check, where each raises ``RankFailedError`` naming this rank's error. Only where every
         collective is checked (otherwise the others may be waiting in a collective this rank never issues: they
-        time out with a ``CollectiveError``); not for KeyboardInterrupt (every rank gets its own), nor when the
-        ranks already know (``closed``)."""
+        time out with a ``CollectiveError``); not for KeyboardInterrupt or SystemExit (every rank gets its own
+        Ctrl-C; an exiting rank is a dead one to the others), nor when the ranks already know (``closed``).
+        Returns whether the other ranks know (posted, or known before), for the failing rank's message."""
         self.drain()
-        if (not (self.verify or self.vote_next) or self.closed or self.mesh.group is None or self.dry
-                or not isinstance(error, Exception)):
-            return
+        if self.closed or self.mesh.group is None or self.dry:
+            return True
+        if not (self.verify or self.vote_next) or not isinstance(error, Exception):
+            return False
         try:
             exchange(self, ("fail", "", "", 0), failure=error)
         except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
-            pass
+            return False
+        return True
 
     def unanimous(self, error: Exception) -> Exception:
         """Mark ``error`` as one every rank raises at this point (from values they agreed on): no rank posts it."""

@@ -30,8 +30,17 @@ class RankDivergenceError(FshardError):
 
 
 class RankFailedError(FshardError, RuntimeError):
-    """Another rank raised during the same step (or eval pass); this rank stopped at its next collective, and no rank
-    committed the step. The failing rank raises its own error; the message names it."""
+    """A rank raised during a step (or eval pass), and no rank committed it: every input state is unchanged (unless
+    donated and its update had begun), so the step can be retried on every rank. The other ranks raise this when
+    they stop at their next check, naming the failing rank's error; the failing rank raises ``StepError`` (a
+    subclass) from its own error, or the fshard error it raised as it is. One ``except fs.FshardError`` (or
+    ``except fs.RankFailedError``, for errors other than fshard's own) catches it on every rank."""
+
+
+class StepError(RankFailedError):
+    """This rank's step (or eval pass) raised an error that is not fshard's own (loss_fn's ValueError, a torch
+    RuntimeError): it is ``__cause__``, its type and message are in this one's. KeyboardInterrupt and SystemExit
+    are raised as they are."""
 
 
 class CollectiveError(FshardError, RuntimeError):

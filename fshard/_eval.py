@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ._accumulate import Accumulator
-from ._agreement import agree, check_ranks
+from ._agreement import agree, check_ranks, foreign, step_error
 from ._collectives import Comm
 from ._guards import check_usable, exclusive, spec_of
 from ._errors import RankDivergenceError
@@ -82,8 +82,10 @@ def evaluate(step, state, batch) -> tuple[float, dict]:
             ok = True
             return m["loss"], m
         except BaseException as e:
-            comm.fail(e)  # the other ranks raise RankFailedError at their next check
-            raise
+            told = comm.fail(e)  # the other ranks raise RankFailedError at their next check
+            if not foreign(e):
+                raise
+            raise step_error(comm, e, told) from e
         finally:
             if not ok:
                 comm.drain()  # an error mid-pass: no gather may still be writing into our buffers

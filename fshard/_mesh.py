@@ -1,9 +1,11 @@
 """Mesh: the ranks a state is sharded over. A thin, immutable wrapper of a torch.distributed process group."""
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -39,6 +41,19 @@ _ids = itertools.count()
 def _registered_groups():
     from torch.distributed.distributed_c10d import _world  # the live process groups; no public accessor exists
     return _world.pg_map
+
+
+def _close_background(ref) -> None:
+    """At exit (atexit: before interpreter finalization, with every thread still able to take the GIL): end the
+    mesh's background thread and destroy its group, rather than leave both to finalization (design/ARCHITECTURE.md,
+    "Exit and teardown"). Every background job has ended by then (the executor's own exit hook waits for them)."""
+    mesh = ref()
+    if mesh is None or not mesh._background:
+        return
+    group, pool = mesh._background.pop()
+    pool.shutdown(wait=True)
+    if group is not None and dist.is_initialized() and group in _registered_groups():
+        dist.destroy_process_group(group)
 
 
 def _idle_priority() -> None:
@@ -109,7 +124,8 @@ class Mesh:
         """(process group, one-thread executor) for work that runs collectives beside the step's, such as
         fs.save(..., blocking=False): a group of its own, so that the two never interleave on one group, and one
         thread, so that such work runs in the order it was submitted, the same on every rank. Collective the first
-        time (every rank of this mesh calls it in the same order); kept for the mesh's lifetime after that."""
+        time (every rank of this mesh calls it in the same order); kept for the mesh's lifetime after that, and
+        closed at exit (``_close_background``)."""
         if not self._background:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -119,6 +135,7 @@ class Mesh:
                                        backend="gloo", use_local_synchronization=True)
             pool = ThreadPoolExecutor(1, thread_name_prefix="fshard-background", initializer=_idle_priority)
             self._background.append((group, pool))
+            atexit.register(_close_background, weakref.ref(self))  # the owner tears both down at exit
         return self._background[0]
 
     def check_alive(self) -> None:

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ._accumulate import Accumulator
 from ._base import Grads
-from ._agreement import agree, check_ranks, small_hash
+from ._agreement import agree, check_ranks, foreign, small_hash, step_error
 from ._collectives import Comm
 from ._eval import evaluate, train_mode
 from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, exclusive, spec_of
@@ -94,7 +94,8 @@ class Step:
         ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
         step, its metrics carry the same figures, measured. ``max_memory`` (bytes): raise ``MemoryBudgetError``,
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
-        self._check_state(state)
+        spec_of(state)  # the checks of a step's call
+        check_usable(self, state)
         p = plan(self, self.init(state), batch, self._observed)
         return p if max_memory is None else p.check(max_memory)
 
@@ -158,8 +159,10 @@ class Step:
                 ok = self._checked = True
                 return new, metrics
             except BaseException as e:
-                comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
-                raise
+                told = comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
+                if not foreign(e):  # fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
+                    raise
+                raise step_error(comm, e, told) from e  # one error family on every rank (no local: no cycle)
             finally:
                 if not ok:
                     comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
@@ -221,12 +224,6 @@ class Step:
         reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
         over ranks as a step's ``metrics["loss"]`` (fshard/_eval.py)."""
         return evaluate(self, state, batch)
-
-    def _check_state(self, state):
-        """The checks of a step's call, for callers outside one (``step.plan``)."""
-        spec = spec_of(state)
-        check_usable(self, state)
-        return spec
 
     def _verify(self, mesh) -> bool:
         """Check every collective across ranks before it is issued (fshard/_agreement.py)? ``check_collectives``

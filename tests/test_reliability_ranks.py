@@ -14,10 +14,10 @@ rank, Ctrl-C) run in groups of their own. The table:
 | skip_unit | skips a unit at the second step (blocking) | RankDivergenceError naming both sides | the same | intact |
 | skip_unit_ahead | the same with gather_ahead + bucket_reduce | RankDivergenceError naming both sides | the same | intact |
 | microbatches | passes 3 micro-batches where the others pass 2 | BatchMismatchError | the same | intact |
-| loss_raises | loss_fn raises ValueError | its ValueError | RankFailedError naming it | intact |
+| loss_raises | loss_fn raises ValueError | StepError from its ValueError | RankFailedError naming it | intact |
 | store_fails | its store fails mid-update (offload_state) | OffloadError | RankFailedError naming it | intact |
 | store_fails_unchecked | the same with check_collectives=False | OffloadError | RankFailedError (at the commit vote) | intact |
-| donate_before_update | loss_fn raises, donate=True | its ValueError | RankFailedError | intact, usable |
+| donate_before_update | loss_fn raises, donate=True | StepError from its ValueError | RankFailedError | intact, usable |
 | donate_in_update | its store fails mid-update, donate=True | OffloadError "restart from a checkpoint" | RankFailedError | donated on every rank (DonatedStateError on reuse) |
 | nan_skip | NaN gradients under skip_nonfinite | every rank skips the step | the same | skipped + 1 |
 | extra_step | steps once more while the others export | RankDivergenceError naming both sides | the same | intact |
@@ -29,6 +29,12 @@ An empty batch on one rank whose mean loss is NaN is an ``EmptyBatchError`` ther
 the others, in a step and in ``step.eval`` (``test_an_empty_batch_whose_loss_is_nan_is_refused_on_every_rank``).
 
 A dead rank (``os._exit``) is tests/test_multirank.py's ``test_a_dead_rank_makes_the_others_fail_instead_of_hanging``.
+
+Sections:
+
+- one error family on every rank (issue #38): one rank's loss_fn raises a ValueError once; every rank catches
+  ``fs.FshardError`` (the failing rank a ``StepError`` whose ``__cause__`` is the ValueError), retries, and ends
+  bitwise where a run without the failure ends.
 """
 from __future__ import annotations
 
@@ -221,8 +227,9 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_lose_nothing(n):
             assert "rank 0: all_gather of 'blocks.1' (96 x float32) in step 1" in text, (r, case, text)
         assert row["microbatches"][0] == "BatchMismatchError"
         kind, text = row["loss_raises"][:2]
-        if r == last:
-            assert kind == "ValueError" and "boom on this rank" in text
+        if r == last:  # an fshard error from the ValueError, naming it (issue #38)
+            assert kind == "StepError" and f"rank {last} failed in step 0: ValueError: boom on this rank" in text
+            assert "The other ranks raise RankFailedError" in text and "catch fs.FshardError" in text, text
         else:
             assert kind == "RankFailedError" and f"rank {last} failed in step 0: ValueError: boom on this" in text, text
             assert "no rank committed the step" in text
@@ -235,7 +242,7 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_lose_nothing(n):
         assert kind == ("OffloadError" if r == last else "RankFailedError"), (r, kind, text)
         assert r == last or "commit vote" in text, text
         assert row["nan_skip"][0] == "ok"
-        assert row["donate_before_update"][0] == ("ValueError" if r == last else "RankFailedError")
+        assert row["donate_before_update"][0] == ("StepError" if r == last else "RankFailedError")
         kind, text = row["donate_in_update"][:2]
         if r == last:
             assert kind == "OffloadError" and "was donated" in text and "restart from a checkpoint" in text, text
@@ -348,3 +355,78 @@ def test_an_empty_batch_whose_loss_is_nan_is_refused_on_every_rank():
         assert step == 1 and loss == loss and loss > 0  # finite: such a loss_fn trains through an empty batch
         assert row["after"] == row["after"]
     assert issubclass(fs.EmptyBatchError, fs.BatchMismatchError)
+
+
+# --- One error family on every rank (issue #38) ---
+
+def _retry(n):
+    """A clean run, then the same run where rank n - 1's loss_fn raises a ValueError at its first call, retried by
+    ``except fs.FshardError`` on every rank; blocking and with gather_ahead + bucket_reduce (work in flight)."""
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    batches = list(awkward_batches(2, 3, mesh.rank, n))
+    out = {}
+    for name, transforms in (("blocking", ()), ("ahead", (fs.gather_ahead(2), fs.bucket_reduce(1)))):
+        finals = []
+        for fail in (False, True):
+            calls, caught = [0], []
+
+            def loss_fn(m, b):
+                calls[0] += 1
+                if fail and mesh.rank == n - 1 and calls[0] == 1:
+                    raise ValueError("boom at the first call")
+                return awkward_loss(m, b)
+
+            torch.manual_seed(0)
+            state = fs.init(Awkward(), mesh, fs.adamw())
+            with fs.compose(loss_fn, *transforms) as step:
+                for b in batches:
+                    for _ in range(3):  # the README's recipe: retry a failed step a few times
+                        try:
+                            state, _ = step(state, b)
+                            break
+                        except fs.FshardError as e:
+                            caught.append((type(e).__name__, str(e), type(e.__cause__).__name__,
+                                           str(e.__cause__), isinstance(e, fs.RankFailedError)))
+            finals.append(_snapshot(state) + [state.step.clone()])
+        out[name] = (caught, all(torch.equal(a, b) for a, b in zip(*finals)) and len(finals[0]) == len(finals[1]))
+    return out
+
+
+@pytest.mark.parametrize("n", [2])
+def test_every_rank_catches_fshard_error_and_a_retry_ends_bitwise_as_a_clean_run(n):
+    outcome = spawn(_retry, n, n, timeout_s=240, collective_timeout_s=TIMEOUT_S)
+    assert all(s == "ok" for s, _ in outcome.values()), outcome
+    for r in range(n):
+        for name, (caught, same) in outcome[r][1].items():
+            assert same, (r, name, "the retried run differs from the clean one")
+            assert len(caught) == 1, (r, name, caught)  # one failure, caught once, then the retry went through
+            kind, text, cause, cause_text, rank_failed = caught[0]
+            assert rank_failed, (r, name, kind)  # except fs.RankFailedError would catch it on every rank too
+            if r == n - 1:  # the failing rank: an fshard error raised from its own, which it names
+                assert kind == "StepError" and cause == "ValueError" and cause_text == "boom at the first call"
+                assert f"rank {r} failed in step 0: ValueError: boom at the first call" in text, text
+                assert "input state is unchanged" in text and "catch fs.FshardError" in text, text
+            else:
+                assert kind == "RankFailedError" and cause == "NoneType", (r, name, kind, cause)
+                assert f"rank {n - 1} failed in step 0: ValueError: boom at the first call" in text, text
+
+
+def test_keyboard_interrupt_and_system_exit_are_raised_as_they_are():
+    """Not Exceptions: a retry written as ``except fs.FshardError`` must not swallow Ctrl-C or sys.exit."""
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw())
+    batch = next(awkward_batches(2, 1, 0, 1))
+    for error in (KeyboardInterrupt(), SystemExit(3)):
+        with pytest.raises(type(error)) as e:
+            fs.compose(lambda m, b: _raise(error))(state, batch)
+        assert e.value is error and not isinstance(e.value, fs.FshardError)
+    with pytest.raises(fs.StepError) as e:  # at world size 1 too: one recipe whatever the world size
+        fs.compose(lambda m, b: _raise(ZeroDivisionError("local")))(state, batch)
+    assert isinstance(e.value.__cause__, ZeroDivisionError) and "ZeroDivisionError: local" in str(e.value)
+    assert "The other ranks" not in str(e.value)
+    state2, _ = fs.compose(awkward_loss)(state, batch)  # the state is still usable
+    assert int(state2.step) == 1

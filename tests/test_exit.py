@@ -1,0 +1,71 @@
+"""No abort at exit (issue #38): fshard's processes leave through the interpreter's exit with code 0.
+
+The example's runs aborted at exit ("terminate called without an active exception", SIGABRT) 3 times in 20 under
+load, and scripts that caught an fshard error and called ``destroy_process_group()`` 4 times in 9: after
+``destroy_process_group()`` gloo's process group, its threads and (rank 0) the TCPStore daemon stayed alive, held
+by reference cycles of fshard's objects (a step's ``Comm`` and its ``Flight``s; a failed step's frame and the error
+it raised), until the interpreter's final garbage collection destroyed them during finalization, where a C++
+thread that asks for the GIL is ended by ``pthread_exit`` (a ``std::terminate`` in a destructor on its way)
+(design/ARCHITECTURE.md, "Exit and teardown": the candidates, and why no backtrace was caught).
+
+Each run is a pair of ranks forked from one process that imported torch and fshard once (tests/_exit_runs.py): a
+fresh interpreter per rank cost 10-30 s of imports on a loaded 2-core machine, 20 torchrun launches of the example
+7-10 minutes, over the suite's budget; a forked rank runs the same code from ``train_gpt.main`` on, and leaves the
+same way (``sys.exit`` at top level: atexit, then finalization). A busy loop runs beside them (the load under which
+the abort was seen). Each rank of the example also checks the teardown order itself, where the abort was a matter
+of timing: no ``fs.Mesh`` is left once the run's objects are dropped, and gloo's and the store's threads are gone
+once ``destroy_process_group()`` returns, which failed on every run before the fix."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _runs(mode: str, n: int, timeout_s: float) -> str:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the load
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(_HERE, "_exit_runs.py"), mode, str(n)],
+                              capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    finally:
+        busy.kill()
+        busy.wait()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("run ")]
+    assert len(lines) == n, out[-5000:]
+    bad = [line for line in lines if line.split(": ", 1)[1] != "rank 0 exit 0, rank 1 exit 0"]
+    assert not bad, (bad, out[-5000:])
+    assert "terminate called" not in out and "Fatal Python error" not in out, out[-5000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 20 runs: 3.5 s of CPU each (both ranks); 13 s of wall time under heavy load
+def test_the_example_exits_with_code_0_in_20_runs_under_load():
+    _runs("example", 20, 840)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_script_that_catches_an_fshard_error_then_destroys_the_group_exits_with_code_0():
+    _runs("fails", 8, 540)
+
+
+def test_the_background_group_and_thread_are_closed_by_their_owner_at_exit():
+    """Mesh.background()'s executor and group: its atexit hook (_close_background) ends the thread and drops both."""
+    import weakref
+
+    import fshard as fs
+    from fshard._mesh import _close_background
+    mesh = fs.Mesh.local()
+    group, pool = mesh.background()
+    assert pool.submit(lambda: 7).result() == 7 and group is None  # (a local mesh has no group to destroy)
+    _close_background(weakref.ref(mesh))
+    assert mesh._background == [] and pool._shutdown and all(not t.is_alive() for t in pool._threads)
+    _close_background(weakref.ref(mesh))  # twice (the hook, after an explicit close): nothing left to do
