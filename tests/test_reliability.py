@@ -35,6 +35,9 @@ message (the fix it names), run under a timeout. Cases so far:
 - A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
   DTensor parameter, ``torch.compile`` on the model or a submodule) is an ``InitError`` naming the wrapper and the
   module to pass (``ddp.module``, ``compiled._orig_mod``, the model before sharding); that module trains (issue #38).
+- The store sweep never truncates a file with another name (a hard link into a dead store's directory keeps the
+  linked file's bytes), and keeps a directory whose record has no start time (0: its owner could not read it), and
+  finds its own directory by name (issue #37).
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -825,3 +828,19 @@ def test_a_wrapped_model_is_refused_naming_the_wrapper_and_the_module_to_pass():
         for f in fragments:
             assert f in msg, (name, f, msg)
     assert steps == 1 and keys == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the plain module trains
+
+
+# --- store sweep: hard links, records without a start time (issue #37) ------------------------------------------
+
+def test_the_sweep_keeps_a_hard_linked_files_bytes_and_a_record_without_a_start_time(tmp_path, capsys):
+    user = tmp_path / "users_file"
+    user.write_bytes(b"precious" * 512)
+    dead = _fake(tmp_path, "fshard-store-999999999-dead", pid=999999999)
+    os.link(user, os.path.join(dead, "slot-000001"))  # another name of the user's file inside a dead store
+    unproven = _fake(tmp_path, f"fshard-store-{os.getpid()}-nostart", pid=os.getpid(), start=0)
+    with fs.NVMeStore(str(tmp_path)) as s:  # (a relative or absolute parent: its own directory found by name)
+        assert os.path.isdir(s.directory)
+        assert not os.path.exists(dead) and os.path.isdir(unproven)
+    assert user.read_bytes() == b"precious" * 512 and os.stat(user).st_nlink == 1
+    err = capsys.readouterr().err
+    assert "removed 1 store directory of dead processes" in err and "1.0 MiB freed" in err, err

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 from typing import Dict, List, Optional
@@ -98,25 +99,31 @@ def owner_gone(rec: dict, me: Optional[dict] = None) -> bool:
     me = me or this_process()
     if any(rec[k] != me[k] for k in ("host", "boot", "pidns", "uid")) or not me["boot"]:
         return False
+    if not rec["start"]:  # its owner could not read its own start time (this_process's 0): no proof either way
+        return False
     return start_time(rec["pid"]) != rec["start"]
 
 
 def _empty(directory: str) -> int:
     """Truncate the files in `directory` to 0 bytes; returns the bytes they held. A dead process's io_uring ring
     keeps its files referenced until the kernel's deferred teardown runs, and an unlinked file's blocks stay in
-    use until then; truncated, they come back at once (as _layout's discard does for a live slot)."""
+    use until then; truncated, they come back at once (as _layout's discard does for a live slot). Only a regular
+    file with one name is truncated: a hard link's other name (a file fshard did not write) keeps its bytes."""
     total = 0
     with os.scandir(directory) as entries:
         listed = list(entries)
     for e in listed:
         try:
-            total += e.stat(follow_symlinks=False).st_blocks * 512
-            if e.is_file(follow_symlinks=False):
-                fd = os.open(e.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                try:
+            if not e.is_file(follow_symlinks=False):
+                continue
+            fd = os.open(e.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                    total += st.st_blocks * 512
                     os.ftruncate(fd, 0)
-                finally:
-                    os.close(fd)
+            finally:
+                os.close(fd)
         except OSError:
             pass
     return total
@@ -151,7 +158,9 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
     me, removed, freed = this_process(), [], 0
     try:
         with os.scandir(parent) as listed:
-            entries = [e for e in listed if e.name.startswith(PREFIX) and e.path != own]
+            # own by name: mkdtemp's path may be absolute where `parent` is not (Python >= 3.12)
+            mine = os.path.basename(own) if own else None
+            entries = [e for e in listed if e.name.startswith(PREFIX) and e.name != mine]
     except OSError as e:
         log.warning("fshard.store: cannot list %s to remove dead processes' stores: %s", parent, e)
         return removed
