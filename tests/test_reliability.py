@@ -85,33 +85,39 @@ def test_the_build_lock_is_released_by_a_killed_holder_and_waited_for_while_held
     with _exclusive(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "left by a build that was killed halfway" in capsys.readouterr().err
-    holder = ("import os, signal, sys, time; from pathlib import Path; from fshard.ops._build import _exclusive\n"
+    # the holder holds the lock until it reads a line (a live one) or dies holding it: no sleep decides who waits
+    holder = ("import os, signal, sys; from pathlib import Path; from fshard.ops._build import _exclusive\n"
               "with _exclusive(Path(sys.argv[1])):\n"
               "    print('held', flush=True)\n"
-              "    time.sleep(float(sys.argv[2]))\n"
-              "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[3] == 'die' else None\n")
-    dead = subprocess.run([sys.executable, "-c", holder, str(tmp_path), "0", "die"], capture_output=True, timeout=60)
+              "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else sys.stdin.readline()\n")
+    dead = subprocess.run([sys.executable, "-c", holder, str(tmp_path), "die"], capture_output=True, timeout=60)
     assert dead.returncode == -signal.SIGKILL
-    t0 = time.monotonic()
-    with _exclusive(tmp_path):  # the dead holder's flock went with it
+    with _exclusive(tmp_path):  # the dead holder's flock went with it: taken at once, with no wait to announce
         pass
-    assert time.monotonic() - t0 < 5
-    live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "3", "live"], stdout=subprocess.PIPE,
-                            text=True)
-    assert live.stdout.readline().strip() == "held"
-    t0 = time.monotonic()
-    with _exclusive(tmp_path):  # waits for the live holder, then takes it
-        waited = time.monotonic() - t0
-    live.wait(timeout=60)
-    assert waited > 1.0, waited
-    assert f"waiting for the build in process {live.pid}" in capsys.readouterr().err
+    assert "waiting" not in capsys.readouterr().err
+
+    def held_then_released(after_s: float) -> tuple:
+        """Take the lock while a live holder has it; the holder lets go ``after_s`` after the wait began. Returns
+        (seconds waited, the holder's pid)."""
+        live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "live"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert live.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        release = threading.Timer(after_s, lambda: (live.stdin.write("go\n"), live.stdin.flush()))
+        release.start()
+        try:
+            with _exclusive(tmp_path):  # waits for the live holder, then takes it
+                waited = time.monotonic() - t0
+        finally:
+            release.join()
+            live.stdin.close()
+            live.wait(timeout=60)
+        return waited, live.pid
+
+    waited, pid = held_then_released(1.5)
+    assert waited >= 1.5 and f"waiting for the build in process {pid}" in capsys.readouterr().err
     (tmp_path / f"{tmp_path.name}.so").write_bytes(b"")  # built: a holder now only loads it, and a wait says nothing
-    live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "2", "live"], stdout=subprocess.PIPE,
-                            text=True)
-    assert live.stdout.readline().strip() == "held"
-    with _exclusive(tmp_path):
-        pass
-    live.wait(timeout=60)
+    assert held_then_released(1.5)[0] >= 1.5
     assert "waiting" not in capsys.readouterr().err
 
 
