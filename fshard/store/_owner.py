@@ -129,9 +129,14 @@ def _empty(directory: str) -> int:
     return total
 
 
+def _flat(directory: str) -> bool:
+    with os.scandir(directory) as entries:
+        return not any(e.is_dir(follow_symlinks=False) for e in entries)
+
+
 def _remove(directory: str) -> None:
-    """Remove a store directory: its files, then itself. A store's directory is flat, so anything else in it (a
-    subdirectory) keeps it (rmdir fails). A file already gone is fine: two new stores may sweep at once."""
+    """Remove a store directory: its files, then itself (sweep leaves one that is not flat alone). A file already
+    gone is fine: two new stores may sweep at once."""
     with os.scandir(directory) as entries:
         listed = list(entries)
     for e in listed:
@@ -170,6 +175,9 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
                 continue
             rec = owner_of(e.path)
             if rec is None or not e.name.startswith(f"{PREFIX}{rec['pid']}-") or not owner_gone(rec, me):
+                continue
+            if not _flat(e.path):  # a store writes no subdirectory: someone else's work is in it, all left as it is
+                log.info("fshard.store: left %s: it holds a directory, which no store writes", e.path)
                 continue
             n = _empty(e.path)
             _remove(e.path)
