@@ -37,7 +37,7 @@ message (the fix it names), run under a timeout. Cases so far:
   module to pass (``ddp.module``, ``compiled._orig_mod``, the model before sharding); that module trains (issue #38).
 - The store sweep never truncates a file with another name (a hard link into a dead store's directory keeps the
   linked file's bytes), leaves a dead store's directory that holds a directory untouched, keeps a directory whose
-  record has no start time (0: its owner could not read it), and finds its own directory by name (issue #37).
+  record has no start time (0: its owner could not read it) (issue #37).
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -846,7 +846,7 @@ def test_the_sweep_keeps_a_hard_linked_files_bytes_and_a_record_without_a_start_
     unproven = _fake(tmp_path, f"fshard-store-{os.getpid()}-nostart", pid=os.getpid(), start=0)
     nested = _fake(tmp_path, "fshard-store-999999999-nested", pid=999999999)  # dead, but a directory inside
     os.makedirs(os.path.join(nested, "work"))
-    with fs.NVMeStore(str(tmp_path)) as s:  # (a relative or absolute parent: its own directory found by name)
+    with fs.NVMeStore(str(tmp_path)) as s:
         assert os.path.isdir(s.directory)
         assert not os.path.exists(dead) and os.path.isdir(unproven)
     assert sorted(os.listdir(nested)) == ["owner.json", "slot-000000", "work"]  # not flat: nothing touched
