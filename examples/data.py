@@ -87,8 +87,9 @@ def tokenizer(train_files: Sequence[str], vocab: int, cache_dir: str):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((_read(f) for f in train_files), trainer=trainer)
     os.makedirs(cache_dir, exist_ok=True)
-    tok.save(path + ".tmp")
-    os.replace(path + ".tmp", path)  # complete or absent: a rank never reads half a file
+    tmp = f"{path}.tmp-{os.getpid()}"  # one per process: two runs sharing the cache may both train it
+    tok.save(tmp)
+    os.replace(tmp, path)  # complete or absent: a rank never reads half a file
     return tok
 
 
@@ -104,8 +105,9 @@ def encode(files: Sequence[str], tok, cache_dir: str) -> torch.Tensor:
         ids += enc.ids + [eot]
     out = torch.tensor(ids, dtype=torch.int32)
     os.makedirs(cache_dir, exist_ok=True)
-    torch.save(out, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(out, tmp)
+    os.replace(tmp, path)
     return out
 
 

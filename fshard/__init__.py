@@ -41,11 +41,10 @@ from ._bucket_reduce import bucket_reduce
 from ._checkpoint import SaveHandle, latest, load, save
 from ._clip import clip_by_global_norm
 from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
-                      CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError, FshardError, InitError,
-                      LossError, MemoryBudgetError, MeshMismatchError, PolicyError, RankDivergenceError,
-                      RankFailedError, RecomputeError, SaveInProgressError, ScheduleError, StepClosedError,
-                      StepError, TemplateCallError, TransformConflictError,
-                      UnboundParameterError)
+                      CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError,
+                      FshardError, InitError, LossError, MemoryBudgetError, MeshMismatchError, PolicyError,
+                      RankDivergenceError, RankFailedError, RecomputeError, SaveInProgressError, ScheduleError,
+                      StepClosedError, StepError, TemplateCallError, TransformConflictError, UnboundParameterError)
 from ._gather_ahead import Schedule, gather_ahead
 from ._init import full_params, init
 from ._layout import ParamSlot, UnitLayout
@@ -88,7 +87,8 @@ __all__ = [
     "Store", "CPUStore", "NVMeStore",
     # errors: every one an FshardError
     "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
-    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "EmptyBatchError", "FrozenStateError", "InitError", "LossError",
+    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "EmptyBatchError", "FrozenStateError", "InitError",
+    "LossError",
     "MemoryBudgetError", "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError",
     "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StepError", "StoreError",
     "TemplateCallError", "TorchVersionError", "TransformConflictError", "UnboundParameterError",

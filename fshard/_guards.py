@@ -9,8 +9,8 @@ import contextlib
 import optree
 import torch
 
-from ._errors import (ArgumentTypeError, ConcurrentStepError, EmptyBatchError, InitError, LossError, MeshMismatchError, PolicyError,
-                      StepClosedError)
+from ._errors import (ArgumentTypeError, ConcurrentStepError, EmptyBatchError, InitError, LossError,
+                      MeshMismatchError, PolicyError, StepClosedError)
 from ._state import ShardSpec, TrainState
 from ._stored import StoredParam
 

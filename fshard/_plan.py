@@ -58,11 +58,12 @@ class Plan:
         copy and its gradient shard, which an update during backward frees where the unit is in a store) and
         ``offload/device_bytes`` (the part of it on the device now); ``store/peak_bytes``, the most the optimizer's
         store (fs.offload_state) holds on this rank during the step (on disk for an NVMeStore;
-        tests/test_reliability.py samples it; with several stores, their sum); ``store/memory_peak_bytes``, the part of it in stores that
-        live in memory (CPUStore: host RAM); ``store/buffer_bytes``, the store's pool buffers its streams use at
-        most (host memory); ``mem/activation_bytes``, the storages forward saves for backward (activations):
-        measured by the last step (``metrics["mem/activation_bytes"]``), or before a step function's first step
-        estimated by a forward on the meta device (``activations()``; absent where the model cannot run there).
+        tests/test_reliability.py samples it; with several stores, their sum); ``store/memory_peak_bytes``, the
+        part of it in stores that live in memory (CPUStore: host RAM); ``store/buffer_bytes``, the store's pool
+        buffers its streams use at most (host memory); ``mem/activation_bytes``, the storages forward saves for
+        backward (activations): measured by the last step (``metrics["mem/activation_bytes"]``), or before a step
+        function's first step estimated by a forward on the meta device (``activations()``; absent where the model
+        cannot run there).
     """
 
     figures: dict

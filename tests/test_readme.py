@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
+
+from _proc import run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(_ROOT, "README.md")).read()
@@ -44,16 +44,7 @@ def _example(args: list[str], tmp_path) -> str:
         flags[flags.index("--run-dir") + 1] = str(tmp_path / "run")
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), *torchrun[1:],
            os.path.join(_ROOT, "examples", "train_gpt.py"), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_ROOT)
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise AssertionError(f"no result within 240 s\n{log[-4000:]}") from None
-    assert proc.returncode == 0, log[-4000:]
-    return log
+    return run_logged(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_ROOT)
 
 
 _RSS = "peak RSS of this process, predicted"

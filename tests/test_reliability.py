@@ -35,6 +35,9 @@ message (the fix it names), run under a timeout. Cases so far:
 - A model already wrapped (DDP, DataParallel, FSDP1, FSDP2's ``fully_shard`` on the model or a submodule, a
   DTensor parameter, ``torch.compile`` on the model or a submodule) is an ``InitError`` naming the wrapper and the
   module to pass (``ddp.module``, ``compiled._orig_mod``, the model before sharding); that module trains (issue #38).
+- The store sweep never truncates a file with another name (a hard link into a dead store's directory keeps the
+  linked file's bytes), leaves a dead store's directory that holds a directory untouched, keeps a directory whose
+  record has no start time (0: its owner could not read it) (issue #37).
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -82,33 +85,39 @@ def test_the_build_lock_is_released_by_a_killed_holder_and_waited_for_while_held
     with _exclusive(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "left by a build that was killed halfway" in capsys.readouterr().err
-    holder = ("import os, signal, sys, time; from pathlib import Path; from fshard.ops._build import _exclusive\n"
+    # the holder holds the lock until it reads a line (a live one) or dies holding it: no sleep decides who waits
+    holder = ("import os, signal, sys; from pathlib import Path; from fshard.ops._build import _exclusive\n"
               "with _exclusive(Path(sys.argv[1])):\n"
               "    print('held', flush=True)\n"
-              "    time.sleep(float(sys.argv[2]))\n"
-              "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[3] == 'die' else None\n")
-    dead = subprocess.run([sys.executable, "-c", holder, str(tmp_path), "0", "die"], capture_output=True, timeout=60)
+              "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else sys.stdin.readline()\n")
+    dead = subprocess.run([sys.executable, "-c", holder, str(tmp_path), "die"], capture_output=True, timeout=60)
     assert dead.returncode == -signal.SIGKILL
-    t0 = time.monotonic()
-    with _exclusive(tmp_path):  # the dead holder's flock went with it
+    with _exclusive(tmp_path):  # the dead holder's flock went with it: taken at once, with no wait to announce
         pass
-    assert time.monotonic() - t0 < 5
-    live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "3", "live"], stdout=subprocess.PIPE,
-                            text=True)
-    assert live.stdout.readline().strip() == "held"
-    t0 = time.monotonic()
-    with _exclusive(tmp_path):  # waits for the live holder, then takes it
-        waited = time.monotonic() - t0
-    live.wait(timeout=60)
-    assert waited > 1.0, waited
-    assert f"waiting for the build in process {live.pid}" in capsys.readouterr().err
+    assert "waiting" not in capsys.readouterr().err
+
+    def held_then_released(after_s: float) -> tuple:
+        """Take the lock while a live holder has it; the holder lets go ``after_s`` after the wait began. Returns
+        (seconds waited, the holder's pid)."""
+        live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "live"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert live.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        release = threading.Timer(after_s, lambda: (live.stdin.write("go\n"), live.stdin.flush()))
+        release.start()
+        try:
+            with _exclusive(tmp_path):  # waits for the live holder, then takes it
+                waited = time.monotonic() - t0
+        finally:
+            release.join()
+            live.stdin.close()
+            live.wait(timeout=60)
+        return waited, live.pid
+
+    waited, pid = held_then_released(1.5)
+    assert waited >= 1.5 and f"waiting for the build in process {pid}" in capsys.readouterr().err
     (tmp_path / f"{tmp_path.name}.so").write_bytes(b"")  # built: a holder now only loads it, and a wait says nothing
-    live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "2", "live"], stdout=subprocess.PIPE,
-                            text=True)
-    assert live.stdout.readline().strip() == "held"
-    with _exclusive(tmp_path):
-        pass
-    live.wait(timeout=60)
+    assert held_then_released(1.5)[0] >= 1.5
     assert "waiting" not in capsys.readouterr().err
 
 
@@ -825,3 +834,23 @@ def test_a_wrapped_model_is_refused_naming_the_wrapper_and_the_module_to_pass():
         for f in fragments:
             assert f in msg, (name, f, msg)
     assert steps == 1 and keys == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the plain module trains
+
+
+# --- store sweep: hard links, records without a start time (issue #37) ------------------------------------------
+
+def test_the_sweep_keeps_a_hard_linked_files_bytes_and_a_record_without_a_start_time(tmp_path, capsys):
+    user = tmp_path / "users_file"
+    user.write_bytes(b"precious" * 512)
+    dead = _fake(tmp_path, "fshard-store-999999999-dead", pid=999999999)
+    os.link(user, os.path.join(dead, "slot-000001"))  # another name of the user's file inside a dead store
+    unproven = _fake(tmp_path, f"fshard-store-{os.getpid()}-nostart", pid=os.getpid(), start=0)
+    nested = _fake(tmp_path, "fshard-store-999999999-nested", pid=999999999)  # dead, but a directory inside
+    os.makedirs(os.path.join(nested, "work"))
+    with fs.NVMeStore(str(tmp_path)) as s:
+        assert os.path.isdir(s.directory)
+        assert not os.path.exists(dead) and os.path.isdir(unproven)
+    assert sorted(os.listdir(nested)) == ["owner.json", "slot-000000", "work"]  # not flat: nothing touched
+    assert os.path.getsize(os.path.join(nested, "slot-000000")) == 1 << 20
+    assert user.read_bytes() == b"precious" * 512 and os.stat(user).st_nlink == 1
+    err = capsys.readouterr().err
+    assert "removed 1 store directory of dead processes" in err and "1.0 MiB freed" in err, err

@@ -6,8 +6,6 @@ unit by unit (memory measured)."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import torch
@@ -15,6 +13,7 @@ import torch
 import fshard as fs
 from _dist import run_ranks
 from _memory import reset_peak as _reset_peak, status as _status
+from _proc import run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -29,15 +28,7 @@ def _train(tmp, name: str, *flags: str, restarts: int = 0):
            "--data", "synthetic", "--run-dir", str(tmp / f"{name}-run"), *flags]
     # torchrun's shared store keeps a dead rank's address across restarts (pytorch/pytorch#135712); torch's switch
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env)
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: none may outlive the test
-        log, _ = proc.communicate()
-        raise AssertionError(f"{name}: no result within 240 s\n{log[-5000:]}") from None
-    assert proc.returncode == 0, log[-5000:]
+    log = run_logged(cmd, env=env, what=f"{name}: ")  # torchrun and its workers: none may outlive the test
     return torch.load(export), log
 
 

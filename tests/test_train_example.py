@@ -8,14 +8,13 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import data
+from _proc import run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,16 +72,7 @@ def _run(run_dir, cache, steps, *flags):
            "--run-dir", str(run_dir), "--cache-dir", str(cache), "--vocab", "512", "--max-train-mb", "0.3",
            "--eval-every", "3", "--eval-batches", "2", "--log-every", "2", "--save-every", "0",
            "--sample-tokens", "8", "--schedule", "constant", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise AssertionError(f"no result within 240 s\n{log[-4000:]}") from None
-    assert proc.returncode == 0, log[-4000:]
-    return log
+    return run_logged(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_a_short_run_writes_its_outputs_and_a_rerun_resumes(tmp_path):

@@ -163,8 +163,8 @@ def _exclusive(build_dir: Path):
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         stale = build_dir / "lock"
         if stale.exists():
-            print(f"fshard.ops: removing {stale}, left by a build that was killed halfway (no build holds "
-                  f"{LOCK_NAME}); building again", file=sys.stderr, flush=True)
+            _say(f"fshard.ops: removing {stale}, left by a build that was killed halfway (no build holds "
+                 f"{LOCK_NAME}); building again")
             stale.unlink(missing_ok=True)
         yield
     finally:
@@ -299,6 +299,6 @@ def build(verbose: bool = False):
     if before is None:
         _say(f"fshard.ops: built in {time.perf_counter() - t0:.0f} s")
     elif after != before:
-        print(f"fshard.ops: ninja rebuilt {so} ({time.perf_counter() - t0:.0f} s): an input outside the sources "
-              "changed (a header of torch or the system, or build.ninja was edited)", file=sys.stderr, flush=True)
+        _say(f"fshard.ops: ninja rebuilt {so} ({time.perf_counter() - t0:.0f} s): an input outside the sources "
+             "changed (a header of torch or the system, or build.ninja was edited)")
     return mod

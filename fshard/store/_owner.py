@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 from typing import Dict, List, Optional
@@ -98,33 +99,44 @@ def owner_gone(rec: dict, me: Optional[dict] = None) -> bool:
     me = me or this_process()
     if any(rec[k] != me[k] for k in ("host", "boot", "pidns", "uid")) or not me["boot"]:
         return False
+    if not rec["start"]:  # its owner could not read its own start time (this_process's 0): no proof either way
+        return False
     return start_time(rec["pid"]) != rec["start"]
 
 
 def _empty(directory: str) -> int:
     """Truncate the files in `directory` to 0 bytes; returns the bytes they held. A dead process's io_uring ring
     keeps its files referenced until the kernel's deferred teardown runs, and an unlinked file's blocks stay in
-    use until then; truncated, they come back at once (as _layout's discard does for a live slot)."""
+    use until then; truncated, they come back at once (as _layout's discard does for a live slot). Only a regular
+    file with one name is truncated: a hard link's other name (a file fshard did not write) keeps its bytes."""
     total = 0
     with os.scandir(directory) as entries:
         listed = list(entries)
     for e in listed:
         try:
-            total += e.stat(follow_symlinks=False).st_blocks * 512
-            if e.is_file(follow_symlinks=False):
-                fd = os.open(e.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                try:
+            if not e.is_file(follow_symlinks=False):
+                continue
+            fd = os.open(e.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                    total += st.st_blocks * 512
                     os.ftruncate(fd, 0)
-                finally:
-                    os.close(fd)
+            finally:
+                os.close(fd)
         except OSError:
             pass
     return total
 
 
+def _flat(directory: str) -> bool:
+    with os.scandir(directory) as entries:
+        return not any(e.is_dir(follow_symlinks=False) for e in entries)
+
+
 def _remove(directory: str) -> None:
-    """Remove a store directory: its files, then itself. A store's directory is flat, so anything else in it (a
-    subdirectory) keeps it (rmdir fails). A file already gone is fine: two new stores may sweep at once."""
+    """Remove a store directory: its files, then itself (sweep leaves one that is not flat alone). A file already
+    gone is fine: two new stores may sweep at once."""
     with os.scandir(directory) as entries:
         listed = list(entries)
     for e in listed:
@@ -151,7 +163,9 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
     me, removed, freed = this_process(), [], 0
     try:
         with os.scandir(parent) as listed:
-            entries = [e for e in listed if e.name.startswith(PREFIX) and e.path != own]
+            # own by name: mkdtemp's path may be absolute where `parent` is not (Python >= 3.12)
+            mine = os.path.basename(own) if own else None
+            entries = [e for e in listed if e.name.startswith(PREFIX) and e.name != mine]
     except OSError as e:
         log.warning("fshard.store: cannot list %s to remove dead processes' stores: %s", parent, e)
         return removed
@@ -161,6 +175,9 @@ def sweep(parent: str, own: Optional[str] = None) -> List[str]:
                 continue
             rec = owner_of(e.path)
             if rec is None or not e.name.startswith(f"{PREFIX}{rec['pid']}-") or not owner_gone(rec, me):
+                continue
+            if not _flat(e.path):  # a store writes no subdirectory: someone else's work is in it, all left as it is
+                log.info("fshard.store: left %s: it holds a directory, which no store writes", e.path)
                 continue
             n = _empty(e.path)
             _remove(e.path)

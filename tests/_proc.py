@@ -1,0 +1,27 @@
+"""A command run to its end under a timeout, its output (stdout and stderr together) returned: what the tests that
+drive examples/ under torchrun share."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def run_logged(cmd: list, *, timeout: float = 240, what: str = "", **popen) -> str:
+    """``cmd``'s output; an AssertionError with its tail when it fails or runs past ``timeout`` seconds. It runs in a
+    session of its own, and whatever ends the wait (its timeout, pytest-timeout's, Ctrl-C) kills the whole group:
+    torchrun and its workers never outlive the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **popen)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"{what}no result within {timeout:.0f} s\n{log[-4000:]}") from None
+    except BaseException:  # the test itself timed out or was interrupted
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, f"{what}{log[-4000:]}"
+    return log
