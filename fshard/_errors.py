@@ -17,7 +17,8 @@ class MeshMismatchError(FshardError):
 
 
 class BatchMismatchError(FshardError):
-    """Ranks passed batches of different structure to the same step."""
+    """Ranks passed batches that one step cannot take together: of different structure, or (``EmptyBatchError``)
+    one with no samples."""
 
 
 class EmptyBatchError(BatchMismatchError, ValueError):
