@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from ._agreement import HASH_BITS, agree
-from ._agreed import Call
 from ._collectives import Comm
 from ._errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
 from ._layout import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
@@ -146,16 +145,15 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         raise ArgumentTypeError(f"fs.full_params(state): state must be an fs.TrainState, got {type(state).__name__}.")
     spec = state.spec
     spec.mesh.check_alive()
-    call = Call(spec.mesh, "fs.full_params")
-    call.run("its start", state.check_usable)  # (an abstract or donated state on one rank: an error on every rank)
-    out = {}
-    try:  # each gather is checked first; a rank that fails between them tells the others at their next check
+    comm, out = Comm(spec.mesh, verify=True, context="fs.full_params"), {}
+    try:  # each gather is checked first: a rank that fails (an abstract or donated state, a store that cannot be
+        state.check_usable()  # read) tells the others at their next check, where every rank raises
         for u in spec.units:
             flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
-            call.comm.all_gather(flat, resident(state.params[u.name]).to(flat.device), u.name)
+            comm.all_gather(flat, resident(state.params[u.name]).to(flat.device), u.name)
             out.update(views(flat, u))
     except Exception as e:
-        call.comm.fail(e)
+        comm.fail(e)
         raise
     return {n: out[n] for n in spec.param_names}
 

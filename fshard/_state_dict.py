@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._agreed import Call
+from ._collectives import Comm
 from ._errors import ArgumentError
 from ._layout import views
 from ._state import TrainState
@@ -47,9 +47,13 @@ def full_state_dict(state: TrainState, *, rank0_only: bool = False) -> dict[str,
     template = spec.template
     param_of = {id(p): n for n, p in template.named_parameters()}  # first (canonical) names, as in the layouts
     buffer_of = {id(b): n for n, b in template.named_buffers()}
-    call = Call(spec.mesh, "fs.full_state_dict")
-    entries = call.run("its start", lambda: _entries(state, template, param_of, buffer_of))  # (every rank raises)
-    params = _gather(state, rank0_only, call.comm)
+    comm = Comm(spec.mesh, verify=True, context="fs.full_state_dict")
+    try:  # a rank that fails here tells the others at their first check, where every rank raises
+        entries = _entries(state, template, param_of, buffer_of)
+    except Exception as e:
+        comm.fail(e)
+        raise
+    params = _gather(state, rank0_only, comm)
     if rank0_only and spec.mesh.rank != 0:
         return {}
     buffers = {n: b.detach().clone() for n, b in state.buffers.items()}

@@ -420,7 +420,7 @@ def test_checkpoint_calls_fail_on_every_rank_at_once_and_keep_the_data():
             if r == 1:
                 assert kind == "AbstractStateError", (case, kind, text)
             else:
-                assert kind == "RankFailedError" and f"{case}: rank 1 failed at its start: AbstractStateError" in text
+                assert kind == "RankFailedError" and f"rank 1 failed in fs.{case}: AbstractStateError" in text, text
         assert row["latest"].endswith("other0")  # the one committed last
         kind, text = row["load_damaged"][:2]
         assert kind == "CheckpointError" and "__1_0.distcp: corrupted (CRC-32 mismatch)" in text, text
