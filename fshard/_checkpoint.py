@@ -201,7 +201,10 @@ def _write(path: Path, state: TrainState, mesh: Mesh, keep_last) -> str:
     except BaseException as e:
         remove = (lambda: discard(tmp, mine[0])) if rank == 0 else None
         if isinstance(e, Exception) and not isinstance(e, CollectiveError):
-            call.run(f"removing {tmp}", remove)  # every rank knows of the failure: none returns before it is gone
+            try:  # every rank knows of the failure: none returns before the .partial is gone
+                call.run(f"removing {tmp}", remove)
+            except Exception:  # noqa: BLE001 - the save's own error is the one to report
+                pass
         elif remove is not None:
             remove()  # (Ctrl-C, or the transport broke: no other rank can be waited for)
         raise

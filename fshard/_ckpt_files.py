@@ -102,12 +102,14 @@ def check_target(path: Path) -> None:
                               "path.")
 
 
-def start(tmp: Path) -> None:
+def start(tmp: Path) -> str:
     """Rank 0: a fresh ``tmp`` with a new marker (a ``.partial`` a killed save left, with fshard's marker, is
     removed first: ``check_target`` refused any other)."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_json(tmp / MARKER, {"token": uuid.uuid4().hex})
+    mine = uuid.uuid4().hex
+    (tmp / MARKER).write_text(json.dumps({"token": mine}))  # (no fsync: a save killed before its commit is redone)
+    return mine
 
 
 def token(tmp: Path) -> str:

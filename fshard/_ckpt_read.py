@@ -73,18 +73,13 @@ def read_metadata(path: Path):
     return md
 
 
-_SAFE_STATE_CLASSES: list = []
-
-
 def load_bytes(value: io.BytesIO):
     """A byte entry of the checkpoint, read with ``torch.load(weights_only=True)``: tensors, containers, numbers,
     strings and fshard's transform-state classes; any other class is a ``CheckpointError`` naming it and the fix."""
-    if not _SAFE_STATE_CLASSES:
-        from ._loss_scale import LossScaleState
-        from ._mixed_precision import MixedPrecisionState
-        _SAFE_STATE_CLASSES.extend([LossScaleState, MixedPrecisionState])
+    from ._loss_scale import LossScaleState  # (here: these import the step's modules)
+    from ._mixed_precision import MixedPrecisionState
     try:
-        with torch.serialization.safe_globals(_SAFE_STATE_CLASSES):
+        with torch.serialization.safe_globals([LossScaleState, MixedPrecisionState]):
             return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"fs.load: a byte entry of the checkpoint names a class that loading does not run "

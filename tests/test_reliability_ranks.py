@@ -26,6 +26,23 @@ rank, Ctrl-C) run in groups of their own. The table:
 | ctrl_c | - | - | Ctrl-C during a wait is a KeyboardInterrupt within 2 s | - |
 
 A dead rank (``os._exit``) is tests/test_multirank.py's ``test_a_dead_rank_makes_the_others_fail_instead_of_hanging``.
+
+Checkpoints (issue #37), world size 2, each within seconds, the user's files, the checkpoints and the state intact:
+
+| row | what rank 1 (or every rank) does | rank 1 gets | rank 0 gets |
+|---|---|---|---|
+| load_missing | loads a path that does not exist | CheckpointError "not a complete fshard checkpoint" | RankFailedError naming it |
+| load_paths | loads another (valid) checkpoint than rank 0 | RankDivergenceError naming both paths | the same |
+| load_shape | loads into a like of another shape | CheckpointError naming the entry | RankFailedError naming it |
+| load_damaged | (every rank) loads a checkpoint with a flipped byte | CheckpointError naming the file | the same |
+| save_refused | saves to a directory of the user's | CheckpointError "not an fshard checkpoint" | RankFailedError |
+| save_paths | saves to another path than rank 0 | RankDivergenceError naming both | the same |
+| save_fails | raises while building its state dict | its ValueError | RankFailedError; .partial removed |
+| save_disk | a full disk while DCP writes its file | CheckpointError "No space left on device on rank 1" | the same |
+| full_params, full_state_dict | passes an abstract state | AbstractStateError | RankFailedError naming it |
+| latest | fs.latest(dir, mesh=mesh) | the checkpoint committed last | the same |
+| local | saves and loads a Mesh.local() state under torchrun | a complete checkpoint of its own, bitwise | the same |
+| Ctrl-C | SIGINT while summing its files in the commit | KeyboardInterrupt | CollectiveError naming fs.save; .partial removed |
 """
 from __future__ import annotations
 
