@@ -147,14 +147,16 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     mesh = state.spec.mesh
     mesh.check_alive()
     call = Call(mesh, "fs.save", "Nothing was written")
-    path = call.run("its arguments", lambda: _target(path, state, keep_last, blocking),
+    given = path
+    path = call.run("its arguments", lambda: _target(given, state, keep_last, blocking),
                     same=lambda p: (str(p), keep_last, blocking),
                     differ="Every rank must pass the same path, keep_last and blocking.")
     if blocking:
-        return _write(path, state, mesh, keep_last)
+        return _write(path, state, mesh, keep_last, str(Path(given)))
     group, pool = mesh.background()  # the save's collectives never interleave with the step's
     on = mesh if group is None else Mesh(mesh.rank, mesh.world_size, "gloo", torch.device("cpu"), group, mesh.timeout)
-    handle = SaveHandle(str(path), pool.submit(_write, path, state, on, keep_last), state.donation)
+    handle = SaveHandle(str(Path(given)), pool.submit(_write, path, state, on, keep_last, str(Path(given))),
+                        state.donation)
     state.donation.saves.append(handle)
     return handle
 
@@ -177,7 +179,7 @@ def _target(path, state: TrainState, keep_last, blocking) -> Path:
     return path
 
 
-def _write(path: Path, state: TrainState, mesh: Mesh, keep_last) -> str:
+def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> str:
     """The save proper, in phases that every rank ends at the same check (fshard/_agreed.py): the ``.partial``
     made, DCP's write, the files' checksums, rank 0's commit. Any failure removes the ``.partial`` (rank 0), before
     any rank returns where the ranks can still agree."""
@@ -208,7 +210,7 @@ def _write(path: Path, state: TrainState, mesh: Mesh, keep_last) -> str:
         elif remove is not None:
             remove()  # (Ctrl-C, or the transport broke: no other rank can be waited for)
         raise
-    return str(path)
+    return shown  # (the path as given; ``path`` is its absolute form, which every rank compared)
 
 
 def _dcp(call, what: str, intact: str, fn, sd, **kw):

@@ -165,11 +165,11 @@ def commit(tmp: Path, path: Path, layout: dict, names: list[str], sums: torch.Te
     old = path.with_name(path.name + ".old")
     try:
         _write_json(tmp / MANIFEST, {**layout, "series": series(path.name), "time": time.time(), "files": files})
-        (tmp / MARKER).unlink()
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)  # (check_target: an fshard checkpoint, or nothing)
             path.rename(old)
         tmp.rename(path)
+        (path / MARKER).unlink()  # (after the rename: a .partial is never seen without its marker)
     except OSError as e:
         if old.exists() and not path.exists():
             old.rename(path)  # (the rename of tmp failed: the previous one back)
