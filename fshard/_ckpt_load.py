@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+import zlib
 from pathlib import Path
 
 import torch
@@ -37,7 +38,12 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     (so a state whose moments only fit in a store loads); so do the parameters (``offload_state(params=True)``).
     ``offload=``: the ``fs.offload_state`` the step is composed with, to place them as that step would (its stores,
     fractions, chunk size and ``params``) rather than as ``like`` has them, e.g. when ``like`` is fresh from
-    ``fs.init``."""
+    ``fs.init``.
+
+    Nothing in the checkpoint is run (fshard/_ckpt_read.py); every file is checked against fshard's manifest first
+    (none for FSDP2's), and a manifest in a newer format, or one that contradicts the metadata, is refused. The
+    optimizer's hyperparameters are ``like``'s, with a warning naming each that the checkpoint's ``param_groups``
+    give otherwise. A failure on one rank is an fshard error on every rank."""
     if not isinstance(like, TrainState):
         raise ArgumentError(f"fs.load(path, like): like must be an fs.TrainState (from fs.init), not "
                             f"{type(like).__name__}.")
@@ -47,7 +53,7 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     path, m = call.run("its start", lambda: _open(path, offload), differ=(
         "Every rank must load the same checkpoint: pass the same path (fs.latest(directory, mesh=mesh) gives "
         "every rank the same one), on a filesystem every rank shares."),
-        same=lambda r: (str(r[0]), json.dumps(r[1], sort_keys=True)))
+        same=lambda r: (str(r[0]), f"manifest crc {zlib.crc32(json.dumps(r[1], sort_keys=True).encode()):08x}"))
     if m is not None:
         check_files(path, m, call)  # every file's size and CRC before anything is read (every rank raises alike)
     want, made = call.run(f"planning the read of {path}", lambda: _plan(path, m, like, offload))
