@@ -49,10 +49,13 @@ class Call:
         return out
 
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Sum ``t`` over ranks (after a ``run`` that agreed on its size); interruptible, transport errors named."""
-        if self.mesh.group is not None:
-            wait_works([dist.all_reduce(t, group=self.mesh.group, async_op=True)], self.comm, lambda: what)
-        return t
+        """Sum ``t`` (a CPU tensor) over ranks, after a ``run`` that agreed on its size, on the mesh's device (NCCL
+        reduces only device tensors); interruptible, transport errors named. Returns the sum on the CPU."""
+        if self.mesh.group is None:
+            return t
+        d = t.to(self.mesh.device)
+        wait_works([dist.all_reduce(d, group=self.mesh.group, async_op=True)], self.comm, lambda: what)
+        return d.cpu()
 
     def _check(self, what: str, value=None, differ: str = "", failure: BaseException | None = None) -> None:
         mesh = self.mesh
