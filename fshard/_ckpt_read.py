@@ -101,10 +101,11 @@ def check_consistent(path: Path, manifest: dict | None, md) -> None:
         spans[rel] = max(spans.get(rel, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
     for rel, end in spans.items():
         f = Path(path) / rel
-        if Path(rel).name != rel or not f.is_file() or f.stat().st_size < end:
+        missing = Path(rel).name != rel or not f.is_file()
+        if missing or f.stat().st_size < end:
             raise CheckpointError(f"fs.load: {path}'s metadata reads {end:,} bytes of {rel!r}, which "
-                                  f"{'is not a file in the checkpoint' if not f.is_file() or Path(rel).name != rel else 'is shorter'}"
-                                  ": the checkpoint is incomplete or damaged.")
+                                  f"{'is not a file in the checkpoint' if missing else 'is shorter'}: the checkpoint "
+                                  "is incomplete or damaged.")
     if manifest is None:
         return
     edited = "the manifest (fshard.json) was edited or damaged; load an earlier checkpoint."
