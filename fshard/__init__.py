@@ -38,7 +38,8 @@ from ._accumulate import accumulate
 from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
                     UnitView, UpdatePolicy)
 from ._bucket_reduce import bucket_reduce
-from ._checkpoint import SaveHandle, latest, load, save
+from ._checkpoint import SaveHandle, latest, save
+from ._ckpt_load import load
 from ._clip import clip_by_global_norm
 from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
                       CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError,

@@ -12,31 +12,35 @@ The checkpoint is a DCP directory that FSDP2 and plain torch can read, in the la
   description of the layout for the error messages.
 
 A save is visible only complete (a rename after DCP's metadata and fshard's manifest of file CRCs, in
-fshard/_ckpt_files.py); ``load`` checks every file's size and CRC before DCP reads, so a damaged file is an error
-that names it. ``blocking=False`` runs the save in a thread of its own, over a process group of its own, on the
-state as it is: a state is immutable unless donated, so the save needs no copy (fs.SaveHandle).
+fshard/_ckpt_files.py), and deletes nothing fshard did not write; ``load`` checks every file's size and CRC before
+DCP reads, so a damaged file is an error that names it, and runs nothing a checkpoint holds (fshard/_ckpt_read.py).
+Both are phases ended by checks that every rank joins (fshard/_agreed.py), so a failure on one rank is an fshard
+error on every rank. ``blocking=False`` runs the save in a thread of its own, over a process group of its own, on
+the state as it is: a state is immutable unless donated, so the save needs no copy (fs.SaveHandle).
 """
 from __future__ import annotations
 
 import json
-import uuid
+import os
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ._ckpt_files import FORMAT, MANIFEST, commit, latest, prepare, verify  # noqa: F401 (latest: fs.latest)
-from ._dcp import _Boxes, _Chunks, _LoadPlanner, _SavePlanner, _StreamingReader, slot_boxes
-from ._errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ._offload import offload_state
-from ._place import choose_stores
-from ._optim import AdamWState
+from ._agreed import Call
+from ._agreement import explain
+from ._ckpt_files import (FORMAT, check_target, commit, crc_share, data_files, discard, latest,  # noqa: F401
+                          start, token)  # (latest: fs.latest)
+from ._dcp import _Chunks, _SavePlanner, slot_boxes
+from ._errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError
+from ._mesh import Mesh
 from ._state import TrainState
-from ._stored import Stored, StoredParam, _chunks, _Items, _location, _stored_state
+from ._stored import Stored, StoredParam
 
-__all__ = ["save", "load", "latest", "SaveHandle"]
+__all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/_ckpt_load.py
 
 
 def _layout_of(state: TrainState) -> dict:
@@ -124,49 +128,108 @@ def _stores(state: TrainState) -> list:
 
 def save(path, state: TrainState, *, keep_last: int | None = None, blocking: bool = True):
     """Collective: write ``state`` as a DCP checkpoint at ``path`` (a directory), every rank its own shards. The
-    checkpoint appears at ``path`` only once complete; an existing one at ``path`` is replaced only then.
-    ``keep_last=N``: afterwards, delete all but the N newest complete checkpoints (by step) in ``path``'s parent
-    directory. Moments in a store are read from it one chunk item at a time, never all at once.
+    checkpoint appears at ``path`` only once complete; an existing one at ``path`` is replaced only then. A ``path``
+    that exists and is not an fshard checkpoint (nor an empty directory) is refused: fs.save deletes nothing it did
+    not write. ``keep_last=N``: afterwards, of the complete checkpoints in ``path``'s parent directory that are of
+    ``path``'s series (the same name but for its numbers, ``step-00000100``, ``step-00000200``: fshard/_ckpt_files.py),
+    keep the N committed last, this one always among them, and delete the others. A failed save removes its
+    ``<path>.partial`` and leaves ``path`` as it was; a failure on one rank is an fshard error on every rank. Moments
+    in a store are read from it one chunk item at a time, never all at once.
 
     Returns the path; with ``blocking=False``, at once a ``SaveHandle`` whose ``wait()`` returns it, while the save
-    runs in a thread beside training. The state needs no copy, as a step that does not donate never changes its
-    input; a step composed with ``donate=True`` refuses a state whose save was not waited for. Moments in a store
-    are read under ``store.session_lock``, which the step's offload holds while it streams, so the two take turns;
-    the items the save reads stay on disk until it is done (a step writes new versions beside them)."""
+    runs in a thread beside training (the arguments and the target are checked before it returns). The state needs
+    no copy, as a step that does not donate never changes its input; a step composed with ``donate=True`` refuses a
+    state whose save was not waited for. Moments in a store are read under ``store.session_lock``, which the step's
+    offload holds while it streams, so the two take turns; the items the save reads stay on disk until it is done
+    (a step writes new versions beside them)."""
     if not isinstance(state, TrainState):
         raise ArgumentError(f"fs.save(path, state): state must be an fs.TrainState, not {type(state).__name__}.")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ArgumentError(f"fs.save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
-    state.check_usable()
     mesh = state.spec.mesh
     mesh.check_alive()
-    path = Path(path)
+    call = Call(mesh, "fs.save", "Nothing was written")
+    given = path
+    path = call.run("its arguments", lambda: _target(given, state, keep_last, blocking),
+                    same=lambda p: (str(p), keep_last, blocking),
+                    differ="Every rank must pass the same path, keep_last and blocking.")
     if blocking:
-        return _write(path, state, mesh.group, keep_last)
-    unlocked = {type(s).__name__ for s in _stores(state) if getattr(s, "session_lock", None) is None}
-    if unlocked:
-        raise CheckpointError(f"fs.save(..., blocking=False): this state's moments are in a store without a "
-                              f"session_lock ({', '.join(sorted(unlocked))}), which the step's offload would use at "
-                              "the same time; give the store a `session_lock` (a threading.RLock, as CPUStore and "
-                              "NVMeStore have) or save with blocking=True.")
+        return _write(path, state, mesh, keep_last, str(Path(given)))
     group, pool = mesh.background()  # the save's collectives never interleave with the step's
-    handle = SaveHandle(str(path), pool.submit(_write, path, state, group, keep_last), state.donation)
+    on = mesh if group is None else Mesh(mesh.rank, mesh.world_size, "gloo", torch.device("cpu"), group, mesh.timeout)
+    handle = SaveHandle(str(Path(given)), pool.submit(_write, path, state, on, keep_last, str(Path(given))),
+                        state.donation)
     state.donation.saves.append(handle)
     return handle
 
 
-def _write(path: Path, state: TrainState, group, keep_last) -> str:
-    mesh = state.spec.mesh
+def _target(path, state: TrainState, keep_last, blocking) -> Path:
+    """fs.save's checks on this rank, before anything is written: the arguments, the state, the target."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ArgumentError(f"fs.save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"fs.save(path, state): path must be a str or a path, not {type(path).__name__}.")
+    state.check_usable()
+    unlocked = {type(s).__name__ for s in _stores(state) if getattr(s, "session_lock", None) is None}
+    if not blocking and unlocked:
+        raise CheckpointError(f"fs.save(..., blocking=False): this state's moments are in a store without a "
+                              f"session_lock ({', '.join(sorted(unlocked))}), which the step's offload would use at "
+                              "the same time; give the store a `session_lock` (a threading.RLock, as CPUStore and "
+                              "NVMeStore have) or save with blocking=True.")
+    path = Path(os.path.abspath(path))
+    check_target(path)
+    return path
+
+
+def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> str:
+    """The save proper, in phases that every rank ends at the same check (fshard/_agreed.py): the ``.partial``
+    made, DCP's write, the files' checksums, rank 0's commit. Any failure removes the ``.partial`` (rank 0), before
+    any rank returns where the ranks can still agree."""
     tmp = path.with_name(path.name + ".partial")
-    prepare(tmp, mesh.rank, group)
-    sd = _entries(state, state.params, state.opt_state, state.buffers, for_load=False, window=_Chunks())
+    call, rank, n = Call(mesh, "fs.save", f"{path} is unchanged"), mesh.rank, mesh.world_size
+    mine = [""]
+    shared = f"Every rank must see the same {tmp}: save to a filesystem that every rank shares."
     try:
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), planner=_SavePlanner(),
-                 process_group=group)
+        call.run(f"making {tmp}", (lambda: mine.__setitem__(0, start(tmp))) if rank == 0 else None)
+        mine[0] = call.run(f"reading {tmp}'s marker", lambda: token(tmp), same=lambda t: t, differ=shared)
+        sd = call.run("building the state dict", lambda: _entries(state, state.params, state.opt_state,
+                                                                  state.buffers, for_load=False, window=_Chunks()))
+        call.run(f"writing {tmp}", lambda: _dcp(call, f"writing {tmp}", f"{path} is unchanged", dcp.save, sd,
+                                                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                                                planner=_SavePlanner()))
+        names = call.run(f"listing {tmp}", lambda: data_files(tmp), same=lambda x: x, differ=shared)
+        sums = call.all_reduce(call.run(f"the checksums of {tmp}", lambda: crc_share(tmp, names, rank, n)),
+                               f"the checksums of {tmp}")
+        call.run(f"the commit of {path}", (lambda: commit(tmp, path, _layout_of(state), names, sums, mine[0],
+                                                           keep_last)) if rank == 0 else None)
+    except BaseException as e:
+        remove = (lambda: discard(tmp, mine[0])) if rank == 0 else None
+        if isinstance(e, Exception) and not isinstance(e, CollectiveError):
+            try:  # every rank knows of the failure: none returns before the .partial is gone
+                call.run(f"removing {tmp}", remove)
+            except Exception:  # noqa: BLE001 - the save's own error is the one to report
+                pass
+        elif remove is not None:
+            remove()  # (Ctrl-C, or the transport broke: no other rank can be waited for)
+        raise
+    return shown  # (the path as given; ``path`` is its absolute form, which every rank compared)
+
+
+def _dcp(call, what: str, intact: str, fn, sd, **kw):
+    """``fn`` (dcp.save or dcp.load) over ``call``'s mesh: without a process group, DCP's single-process mode
+    (DCP would otherwise use the world group: a ``Mesh.local()`` state under torchrun). DCP tells every rank of a
+    failure on one (``CheckpointException``), which becomes a ``CheckpointError``; a transport failure in DCP's own
+    collectives, a ``CollectiveError``."""
+    group = call.mesh.group
+    try:
+        return fn(sd, process_group=group, no_dist=group is None, **kw)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"fs.save: writing {tmp} failed ({_cause(e)}); {path} is unchanged.") from e
-    commit(tmp, path, _layout_of(state), mesh.rank, mesh.world_size, group, keep_last)
-    return str(path)
+        if not isinstance(e, CheckpointException) and _transport(e):
+            raise CollectiveError(explain(call.comm, f"DCP's collectives while {what}", e)) from e
+        raise CheckpointError(f"{call.name}: {what} failed ({_cause(e)}); {intact}.") from e
+
+
+def _transport(e: BaseException) -> bool:
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        w in str(e) for w in ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "timed out")))
 
 
 class SaveHandle:
@@ -196,154 +259,3 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, {'done' if self.done() else 'running'})"
-
-
-def load(path, like: TrainState, *, offload: offload_state | None = None) -> TrainState:
-    """Collective: a new TrainState shaped like ``like`` (its model, units, world size, optimizer and transforms)
-    holding the values saved at ``path``, by fs.save at any world size or by FSDP2 + DCP (``model`` and
-    ``get_optimizer_state_dict`` entries). ``like``'s own values are not read or changed. Parameters the checkpoint
-    lacks are an error; optimizer state it lacks (parameters never updated) starts at zero, as in torch.
-
-    The moments go where ``like`` keeps them: in memory, or in its store, streamed into it one chunk item at a time
-    (so a state whose moments only fit in a store loads); so do the parameters (``offload_state(params=True)``).
-    ``offload=``: the ``fs.offload_state`` the step is composed with, to place them as that step would (its stores,
-    fractions, chunk size and ``params``) rather than as ``like`` has them, e.g. when ``like`` is fresh from
-    ``fs.init``."""
-    if not isinstance(like, TrainState):
-        raise ArgumentError(f"fs.load(path, like): like must be an fs.TrainState (from fs.init), not "
-                            f"{type(like).__name__}.")
-    if offload is not None and not isinstance(offload, offload_state):
-        raise ArgumentTypeError(f"fs.load(..., offload=): pass the fs.offload_state(...) the step is composed with, "
-                                f"not {type(offload).__name__}.")
-    mesh, spec = like.spec.mesh, like.spec
-    mesh.check_alive()
-    path = Path(path)
-    if (path / MANIFEST).exists() or not (path / ".metadata").is_file():
-        verify(path, mesh)  # an fshard checkpoint (or nothing): check every file first
-    reader = _StreamingReader(str(path), {}, _Chunks())
-    saved = reader.read_metadata().state_dict_metadata
-    dev = mesh.device
-    opt_state = _new_moments(like, offload, reader.targets)
-    params = _new_params(like, offload, reader.targets)
-    buffers = {n: torch.empty(b.shape, dtype=b.dtype, device=dev) if b.is_meta else b.detach().clone()
-               for n, b in like.buffers.items()}  # (an abstract like's meta buffers: the checkpoint must hold them)
-    full = _entries(like, params, opt_state, buffers, for_load=True, window=reader.window)
-    want = {}
-    for key, v in full["model"].items():
-        fqn = f"model.{key}"
-        if fqn not in saved:
-            if isinstance(v, _Boxes):
-                raise CheckpointError(f"fs.load: {path} has no parameter {key!r} (model.{key}): it was saved from "
-                                      "another model, or is not a model checkpoint.")
-            continue  # a persistent buffer the checkpoint lacks keeps like's value
-        _check_shape(path, fqn, saved[fqn], v)
-        want[fqn] = v
-    for name, entry in full["optim"]["state"].items():
-        for k, v in entry.items():
-            fqn = f"optim.state.{name}.{k}"
-            if fqn in saved:
-                _check_shape(path, fqn, saved[fqn], v)
-                want[fqn] = v
-    for key in ("step", "skipped"):
-        if f"fshard.{key}" in saved:
-            want[f"fshard.{key}"] = full["fshard"][key].clone()
-    for n, b in full["fshard"]["buffers"].items():
-        if f"fshard.buffers.{n}" in saved:
-            want[f"fshard.buffers.{n}"] = b
-    filled = {id(v) for v in want.values()}
-    unset = [n for n, b in like.buffers.items() if b.is_meta and id(buffers[n]) not in filled]
-    if unset:
-        raise CheckpointError(f"fs.load: {path} has no value for the buffer(s) {', '.join(unset)}, and like is "
-                              "abstract (fs.init(..., abstract=True)), so there is no initial value to keep either. "
-                              "Make like with fs.init without abstract=True.")
-    ts_keys = [k for k in saved if k.startswith("fshard.transform_state.")]
-    for k in ts_keys:
-        want[k] = None
-    try:
-        dcp.load(want, storage_reader=reader, planner=_LoadPlanner(), process_group=mesh.group)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"fs.load: reading {path} failed ({_cause(e)}).") from e
-    for u in spec.units:  # torch's per-parameter step, back to fshard's counts
-        for k, s in enumerate(u.trainable):
-            step = want.get(f"optim.state.{s.name}.step")
-            if step is not None and u.name in opt_state:
-                opt_state[u.name].count[k] = int(step)
-    transform_state = {k.removeprefix("fshard.transform_state."): want[k] for k in ts_keys}
-    return TrainState(params=params, opt_state=opt_state, step=want.get("fshard.step", like.step.clone()),
-                      buffers=buffers, spec=spec, skipped=want.get("fshard.skipped", like.skipped.clone()),
-                      transform_state=transform_state or dict(like.transform_state), copies={})
-
-
-def _new_params(like: TrainState, offload, targets: dict) -> dict:
-    """Zeroed parameter shards to load into: in memory, or new items in their unit's store where the step keeps its
-    parameters there (``offload_state(params=True)``: its placement; without ``offload``, where ``like`` has them),
-    filled chunk by chunk as stored moments are (``targets``: rows of one), so a model whose parameters fit only in
-    a store loads. The head is chunked as the unit's moments, the tail (frozen parameters) apart, as
-    fshard/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (fshard/_checkpoint.py's
-    ``_param_items``)."""
-    spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
-    if offload is not None:
-        where = choose_stores(spec, like.opt_state, offload.stores, offload.fractions) if offload.params else {}
-    else:
-        where = {n: (p.head or p.tail).store for n, p in like.params.items() if isinstance(p, StoredParam)}
-    n_units, tag, out = len(spec.units), uuid.uuid4().hex[:8], {}
-    for i, u in enumerate(spec.units):
-        store = where.get(u.name)
-        if store is None:
-            out[u.name] = torch.zeros(u.shard_numel, dtype=u.dtype, device=dev)
-            continue
-        head_n = u.opt_numel(rank)
-        old = like.params[u.name] if offload is None else None  # (like's own chunks, matching its moments')
-        parts = []
-        for suffix, n, order, mine in (("param", head_n, n_units + i, old and old.head),
-                                       ("tail", u.shard_numel - head_n, 2 * n_units + i, old and old.tail)):
-            if n <= 0:
-                parts.append(None)
-                continue
-            chunks = mine.chunks if mine is not None else _chunks(n, offload.chunk_numel if offload else n)
-            parts.append(_target(targets, order, _Items(store, f"{u.name}@load-{tag}/{suffix}", chunks,
-                                                        rows=("param",)), u.dtype))
-        out[u.name] = StoredParam(parts[0], parts[1], u.shard_numel, head_n, u.dtype, _location(store))
-    return out
-
-
-def _new_moments(like: TrainState, offload, targets: dict) -> dict:
-    """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
-    fill, in order: ``_target``)."""
-    spec, rank = like.spec, like.spec.mesh.rank
-    chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
-    tag = uuid.uuid4().hex[:8]
-    out = {}
-    for order, u in enumerate(spec.units):
-        st = like.opt_state.get(u.name)
-        if st is None:
-            continue
-        n, count = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64)
-        if offload is not None:
-            where = (chosen[u.name], _chunks(n, offload.chunk_numel)) if u.name in chosen else None
-        else:
-            where = (st.exp_avg.items.store, st.exp_avg.items.chunks) if isinstance(st.exp_avg, Stored) else None
-        if where is None:
-            out[u.name] = AdamWState(count, torch.zeros(n, dtype=u.dtype, device=spec.mesh.device),
-                                     torch.zeros(n, dtype=u.dtype, device=spec.mesh.device))
-            continue
-        items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1]), u.dtype)
-        out[u.name] = _stored_state(items, count, n, u.dtype, _location(where[0]))
-    return out
-
-
-def _target(targets: dict, order: int, items, dtype) -> "_Items":
-    """Register each chunk item of ``items`` (new keys in a store) for the streaming reader to fill, as
-    ``targets[(order, chunk)] = (items, numel, dtype, rows)``; return ``items``."""
-    for c, (lo, hi) in enumerate(items.chunks):
-        targets[(order, c)] = (items, hi - lo, dtype, len(items.rows))
-    return items
-
-
-def _check_shape(path: Path, fqn: str, md, v) -> None:
-    shape = v.shape if isinstance(v, (_Boxes, torch.Tensor)) else None
-    got = getattr(md, "size", None)
-    if shape is not None and got is not None and tuple(got) != tuple(shape):
-        raise CheckpointError(f"fs.load: {fqn} in {path} has shape {tuple(got)}, but the model's is {tuple(shape)}. "
-                              "The checkpoint is of another model configuration.")
-

@@ -255,9 +255,10 @@ class Comm:
         self._note("gather_to_first", tag, shard)
         if self.mesh.group is None:
             out.copy_(shard)
-        elif not self.dry:
+        elif not self.dry:  # (waited for as every collective: interruptible, a transport error named)
             pieces = list(out.split(shard.numel())) if self.mesh.rank == 0 else None
-            dist.gather(shard, gather_list=pieces, group_dst=0, group=self.mesh.group)
+            wait_works([dist.gather(shard, gather_list=pieces, group_dst=0, group=self.mesh.group, async_op=True)],
+                       self, lambda: f"its gather of {tag!r} to rank 0")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- this rank's slice of the sum over ranks of full``; wait on the returned flight."""

@@ -24,7 +24,9 @@ from torch.futures import Future
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint._traverse import set_element
 
+from ._ckpt_read import load_bytes
 from .store._protocol import locked
 
 
@@ -165,6 +167,14 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        # DCP's own reads a byte entry with torch.load(weights_only=False), which runs what it names
+        fqn, v = read_item.dest_index.fqn, load_bytes(value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], v)
+        else:
+            self.state_dict[fqn] = v
+
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         boxes = {k: v for k, v in state_dict.items() if isinstance(v, _Boxes)}
         super().set_up_planner(state_dict, metadata, is_coordinator)  # (its _init_state_dict sets unknown types None)
@@ -186,11 +196,18 @@ class _StreamingReader(FileSystemReader):
     """DCP's file reader, asked for one target chunk of stored moments (or parameters) at a time (``targets``: (order,
     chunk index) -> (items, numel, dtype, rows), in the order to fill them): everything else first, then each
     chunk's reads into one zeroed buffer (what the checkpoint lacks stays zero, as a fresh moment), put into its
-    store and waited for."""
+    store and waited for. ``metadata``: the checkpoint's, as fshard read it (fshard/_ckpt_read.py: unpickled
+    without running anything), which DCP gets instead of unpickling ``.metadata`` itself."""
 
-    def __init__(self, path: str, targets: dict, window: _Chunks):
+    def __init__(self, path: str, targets: dict, window: _Chunks, metadata):
         super().__init__(path)
-        self.targets, self.window = targets, window
+        self.targets, self.window, self.metadata = targets, window, metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:  # (DCP's per-rank fallback: fshard and FSDP2 write one global file)
+            raise FileNotFoundError("rank-local metadata is not read")
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
     def read_data(self, plan, planner):
         by_chunk: dict = {}

@@ -146,14 +146,18 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Collective: every parameter at full size, keys and order as in ``model.named_parameters()``."""
     if not isinstance(state, TrainState):
         raise ArgumentTypeError(f"fs.full_params(state): state must be an fs.TrainState, got {type(state).__name__}.")
-    state.check_usable()
     spec = state.spec
     spec.mesh.check_alive()
     comm, out = Comm(spec.mesh, verify=True, context="fs.full_params"), {}
-    for u in spec.units:
-        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
-        comm.all_gather(flat, resident(state.params[u.name]).to(flat.device), u.name)
-        out.update(views(flat, u))
+    try:  # each gather is checked first: a rank that fails (an abstract or donated state, a store that cannot be
+        state.check_usable()  # read) tells the others at their next check, where every rank raises
+        for u in spec.units:
+            flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device)
+            comm.all_gather(flat, resident(state.params[u.name]).to(flat.device), u.name)
+            out.update(views(flat, u))
+    except Exception as e:
+        comm.fail(e)
+        raise
     return {n: out[n] for n in spec.param_names}
 
 

@@ -42,20 +42,18 @@ def full_state_dict(state: TrainState, *, rank0_only: bool = False) -> dict[str,
     if not isinstance(state, TrainState):
         raise ArgumentError(f"fs.full_state_dict(state): state must be the fs.TrainState that fs.init or a step "
                             f"returned, not {type(state).__name__}.")
-    state.check_usable()
     spec = state.spec
     spec.mesh.check_alive()
     template = spec.template
     param_of = {id(p): n for n, p in template.named_parameters()}  # first (canonical) names, as in the layouts
     buffer_of = {id(b): n for n, b in template.named_buffers()}
-    entries = template.state_dict(keep_vars=True)
-    for key, t in entries.items():  # checked on every rank before any collective
-        if isinstance(t, torch.Tensor) and id(t) not in param_of and id(t) not in buffer_of:
-            raise ArgumentError(f"fs.full_state_dict: the model's state_dict entry {key!r} is neither a parameter "
-                                "nor a buffer of the model (a state_dict hook or _save_to_state_dict made it), so "
-                                "fshard has no value for it. Build the dict from fs.full_params(state) and "
-                                "state.buffers instead.")
-    params = _gather(state, rank0_only)
+    comm = Comm(spec.mesh, verify=True, context="fs.full_state_dict")
+    try:  # a rank that fails here tells the others at their first check, where every rank raises
+        entries = _entries(state, template, param_of, buffer_of)
+    except Exception as e:
+        comm.fail(e)
+        raise
+    params = _gather(state, rank0_only, comm)
     if rank0_only and spec.mesh.rank != 0:
         return {}
     buffers = {n: b.detach().clone() for n, b in state.buffers.items()}
@@ -70,19 +68,37 @@ def full_state_dict(state: TrainState, *, rank0_only: bool = False) -> dict[str,
     return out
 
 
-def _gather(state: TrainState, rank0_only: bool) -> dict[str, torch.Tensor]:
+def _entries(state: TrainState, template, param_of: dict, buffer_of: dict) -> dict:
+    """The template's state_dict entries, once the state is usable and each tensor entry is a parameter or a buffer
+    (checked on every rank before any collective)."""
+    state.check_usable()
+    entries = template.state_dict(keep_vars=True)
+    for key, t in entries.items():
+        if isinstance(t, torch.Tensor) and id(t) not in param_of and id(t) not in buffer_of:
+            raise ArgumentError(f"fs.full_state_dict: the model's state_dict entry {key!r} is neither a parameter "
+                                "nor a buffer of the model (a state_dict hook or _save_to_state_dict made it), so "
+                                "fshard has no value for it. Build the dict from fs.full_params(state) and "
+                                "state.buffers instead.")
+    return entries
+
+
+def _gather(state: TrainState, rank0_only: bool, comm) -> dict[str, torch.Tensor]:
     """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time (with
-    ``rank0_only``, on rank 0 only: the others return {})."""
-    spec = state.spec
-    comm, out = Comm(spec.mesh, verify=True, context="fs.full_state_dict"), {}
+    ``rank0_only``, on rank 0 only: the others return {}). Each gather is checked first (``comm`` verifies); a rank
+    that fails between them tells the others at their next check."""
+    spec, out = state.spec, {}
     receives = not rank0_only or spec.mesh.rank == 0
-    for u in spec.units:
-        flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None
-        if rank0_only:
-            comm.gather_to_first(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
-        else:
-            comm.all_gather(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
-        if receives:
-            out.update((n, v.clone()) for n, v in views(flat, u).items())
-        del flat
+    try:
+        for u in spec.units:
+            flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None
+            if rank0_only:
+                comm.gather_to_first(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
+            else:
+                comm.all_gather(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
+            if receives:
+                out.update((n, v.clone()) for n, v in views(flat, u).items())
+            del flat
+    except Exception as e:
+        comm.fail(e)
+        raise
     return out

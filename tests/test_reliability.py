@@ -38,6 +38,14 @@ message (the fix it names), run under a timeout. Cases so far:
 - The store sweep never truncates a file with another name (a hard link into a dead store's directory keeps the
   linked file's bytes), leaves a dead store's directory that holds a directory untouched, keeps a directory whose
   record has no start time (0: its owner could not read it) (issue #37).
+- Checkpoints (issue #37): ``fs.save`` to a path that exists and is not an fshard checkpoint (a run directory, a
+  file, a ``.partial`` or ``.old`` not fshard's) is a ``CheckpointError`` naming the path and the fix, every file
+  left as it was; ``keep_last`` keeps the checkpoint just written and rotates only its own series (``step5b`` and a
+  user's ``step7`` stay), ``fs.latest`` is the one committed last; a crafted ``.metadata`` (no manifest, a
+  recomputed CRC, an empty file list, an FSDP2-style checkpoint) or byte entry is a ``CheckpointError`` and runs
+  nothing (a marker file stays absent); a full disk (data or manifest) removes the ``.partial`` and the previous
+  checkpoint loads; a newer format, a manifest whose world size or shapes contradict the metadata, and
+  ``fs.load(None)`` are refused by name; differing hyperparameters are a warning naming each, like's kept.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -854,3 +862,180 @@ def test_the_sweep_keeps_a_hard_linked_files_bytes_and_a_record_without_a_start_
     assert user.read_bytes() == b"precious" * 512 and os.stat(user).st_nlink == 1
     err = capsys.readouterr().err
     assert "removed 1 store directory of dead processes" in err and "1.0 MiB freed" in err, err
+
+
+# --- checkpoints: nothing deleted that fshard did not write, nothing run that a checkpoint holds (issue #37) -------
+
+def _ckpt_state(step: int = 0, **kw):
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw(**kw))
+    return state.replace(step=torch.tensor(step))
+
+
+def _same(a, b) -> bool:
+    return int(a.step) == int(b.step) and all(torch.equal(x, y) for x, y in zip(a.params.values(),
+                                                                                 b.params.values()))
+
+
+def _tree(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_save_refuses_a_path_that_is_not_an_fshard_checkpoint_and_deletes_nothing(tmp_path):
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "notes.txt").write_text("mine")
+    (run / "logs" / "train.log").write_text("loss 3.2")
+    before = _tree(tmp_path)
+    state = _ckpt_state(3)
+    with pytest.raises(fs.CheckpointError, match=r"run exists and is not an fshard checkpoint \(a directory holding "
+                                                 r"logs, notes.txt\).*nothing was written or deleted.*new path"):
+        fs.save(run, state)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(fs.CheckpointError, match=r"file exists and is not an fshard checkpoint \(a file\)"):
+        fs.save(tmp_path / "file", state)
+    (tmp_path / "c.partial").mkdir()  # a user's directory that only looks like a save's
+    (tmp_path / "c.partial" / "data.bin").write_bytes(b"1234")
+    with pytest.raises(fs.CheckpointError, match=r"c.partial exists and was not made by fs.save"):
+        fs.save(tmp_path / "c", state)
+    (tmp_path / "d.old").mkdir()
+    (tmp_path / "d.old" / "keep.txt").write_text("keep")
+    with pytest.raises(fs.CheckpointError, match=r"d.old exists and is not an fshard checkpoint"):
+        fs.save(tmp_path / "d", state)
+    assert _tree(tmp_path) == {**before, "file": b"x", "c.partial/data.bin": b"1234", "d.old/keep.txt": b"keep"}
+    (tmp_path / "empty").mkdir()  # what is fshard's, or nothing, is replaced
+    fs.save(tmp_path / "empty", state)
+    fs.save(tmp_path / "empty", _ckpt_state(4))
+    assert int(fs.load(tmp_path / "empty", like=state).step) == 4
+
+
+def test_keep_last_keeps_the_checkpoint_just_written_and_only_rotates_its_series(tmp_path):
+    run = tmp_path / "run"
+    fs.save(run / "step5", _ckpt_state(5))  # an earlier run's
+    fs.save(run / "step5b", _ckpt_state(5))  # another series
+    (run / "step7").mkdir()  # the user's, named like a checkpoint
+    (run / "step7" / "notes.txt").write_text("mine")
+    assert fs.save(run / "step1", _ckpt_state(1), keep_last=2) == str(run / "step1")
+    assert sorted(p.name for p in run.iterdir()) == ["step1", "step5", "step5b", "step7"]
+    assert fs.latest(run) == str(run / "step1")  # the one committed last, not the highest step
+    fs.save(run / "step2", _ckpt_state(2), keep_last=2)
+    assert sorted(p.name for p in run.iterdir()) == ["step1", "step2", "step5b", "step7"]
+    fs.save(run / "step3", _ckpt_state(3), keep_last=1)
+    assert sorted(p.name for p in run.iterdir()) == ["step3", "step5b", "step7"]
+    assert int(fs.load(fs.latest(run), like=_ckpt_state()).step) == 3
+    assert int(fs.load(run / "step5b", like=_ckpt_state()).step) == 5
+    assert (run / "step7" / "notes.txt").read_text() == "mine"
+
+
+class _Runs:
+    """Unpickled, opens ``path`` for writing: a marker that code in a checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _crafted(ckpt, marker, variant: str) -> None:
+    import json
+    import pickle
+    from fshard._ckpt_files import crc
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Runs(marker)))
+    if variant == "no manifest":
+        (ckpt / "fshard.json").unlink(missing_ok=True)
+    elif variant in ("recomputed CRC", "empty file list"):
+        m = json.loads((ckpt / "fshard.json").read_text())
+        m["files"] = {**m["files"], ".metadata": crc(ckpt / ".metadata")} if variant == "recomputed CRC" else {}
+        (ckpt / "fshard.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("variant", ["no manifest", "recomputed CRC", "empty file list", "FSDP2-style"])
+def test_loading_a_crafted_metadata_file_runs_nothing(tmp_path, variant):
+    import torch.distributed.checkpoint as dcp
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    state = _ckpt_state(2)
+    if variant == "FSDP2-style":  # a plain DCP checkpoint in FSDP2's layout: no fshard.json
+        model = Awkward()
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+        assert int(fs.load(ckpt, like=state).step) == 2  # (it loads, before it is crafted: like's step)
+    else:
+        fs.save(ckpt, state)
+    _crafted(ckpt, marker, variant)
+    with pytest.raises(fs.CheckpointError, match=r"\.metadata is not a DCP metadata file .*open.*nothing in it "
+                                                 r"was run"):
+        fs.load(ckpt, like=state)
+    assert not marker.exists()
+
+
+def test_a_crafted_byte_entry_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    state = _ckpt_state(1)
+    fs.save(tmp_path / "c", state.replace(transform_state={"evil": _Runs(marker)}))
+    assert not marker.exists()  # (pickling it ran nothing either)
+    with pytest.raises(fs.CheckpointError, match=r"names a class that loading does not run.*add_safe_globals"):
+        fs.load(tmp_path / "c", like=state)
+    assert not marker.exists()
+
+
+def test_a_full_disk_removes_the_partial_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fsys
+
+    import fshard._ckpt_files as ck
+    fs.save(tmp_path / "a", _ckpt_state(1))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for where, target, name in (("data", fsys, "_write_item"), ("manifest", ck, "_write_json")):
+        with monkeypatch.context() as mp:
+            real = getattr(target, name)
+            mp.setattr(target, name, full if where == "data" else
+                       (lambda p, obj: full() if p.name == "fshard.json" else real(p, obj)))
+            with pytest.raises(fs.CheckpointError, match="No space left on device"):
+                fs.save(tmp_path / "a", _ckpt_state(7))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a"], where  # no a.partial left
+        assert int(fs.load(tmp_path / "a", like=_ckpt_state()).step) == 1, where
+
+
+def _edit_manifest(ckpt, **changes):
+    import json
+    m = json.loads((ckpt / "fshard.json").read_text())
+    (ckpt / "fshard.json").write_text(json.dumps({**m, **changes}))
+
+
+def test_a_newer_format_or_an_edited_manifest_is_refused(tmp_path):
+    state = _ckpt_state(1)
+    fs.save(tmp_path / "c", state)
+    _edit_manifest(tmp_path / "c", format=99)
+    with pytest.raises(fs.CheckpointError, match=r"checkpoint format 99, newer than this fshard reads \(format 1 "
+                                                 r"and older\); upgrade fshard"):
+        fs.load(tmp_path / "c", like=state)
+    _edit_manifest(tmp_path / "c", format=1, world_size=7)
+    with pytest.raises(fs.CheckpointError, match=r"says world_size 7, but the checkpoint holds the files of ranks "
+                                                 r"\[0\].*edited or damaged"):
+        fs.load(tmp_path / "c", like=state)
+    _edit_manifest(tmp_path / "c", world_size=1, params={"up.weight": [5, 8]})
+    with pytest.raises(fs.CheckpointError, match=r"gives up.weight the shape \(5, 8\), the metadata \(37, 8\)"):
+        fs.load(tmp_path / "c", like=state)
+    with pytest.raises(fs.CheckpointError, match=r"fs.load\(None, like\).*fs.latest\(directory\) returns None"):
+        fs.load(fs.latest(tmp_path / "nothing"), like=state)
+    (tmp_path / "c" / "fshard.json").unlink()  # without a manifest (as FSDP2's), a missing data file is named too
+    (tmp_path / "c" / "__0_0.distcp").unlink()
+    with pytest.raises(fs.CheckpointError, match=r"'__0_0.distcp', which is not a file in the checkpoint"):
+        fs.load(tmp_path / "c", like=state)
+
+
+def test_load_keeps_likes_hyperparameters_and_warns_naming_each_that_differs(tmp_path):
+    import warnings
+    fs.save(tmp_path / "c", _ckpt_state(3, lr=1e-3, weight_decay=0.1))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fs.load(tmp_path / "c", like=_ckpt_state(0, lr=1e-3, weight_decay=0.1))
+    assert not [w for w in seen if "hyperparameters" in str(w.message)]  # the same ones: no warning
+    with pytest.warns(UserWarning, match=r"hyperparameters differ: lr 0.001 in the checkpoint, 0.01 in like "
+                                         r"\(\d+ parameters, e.g. .*\); weight_decay 0.1 in the checkpoint, 0.0 in "
+                                         r"like.*training continues with like's optimizer"):
+        loaded = fs.load(tmp_path / "c", like=_ckpt_state(0, lr=1e-2, weight_decay=0.0))
+    assert loaded.spec.optimizer.lr == 1e-2 and int(loaded.step) == 3

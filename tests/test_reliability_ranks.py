@@ -35,6 +35,23 @@ Sections:
 - one error family on every rank (issue #38): one rank's loss_fn raises a ValueError once; every rank catches
   ``fs.FshardError`` (the failing rank a ``StepError`` whose ``__cause__`` is the ValueError), retries, and ends
   bitwise where a run without the failure ends.
+
+Checkpoints (issue #37), world size 2, each within seconds, the user's files, the checkpoints and the state intact:
+
+| row | what rank 1 (or every rank) does | rank 1 gets | rank 0 gets |
+|---|---|---|---|
+| load_missing | loads a path that does not exist | CheckpointError "not a complete fshard checkpoint" | RankFailedError naming it |
+| load_paths | loads another (valid) checkpoint than rank 0 | RankDivergenceError naming both paths | the same |
+| load_shape | loads into a like of another shape | CheckpointError naming the entry | RankFailedError naming it |
+| load_damaged | (every rank) loads a checkpoint with a flipped byte | CheckpointError naming the file | the same |
+| save_refused | saves to a directory of the user's | CheckpointError "not an fshard checkpoint" | RankFailedError |
+| save_paths | saves to another path than rank 0 | RankDivergenceError naming both | the same |
+| save_fails | raises while building its state dict | its ValueError | RankFailedError; .partial removed |
+| save_disk | a full disk while DCP writes its file | CheckpointError "No space left on device on rank 1" | the same |
+| full_params, full_state_dict | passes an abstract state | AbstractStateError | RankFailedError naming it |
+| latest | fs.latest(dir, mesh=mesh) | the checkpoint committed last | the same |
+| local | saves and loads a Mesh.local() state under torchrun | a complete checkpoint of its own, bitwise | the same |
+| Ctrl-C | SIGINT while summing its files in the commit | KeyboardInterrupt | CollectiveError naming fs.save; .partial removed |
 """
 from __future__ import annotations
 
@@ -430,3 +447,164 @@ def test_keyboard_interrupt_and_system_exit_are_raised_as_they_are():
     assert "The other ranks" not in str(e.value)
     state2, _ = fs.compose(awkward_loss)(state, batch)  # the state is still usable
     assert int(state2.step) == 1
+
+
+# --- checkpoints: a failure on one rank is an error on every rank, at once (issue #37) ------------------------------
+
+def _ckpt_rows(d):
+    import errno
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fsys
+
+    import fshard as fs
+    import fshard._checkpoint as ckm
+    from models import Awkward
+    mesh = fs.Mesh.from_env()
+    rank, out = mesh.rank, {}
+    run, mine = os.path.join(d, "run"), os.path.join(d, "mine")
+    if rank == 0:
+        os.makedirs(mine)
+        with open(os.path.join(mine, "notes.txt"), "w") as f:
+            f.write("mine")
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())  # (a collective: rank 0's files exist after it)
+    fs.save(os.path.join(run, "step0"), state)
+    fs.save(os.path.join(run, "other0"), state.replace(step=torch.tensor(9)))
+    snap = _snapshot(state)
+
+    def row(name, fn):
+        out[name] = _outcome(fn)
+        out[name + ":kept"] = (sorted(os.listdir(run)) == ["other0", "step0"] and os.listdir(mine) == ["notes.txt"]
+                               and _intact(state, snap))
+
+    row("load_missing", lambda: fs.load(os.path.join(run, "step0" if rank == 0 else "nope"), like=state))
+    row("load_paths", lambda: fs.load(os.path.join(run, "step0" if rank == 0 else "other0"), like=state))
+    smaller = Awkward()
+    smaller.up = nn.Linear(8, 5, bias=False)
+    smaller = fs.init(smaller, mesh, fs.adamw())
+    row("load_shape", lambda: fs.load(os.path.join(run, "step0"), like=state if rank == 0 else smaller))
+    row("save_refused", lambda: fs.save(mine if rank == 1 else os.path.join(run, "step1"), state))
+    row("save_paths", lambda: fs.save(os.path.join(run, f"step1-{rank}"), state))
+    real_entries = ckm._entries
+    if rank == 1:
+        ckm._entries = lambda *a, **k: _raise(ValueError("injected on this rank"))
+    row("save_fails", lambda: fs.save(os.path.join(run, "step0"), state.replace(step=torch.tensor(5))))
+    ckm._entries = real_entries
+    real_write = fsys._write_item
+    if rank == 1:
+        fsys._write_item = lambda *a, **k: _raise(OSError(errno.ENOSPC, "No space left on device"))
+    row("save_disk", lambda: fs.save(os.path.join(run, "step0"), state.replace(step=torch.tensor(5))))
+    fsys._write_item = real_write
+    torch.manual_seed(0)
+    abstract = fs.init(Awkward(), mesh, fs.adamw(), abstract=True)
+    row("full_params", lambda: fs.full_params(state if rank == 0 else abstract))
+    row("full_state_dict", lambda: fs.full_state_dict(state if rank == 0 else abstract))
+    out["latest"] = fs.latest(run, mesh=mesh)
+    out["step0"] = int(fs.load(os.path.join(run, "step0"), like=state).step)  # after the failed saves
+    dist.barrier()
+    if rank == 0:  # a damaged file: every rank names it alike
+        data = os.path.join(run, "step0", "__1_0.distcp")
+        raw = bytearray(open(data, "rb").read())
+        raw[len(raw) // 2] ^= 0xFF
+        open(data, "wb").write(bytes(raw))
+    dist.barrier()
+    out["load_damaged"] = _outcome(lambda: fs.load(os.path.join(run, "step0"), like=state))
+    out["other0"] = int(fs.load(os.path.join(run, "other0"), like=state).step)  # the group still works
+
+    local = fs.init(Awkward(), fs.Mesh.local(), fs.adamw()).replace(step=torch.tensor(rank + 1))
+    mine_dir = os.path.join(d, f"local{rank}")  # a Mesh.local() state under torchrun: a checkpoint of its own
+    fs.save(mine_dir, local)
+    back = fs.load(mine_dir, like=local)
+    out["local"] = (sorted(os.listdir(mine_dir)) == [".metadata", "__0_0.distcp", "fshard.json"]
+                    and int(back.step) == rank + 1
+                    and all(torch.equal(a, b) for a, b in zip(back.params.values(), local.params.values())))
+    return out
+
+
+def test_checkpoint_calls_fail_on_every_rank_at_once_and_keep_the_data():
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        outcome = spawn(_ckpt_rows, 2, d, timeout_s=240, collective_timeout_s=TIMEOUT_S)
+    assert all(s == "ok" for s, _ in outcome.values()), outcome
+    rows = [outcome[r][1] for r in range(2)]
+    for r, row in enumerate(rows):
+        for case, v in row.items():
+            if case.endswith(":kept"):
+                assert v, (r, case, "the user's files, the checkpoints or the state changed")
+            elif isinstance(v, tuple):
+                assert v[2] < TIMEOUT_S, (r, case, v)  # an fshard error at a check, never a transport timeout
+        kind, text = row["load_missing"][:2]
+        if r == 1:
+            assert kind == "CheckpointError" and "nope is not a complete fshard checkpoint" in text, text
+        else:
+            assert kind == "RankFailedError" and "rank 1 failed at its start: CheckpointError" in text, text
+            assert "Nothing was loaded, and like is unchanged" in text, text
+        kind, text = row["load_paths"][:2]
+        assert kind == "RankDivergenceError" and "step0" in text and "other0" in text, text
+        assert "Every rank must load the same checkpoint" in text, text
+        kind, text = row["load_shape"][:2]
+        assert kind == ("CheckpointError" if r == 1 else "RankFailedError"), (kind, text)
+        assert "model.up.weight" in text and "(37, 8)" in text, text
+        kind, text = row["save_refused"][:2]
+        if r == 1:
+            assert kind == "CheckpointError" and "mine exists and is not an fshard checkpoint" in text, text
+        else:
+            assert kind == "RankFailedError" and "rank 1 failed at its arguments: CheckpointError" in text, text
+        kind, text = row["save_paths"][:2]
+        assert kind == "RankDivergenceError" and "step1-0" in text and "step1-1" in text, text
+        assert "Every rank must pass the same path" in text, text
+        kind, text = row["save_fails"][:2]
+        if r == 1:
+            assert kind == "ValueError" and "injected on this rank" in text, text
+        else:
+            assert kind == "RankFailedError" and "ValueError: injected on this rank" in text, text
+            assert "step0 is unchanged" in text, text
+        kind, text = row["save_disk"][:2]
+        assert kind == "CheckpointError" and "No space left on device on rank 1" in text, text
+        assert "step0 is unchanged" in text, text
+        for case in ("full_params", "full_state_dict"):
+            kind, text = row[case][:2]
+            if r == 1:
+                assert kind == "AbstractStateError", (case, kind, text)
+            else:
+                assert kind == "RankFailedError" and f"rank 1 failed in fs.{case}: AbstractStateError" in text, text
+        assert row["latest"].endswith("other0")  # the one committed last
+        kind, text = row["load_damaged"][:2]
+        assert kind == "CheckpointError" and "__1_0.distcp: corrupted (CRC-32 mismatch)" in text, text
+        assert row["step0"] == 0 and row["other0"] == 9 and row["local"], row
+
+
+def _ctrl_c_in_save(d):
+    import fshard as fs
+    import fshard._checkpoint as ckm
+    from models import Awkward
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    fs.save(os.path.join(d, "a"), state)
+    if mesh.rank == 1:  # Ctrl-C while this rank sums its share of the files, in the commit
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        real = ckm.crc_share
+
+        def interrupted(*a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            return real(*a, **k)
+        ckm.crc_share = interrupted
+    return _outcome(lambda: fs.save(os.path.join(d, "a"), state.replace(step=torch.tensor(1)))) + (
+        sorted(os.listdir(d)),)
+
+
+def test_ctrl_c_on_one_rank_in_a_save_is_an_fshard_error_on_the_other():
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        outcome = spawn(_ctrl_c_in_save, 2, d, timeout_s=120, collective_timeout_s=TIMEOUT_S)
+        assert outcome[1][0] == "error" and "KeyboardInterrupt" in outcome[1][1], outcome[1]
+        status, (kind, text, seconds, left) = outcome[0]
+        assert status == "ok" and kind == "CollectiveError", outcome[0]
+        assert "in fs.save" in text and "checksums" in text and seconds < TIMEOUT_S, (text, seconds)
+        assert left == ["a"], left  # the .partial removed
+        from models import Awkward
+        like = fs.init(Awkward(), fs.Mesh.local(), fs.adamw())
+        assert int(fs.load(os.path.join(d, "a"), like=like).step) == 0  # the previous checkpoint
