@@ -2,11 +2,11 @@
 
 The example's runs aborted at exit ("terminate called without an active exception", SIGABRT) 3 times in 20 under
 load, and scripts that caught an fshard error and called ``destroy_process_group()`` 4 times in 9: after
-``destroy_process_group()`` gloo's process group, its threads and (rank 0) the TCPStore daemon stayed alive, held
-by reference cycles of fshard's objects (a step's ``Comm`` and its ``Flight``s; a failed step's frame and the error
-it raised), until the interpreter's final garbage collection destroyed them during finalization, where a C++
-thread that asks for the GIL is ended by ``pthread_exit`` (a ``std::terminate`` in a destructor on its way)
-(design/ARCHITECTURE.md, "Exit and teardown": the candidates, and why no backtrace was caught).
+``destroy_process_group()`` gloo's process group and its threads stayed alive (held by reference cycles of
+fshard's objects, or by a state kept in a module global) into interpreter finalization, where gloo's worker, letting
+go of a finished all-gather whose tensors the caller had dropped, freed their Python objects: it asked for the GIL,
+was ended by ``pthread_exit``, and that inside the work's destructor is ``std::terminate`` (the backtrace:
+design/ARCHITECTURE.md, "Exit and teardown").
 
 Each run is a pair of ranks forked from one process that imported torch and fshard once (tests/_exit_runs.py): a
 fresh interpreter per rank cost 10-30 s of imports on a loaded 2-core machine, 20 torchrun launches of the example
