@@ -73,7 +73,8 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     mesh.checks[0] += 1
     wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm,
                lambda: f"the check before its {describe(entry)}")
-    released(buf)  # (the check after a failure may be the last collective before the process exits)
+    if mesh.backend == "gloo":  # (the check after a failure may be the last collective before the process exits)
+        released(buf)
     s, q, failed = buf.tolist()
     if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
         return
@@ -108,7 +109,8 @@ def _descriptors(comm, mine: str) -> list[str]:
     out = [torch.empty_like(t) for _ in range(mesh.world_size)]
     wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm,
                lambda: "the exchange of what each rank did")
-    released(t, *out)  # a script that catches the error may exit right after
+    if mesh.backend == "gloo":  # a script that catches the error may exit right after
+        released(t, *out)
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
 
 
@@ -166,7 +168,8 @@ def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
     finalizing, a thread that asks for the GIL is ended (``pthread_exit``), and its unwinding through that
     destructor is ``std::terminate``: "terminate called without an active exception" at exit (issue #38; the
     backtrace in design/ARCHITECTURE.md, "Exit and teardown"). Polls with the GIL released; False after
-    ``timeout_s`` (the tensors still held: left as they are)."""
+    ``timeout_s`` (the tensors still held: left as they are). For gloo only: NCCL's watchdog lets go of works on a
+    period of its own, which a step must not wait for."""
     deadline = time.monotonic() + timeout_s
     while any(t._use_count() > 1 for t in tensors):
         if time.monotonic() > deadline:
