@@ -1,6 +1,6 @@
 """Process pairs that train and exit, for tests/test_exit.py (issue #38).
 
-    python tests/_exit_runs.py MODE RUNS       MODE: example | fails
+    python tests/_exit_runs.py MODE RUNS       MODE: example | fails | kept
 
 Imports torch, fshard and examples/train_gpt.py once, then, RUNS times, forks two ranks (so that a run costs its
 work, not a 10-30 s import on a loaded machine) that rendezvous over gloo on a fresh port, as torchrun's workers
@@ -11,7 +11,10 @@ happened). Each rank:
 - example: ``train_gpt.main`` (the tiny GPT, gather_ahead + bucket_reduce + bf16, ``--export``), then what the
   example's ``__main__`` does: ``dist.barrier()`` and ``dist.destroy_process_group()``;
 - fails: a step whose loss_fn raises on rank 1, caught as ``fs.FshardError`` on both ranks, then
-  ``dist.destroy_process_group()`` at once (no barrier), as a script that gives up would.
+  ``dist.destroy_process_group()`` at once (no barrier), as a script that gives up would;
+- kept: the same, with the state and the step kept alive past the interpreter's exit (as a script's module globals
+  are), so the process group they hold, and gloo's threads, outlive ``destroy_process_group()`` into finalization:
+  the condition under which the abort's backtrace was taken (design/ARCHITECTURE.md, "Exit and teardown").
 
 In the example, after ``destroy_process_group`` a rank checks that no ``fs.Mesh`` is left (no reference cycle of
 fshard's objects holds one, and through it the process group, for a later garbage collection) and that torch's
@@ -61,7 +64,10 @@ def _example(rank: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-def _fails(rank: int, tmp: str) -> None:
+_KEPT: list = []  # kept mode: what a script's module globals would hold until the interpreter's exit
+
+
+def _fails(rank: int, tmp: str, keep: bool = False) -> None:
     torch.manual_seed(0)
     mesh = fs.Mesh.from_env()
     state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]), mesh, fs.adamw())
@@ -77,6 +83,8 @@ def _fails(rank: int, tmp: str) -> None:
             raise AssertionError("the step did not fail")
         except fs.FshardError:
             pass
+    if keep:
+        _KEPT.extend([state, step])
     dist.destroy_process_group()
 
 
@@ -87,7 +95,7 @@ def _rank(mode: str, rank: int, port: int) -> int:
     os.dup2(null, 1)  # the example's output; stderr stays (the test looks for "terminate called" there)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            {"example": _example, "fails": _fails}[mode](rank, tmp)
+            {"example": _example, "fails": _fails, "kept": lambda r, d: _fails(r, d, keep=True)}[mode](rank, tmp)
     except BaseException:  # noqa: BLE001 - reported as exit code 2
         traceback.print_exc()
         return 2
