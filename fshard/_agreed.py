@@ -66,6 +66,7 @@ class Call:
         mesh.checks[0] += 1  # (the same count on every rank: explain() keys its reports by it)
         wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], self.comm,
                    lambda: f"the other ranks at {what}")
+        mesh.hold(buf)  # a script may exit right after a save, a load or their failure (Mesh.hold)
         s, q, failed = buf.tolist()
         if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
             return

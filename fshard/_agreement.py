@@ -38,7 +38,6 @@ _DESC_BYTES = 320  # one rank's descriptor in the all-gather after a failed chec
 _REPORT_S = 3.0  # after a transport error, how long to wait for the other ranks' reports in the store
 _SLICE = timedelta(seconds=1)  # a wait returns to the interpreter this often (Ctrl-C)
 _SLICE_EXPIRED = "Operation timed out!"  # gloo's message when such a slice ends, the work still running
-_RELEASE_S = 2.0  # the longest ``released`` waits for gloo's thread to let go of a finished collective's tensors
 
 
 def small_hash(obj) -> int:
@@ -73,8 +72,7 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     mesh.checks[0] += 1
     wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm,
                lambda: f"the check before its {describe(entry)}")
-    if mesh.backend == "gloo":  # (the check after a failure may be the last collective before the process exits)
-        released(buf)
+    mesh.hold(buf)  # the last check before the process exits may be this one (Mesh.hold)
     s, q, failed = buf.tolist()
     if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
         return
@@ -109,8 +107,7 @@ def _descriptors(comm, mine: str) -> list[str]:
     out = [torch.empty_like(t) for _ in range(mesh.world_size)]
     wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm,
                lambda: "the exchange of what each rank did")
-    if mesh.backend == "gloo":  # a script that catches the error may exit right after
-        released(t, *out)
+    mesh.hold(t, *out)  # a script that catches the error may exit right after (Mesh.hold)
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
 
 
@@ -158,24 +155,6 @@ def wait_works(works: list, comm, what) -> None:
     except (RuntimeError, dist.DistError) as e:
         comm.closed = True
         raise CollectiveError(explain(comm, what(), e)) from e
-
-
-def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
-    """Wait until the caller's reference is the only one left to each of ``tensors`` (created by the caller for one
-    collective whose Work it no longer holds). gloo's worker thread lets go of a finished work, and so of its
-    tensors, a moment after ``wait()`` returns; if the caller dropped its tensors first, their Python objects are
-    freed by that thread, which takes the GIL to do it, inside the work's destructor. Once the interpreter is
-    finalizing, a thread that asks for the GIL is ended (``pthread_exit``), and its unwinding through that
-    destructor is ``std::terminate``: "terminate called without an active exception" at exit (issue #38; the
-    backtrace in design/ARCHITECTURE.md, "Exit and teardown"). Polls with the GIL released; False after
-    ``timeout_s`` (the tensors still held: left as they are). For gloo only: NCCL's watchdog lets go of works on a
-    period of its own, which a step must not wait for."""
-    deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in tensors):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)  # (releases the GIL, which gloo's thread may be waiting for)
-    return True
 
 
 def explain(comm, what: str, error: BaseException) -> str:

@@ -5,7 +5,9 @@ import atexit
 import itertools
 import math
 import os
+import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -17,6 +19,8 @@ from ._errors import ArgumentError, MeshMismatchError
 
 # A dead rank must make the others fail instead of hanging: collectives time out after this many seconds.
 DEFAULT_TIMEOUT_S = 300.0
+_RELEASE_S = 2.0  # at exit, the longest wait for gloo's threads to let go of the last collectives' tensors
+_HELD = 16  # how many of the last small collectives' tensors a mesh keeps (a check, the descriptors of N ranks)
 
 
 def _timeout(value=None) -> float:
@@ -56,6 +60,25 @@ def _close_background(ref) -> None:
         dist.destroy_process_group(group)
 
 
+def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
+    """Wait until the caller's reference is the only one left to each of ``tensors``; False after ``timeout_s``
+    (left as they are). Polls with the GIL released (gloo's thread may be waiting for it)."""
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _release_held(ref) -> None:
+    """At exit (atexit: before finalization, every thread still able to take the GIL): wait, bounded, until gloo's
+    threads have let go of the tensors ``Mesh.hold`` keeps, so that finalization frees them on this thread."""
+    mesh = ref()
+    if mesh is not None:
+        released(*mesh._held)
+
+
 def _idle_priority() -> None:
     """Run the calling thread only when a core would otherwise idle (Linux SCHED_IDLE, per thread): background work
     at nice 5 took a quarter of each core from the step (1.35x its time, benchmarks/RESULTS.md, checkpoints); idle
@@ -79,6 +102,7 @@ class Mesh:
     id: int = field(default_factory=lambda: next(_ids))
     _background: list = field(default_factory=list, repr=False, compare=False)  # see background()
     checks: list = field(default_factory=lambda: [0], repr=False, compare=False)  # checks made (fshard/_agreement.py)
+    _held: deque = field(default_factory=lambda: deque(maxlen=_HELD), repr=False, compare=False)  # see hold()
 
     @classmethod
     def from_env(cls, backend: str | None = None, timeout_s: float | None = None) -> "Mesh":
@@ -119,6 +143,21 @@ class Mesh:
     def local(cls, device: str | torch.device = "cpu") -> "Mesh":
         """One rank, no process group: every collective is a local copy."""
         return cls(0, 1, "local", torch.device(device), None)
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Keep the tensors of a small collective that just finished (a check, the descriptors after a failure)
+        until exit, on gloo. gloo's worker thread lets go of a finished work, and with it of its tensors, a moment
+        after ``wait()`` returns; a tensor whose Python object the caller had dropped is then freed by that thread,
+        which takes the GIL inside the work's destructor. During interpreter finalization a thread that asks for the
+        GIL is ended (``pthread_exit``), and unwinding through that destructor is ``std::terminate``: "terminate
+        called without an active exception" at exit (design/ARCHITECTURE.md, "Exit and teardown", the backtrace).
+        Kept here, the last ones are still ours at exit, where ``_release_held`` waits (bounded) for gloo to let
+        go before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
+        if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
+            return
+        if not self._held:  # the first: the owner waits for them at exit
+            atexit.register(_release_held, weakref.ref(self))
+        self._held.extend(tensors)
 
     def background(self):
         """(process group, one-thread executor) for work that runs collectives beside the step's, such as

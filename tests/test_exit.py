@@ -74,7 +74,7 @@ def test_released_waits_until_no_one_else_holds_the_tensor():
 
     import torch
 
-    from fshard._agreement import released
+    from fshard._mesh import released
     t = torch.zeros(8)
     other = [t.view(-1)]  # a second holder of t's TensorImpl, as a gloo work is
     threading.Timer(0.2, other.clear).start()
