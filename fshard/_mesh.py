@@ -71,12 +71,11 @@ def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
     return True
 
 
-def _release_held(ref) -> None:
-    """At exit (atexit: before finalization, every thread still able to take the GIL): wait, bounded, until gloo's
-    threads have let go of the tensors ``Mesh.hold`` keeps, so that finalization frees them on this thread."""
-    mesh = ref()
-    if mesh is not None:
-        released(*mesh._held)
+def _release_held(held) -> None:
+    """When the mesh dies, or at exit if it lives that long (weakref.finalize: before finalization, every thread still
+    able to take the GIL): wait, bounded, until gloo's threads have let go of the tensors ``Mesh.hold`` kept, so
+    that they are freed on this thread."""
+    released(*held)
 
 
 def _idle_priority() -> None:
@@ -151,12 +150,12 @@ class Mesh:
         which takes the GIL inside the work's destructor. During interpreter finalization a thread that asks for the
         GIL is ended (``pthread_exit``), and unwinding through that destructor is ``std::terminate``: "terminate
         called without an active exception" at exit (design/ARCHITECTURE.md, "Exit and teardown", the backtrace).
-        Kept here, the last ones are still ours at exit, where ``_release_held`` waits (bounded) for gloo to let
-        go before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
+        Kept here, the last ones are still ours when the mesh dies or the process exits, where ``_release_held``
+        waits (bounded) for gloo to let go, before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
         if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
             return
-        if not self._held:  # the first: the owner waits for them at exit
-            atexit.register(_release_held, weakref.ref(self))
+        if not self._held:  # the first: the mesh's finalizer waits for them when it dies or at exit
+            weakref.finalize(self, _release_held, self._held)
         self._held.extend(tensors)
 
     def background(self):
