@@ -472,7 +472,9 @@ def test_import_loads_neither_the_native_ops_nor_the_test_helpers():
 # AttributeError, an iterator ends with StopIteration, and fshard.testing's checkers fail a test with
 # AssertionError, as pytest expects.
 _PROTOCOL_RAISES = {("__init__.py", "AttributeError"), ("_stream.py", "StopIteration"),
-                    ("testing.py", "AssertionError")}
+                    ("testing.py", "AssertionError"),
+                    ("_ckpt_read.py", "UnpicklingError"),  # pickle's protocol; read_metadata makes it a CheckpointError
+                    ("_dcp.py", "FileNotFoundError")}  # DCP's reader protocol: no rank-local metadata, its fallback
 
 
 def test_every_error_fshard_raises_on_purpose_is_an_fshard_error():
