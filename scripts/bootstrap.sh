@@ -35,26 +35,17 @@ if ! "$VPY" -c "import optree, hypothesis, pytest, tqdm, numpy, ninja, xdist, py
   pip_install packaging setuptools wheel click ninja numpy optree hypothesis pytest pytest-xdist pytest-timeout tqdm
 fi
 
-if ! "$VPY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLOTLIB_VERSION')" 2>/dev/null; then
-  echo "[bootstrap] installing matplotlib==$MATPLOTLIB_VERSION"
-  pip_install "matplotlib==$MATPLOTLIB_VERSION"
-fi
-
-# Without the [torch] extra: it would ask for accelerate, and torch is already pinned above.
-if ! "$VPY" -c "import transformers as t, sys; sys.exit(t.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
-  echo "[bootstrap] installing transformers==$TRANSFORMERS_VERSION"
-  pip_install "transformers==$TRANSFORMERS_VERSION"
-fi
-
-if ! "$VPY" -c "import tokenizers as t, sys; sys.exit(t.__version__ != '$TOKENIZERS_VERSION')" 2>/dev/null; then
-  echo "[bootstrap] installing tokenizers==$TOKENIZERS_VERSION"
-  pip_install "tokenizers==$TOKENIZERS_VERSION"
-fi
-
-if ! "$VPY" -c "import tensorboard as t, sys; sys.exit(t.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null; then
-  echo "[bootstrap] installing tensorboard==$TENSORBOARD_VERSION"
-  pip_install "tensorboard==$TENSORBOARD_VERSION"
-fi
+# One pinned package: installed unless the venv already has exactly that version.
+pinned() {  # pinned PACKAGE MODULE VERSION
+  if ! "$VPY" -c "import $2 as m, sys; sys.exit(m.__version__ != '$3')" 2>/dev/null; then
+    echo "[bootstrap] installing $1==$3"
+    pip_install "$1==$3"
+  fi
+}
+pinned matplotlib matplotlib "$MATPLOTLIB_VERSION"
+pinned transformers transformers "$TRANSFORMERS_VERSION"  # without the [torch] extra: it would ask for accelerate
+pinned tokenizers tokenizers "$TOKENIZERS_VERSION"
+pinned tensorboard tensorboard "$TENSORBOARD_VERSION"
 
 have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if ! have_deb liburing-dev || ! have_deb libaio-dev; then
