@@ -19,6 +19,24 @@ and fshard's own timings (``time/update``: the host update with its transfers, a
 
     python benchmarks/offload_cuda.py --json $OUT/offload_cuda.json
     python benchmarks/offload_cuda.py --nvme /tmp/moments --skip-peer
+
+Issue #43 adds three modes, each best run in a process of its own (``--mode all`` runs them so, one after the
+other, and writes one JSON):
+
+* ``--mode floors``: what the machine allows. PCIe: pinned host <-> device copies of 1 GiB, each way (median of
+  5); host DRAM: a 2 GiB tensor copy with all of torch's threads (bytes read + written); and fshard's host AdamW
+  kernel over 256M fp32 parameters (28 bytes a parameter: p, g, m, v read; p, m, v written). The step's floor is
+  the issue's: bf16 gradients down and bf16 parameters up (2 + 2 bytes a parameter over PCIe) plus one fp32 AdamW
+  pass in host DRAM (28 bytes a parameter), each at the measured speed.
+* ``--mode fshard --params``: moments AND master weights in host memory (``offload_state(CPUStore(pin=False),
+  params=True, overlap_backward=True)``): each gather reads its unit's shard into pinned memory and casts it, the
+  gradients go down whole units at a time on a copy stream (fshard/_staging.py) and each unit's host update starts
+  once its gradient is final, during backward.
+* ``--mode fsdp2``: the peer, FSDP2 ``fully_shard`` per block and the root with ``CPUOffloadPolicy()`` (parameters,
+  gradients and the optimizer step on the host: torch's ``AdamW(fused=True)`` on CPU tensors) and
+  ``MixedPrecisionPolicy(bf16, fp32)``, built on meta and initialised on the host.
+
+    python benchmarks/offload_cuda.py --mode all --json $OUT/offload.json
 """
 from __future__ import annotations
 
@@ -90,7 +108,17 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=float, default=64, help="MiB of each moment per store item")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mode", default="fshard", choices=("fshard", "fsdp2", "floors", "all"))
+    ap.add_argument("--params", action="store_true", help="master weights in the store too (params=True)")
+    ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
+    ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
     a = ap.parse_args()
+    if a.mode == "all":
+        return run_all(a)
+    if a.mode == "floors":
+        return floors(a)
+    if a.mode == "fsdp2":
+        return fsdp2(a)
     if not torch.cuda.is_available():
         print("offload_cuda.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -112,8 +140,9 @@ def main() -> int:
     if a.nvme:
         store, frac = fs.NVMeStore(a.nvme), a.nvme_fraction
     else:
-        store, frac = fs.CPUStore(), 1.0
-    offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb)
+        store, frac = fs.CPUStore(pin=a.pin), 1.0
+    offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params,
+                               overlap_backward=True if a.params else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights
     state = fs.init(model, fs.Mesh.local("cuda"), fs.adamw(lr=a.lr, weight_decay=0.1), seed=0, offload=offload)
     torch.cuda.synchronize()
@@ -137,13 +166,157 @@ def main() -> int:
             print(f"[offload_cuda] step {s}: {row['seconds']:.2f} s, loss {row['loss']:.4f}, GPU peak "
                   f"{row['gpu_peak_gib']:.1f} GiB, host RSS {row['rss_gib']:.1f} GiB (peak {row['rss_peak_gib']:.1f}),"
                   f" update {row.get('time/update', 0):.2f} s, io wait {row.get('time/io_wait', 0):.2f} s", flush=True)
+            if a.json:  # after each step: a run cut off by its limit still leaves what it measured
+                Path(a.json).write_text(json.dumps({**out, "steps": rows}, indent=1))
     out["steps"] = rows
+    out["config"] = dict(params=a.params, pin=a.pin, chunk_mb=a.chunk_mb, batch=a.batch, seq=a.seq)
     losses = [r["loss"] for r in rows]
     out["loss_falls"] = losses[-1] < losses[0]
     print(f"[offload_cuda] losses {' '.join(f'{x:.4f}' for x in losses)}: "
           f"{'falling' if out['loss_falls'] else 'NOT falling'}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _cfg(a):
+    return GPTConfig(vocab=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, seq=a.seq)
+
+
+def _bw(fn, nbytes: int, rounds: int = 5) -> float:
+    """Median GB/s of ``fn()`` moving ``nbytes`` (CUDA-synchronised)."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return nbytes / sorted(ts)[len(ts) // 2] / 1e9
+
+
+def floors(a) -> int:
+    """PCIe each way (pinned), host DRAM copy, and fshard's host AdamW kernel: the step's floor for this model."""
+    import fshard.ops as ops
+    n = 1 << 28  # 1 GiB of fp32
+    host = torch.empty(n, pin_memory=True).fill_(1.0)
+    dev = torch.empty(n, device="cuda")
+    h2d = _bw(lambda: dev.copy_(host, non_blocking=True), 4 * n)
+    d2h = _bw(lambda: host.copy_(dev, non_blocking=True), 4 * n)
+    host = dev = None  # (free before the next)
+    src, dst = torch.ones(1 << 29), torch.empty(1 << 29)  # 2 GiB each
+    dram = _bw(lambda: dst.copy_(src), 2 * 4 * (1 << 29))
+    src = dst = None
+    m = 1 << 28
+    p, g, mm, v = torch.randn(m), torch.randn(m), torch.zeros(m), torch.zeros(m)
+    adam = _bw(lambda: ops.adamw_([p], [g], [mm], [v], step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                                  weight_decay=0.1, grad_scale=1.0, param_copies=None, check_finite=False), 28 * m)
+    with torch.device("meta"):
+        params = GPT(_cfg(a)).num_params()
+    pcie_s = 2 * params / (d2h * 1e9) + 2 * params / (h2d * 1e9)
+    dram_s = 28 * params / (dram * 1e9)
+    out = dict(h2d_gbps=h2d, d2h_gbps=d2h, dram_copy_gbps=dram, host_adamw_gbps=adam, threads=torch.get_num_threads(),
+               params=params, pcie_floor_s=pcie_s, dram_floor_s=dram_s, floor_s=pcie_s + dram_s,
+               adamw_kernel_s=28 * params / (adam * 1e9))
+    print(f"[offload_cuda] floors: PCIe h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s; host DRAM copy {dram:.1f} GB/s; "
+          f"host AdamW kernel {adam:.1f} GB/s ({torch.get_num_threads()} threads); {params / 1e9:.2f}B params: "
+          f"PCIe floor {pcie_s:.2f} s + DRAM floor {dram_s:.2f} s = {pcie_s + dram_s:.2f} s (kernel pass "
+          f"{out['adamw_kernel_s']:.2f} s)", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def fsdp2(a) -> int:
+    """The peer: FSDP2 with CPUOffloadPolicy (the optimizer step on the host through torch's fused AdamW)."""
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from gpt import init_weights
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    cfg = _cfg(a)
+    batches = [tuple(t.cuda() for t in b) for b in synthetic_batches(cfg, a.batch, a.steps, seed=0)]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    dm = init_device_mesh("cuda", (1,))
+    mp, off = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), CPUOffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=dm, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=dm, mp_policy=mp, offload_policy=off)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.apply(init_weights)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, fused=True)
+        kind = "fused"
+    except Exception as e:  # noqa: BLE001 - an older torch without the CPU fused kernel
+        opt, kind = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1), f"foreach ({e})"
+    out = {"params": sum(p.numel() for p in model.parameters()), "init_s": time.perf_counter() - t0,
+           "optimizer": kind, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    print(f"[offload_cuda] FSDP2 CPUOffloadPolicy: init {out['init_s']:.1f} s, AdamW {kind}, host RSS "
+          f"{rss_gib():.1f} GiB", flush=True)
+    rows = []
+    for s, batch in enumerate(batches):
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        tb = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        row = dict(step=s, seconds=time.perf_counter() - t, update_s=time.perf_counter() - tb, loss=loss.item(),
+                   gpu_peak_gib=torch.cuda.max_memory_allocated() / GIB, rss_gib=rss_gib(),
+                   rss_peak_gib=peak_rss_gib())
+        rows.append(row)
+        print(f"[offload_cuda] FSDP2 step {s}: {row['seconds']:.2f} s (optimizer {row['update_s']:.2f} s), loss "
+              f"{row['loss']:.4f}, GPU peak {row['gpu_peak_gib']:.1f} GiB, host RSS {row['rss_gib']:.1f} GiB",
+              flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps({**out, "steps": rows}, indent=1))
+    out["steps"] = rows
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+def run_all(a) -> int:
+    """floors, fshard (--params), FSDP2: each in a process of its own (the host memory of one is gone before the
+    next), then the ratios: fshard's step against the floor (target <= 3x) and against FSDP2's (target <= 0.5x)."""
+    import subprocess
+    import tempfile
+    common = ["--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads), "--vocab", str(a.vocab),
+              "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--chunk-mb", str(a.chunk_mb)]
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        for mode, extra in (("floors", []), ("fshard", ["--params", "--skip-peer"]), ("fsdp2", [])):
+            path = f"{d}/{mode}.json"
+            cmd = [sys.executable, __file__, "--mode", mode, "--json", path, *common, *extra]
+            print(f"[offload_cuda] $ {' '.join(cmd[1:])}", flush=True)
+            try:
+                rc = subprocess.run(cmd, timeout=a.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            res[mode] = json.loads(Path(path).read_text()) if Path(path).exists() else {"rc": rc}
+    med = lambda rows: sorted(r["seconds"] for r in rows[1:])[len(rows[1:]) // 2] if len(rows) > 1 else None  # noqa
+    fs_s = med(res["fshard"].get("steps", []))
+    peer_s = med(res["fsdp2"].get("steps", []))
+    floor = res["floors"].get("floor_s")
+    res["summary"] = dict(fshard_step_s=fs_s, fsdp2_step_s=peer_s, floor_s=floor,
+                          over_floor=fs_s / floor if fs_s and floor else None,
+                          over_fsdp2=fs_s / peer_s if fs_s and peer_s else None)
+    print(f"[offload_cuda] summary: {json.dumps(res['summary'])}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._staging import HostStaging
 from ._stored import StoredParam, _Items
 from .store._protocol import locked
 
@@ -34,26 +35,36 @@ def param_key(key: str) -> str:
     return key + "/param"
 
 
-def stream_update(store, depth: int, opt, work, scale, created, m, donate, record) -> None:
+def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items and, for parameters in the store, a second one over their head items in lockstep (item i of both covers
     the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
     holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
     (``StoredParam.load``, on the step's reader thread) go between this stream's items instead of waiting for the
-    whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic."""
+    whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic.
+    Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole units at a
+    time, on a copy stream overlapped with the host update (fshard/_staging.py; ``ready``: the CUDA event after
+    which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
+    which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits)."""
     keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
     where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
+    last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
+    staging = HostStaging(work, ready)
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
+    # an in-memory store updated in place where the input may be overwritten: no copy out and back
+    # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own stream)
+    in_place = store.stream_in_place if donate and getattr(type(store), "stream_in_place", None) else None
     with locked(store):
-        streams = [store.stream(keys, depth=depth, writeback=True)]
+        open_stream = in_place or (lambda ks: store.stream(ks, depth=depth, writeback=True))
+        streams = [open_stream(keys)]
         if pkeys:
-            streams.append(store.stream(pkeys, depth=depth, writeback=True))
+            streams.append(open_stream(pkeys))
     try:
         its = [iter(s) for s in streams]
         for i, c in where:
-            w = work[i]
             t0 = time.perf_counter()
+            w = staging.host(i)  # its tensors on the host (waits for their copies down)
             spans.setdefault(i, [t0, t0])
             with locked(store):
                 item = next(its[0])  # waits for read(i); reads i+1 .. i+depth are in flight
@@ -76,8 +87,11 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
                 n = it_.tensor.numel() * it_.tensor.element_size()
                 m["io/read_bytes"] += n
                 m["io/write_bytes"] += n
+            if c == last[i]:
+                staging.up(i)
             spans[i][1] = time.perf_counter()
             t_wait += spans[i][1] - t0
+        up = staging.finish(wait=wait_up)
     finally:
         t0 = time.perf_counter()
         error = None
@@ -95,23 +109,16 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
         m["time/io_wait"] += t_wait
         if error is not None:
             raise error
+    return up
 
 
 def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> None:
     """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows and
     parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay); ``copy``: the shard's
-    low-precision copy, written in the same pass."""
+    low-precision copy, written in the same pass. Every tensor is on the host (``HostStaging`` put it there)."""
     step, scale, lr, wd = run
-    if p.device.type == "cpu":  # (a stored parameter's chunk is on the host, whatever the gradient's device)
-        opt.apply(p[a - plo:b - plo], g[a:b].to("cpu"), m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr,
-                  weight_decay=wd, copy=None if copy is None else copy[a:b])
-        return
-    # CUDA: update on the host copy, then send the parameter (and its cast) back
-    ph, gh = p[a:b].to("cpu"), g[a:b].to("cpu")
-    opt.apply(ph, gh, m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr, weight_decay=wd)
-    p[a:b].copy_(ph, non_blocking=True)
-    if copy is not None:
-        copy[a:b].copy_(ph.to(copy.dtype), non_blocking=True)
+    opt.apply(p[a - plo:b - plo], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr,
+              weight_decay=wd, copy=None if copy is None else copy[a:b])
 
 
 class _Early:
@@ -121,12 +128,17 @@ class _Early:
     policy marked the input donated first)."""
 
     def __init__(self, owner, store, opt, name, param, copy, grad, s, segs, count, key, record, free_grad=None,
-                 in_place=False):
+                 in_place=False, ready=None, cloned=False, data=None):
         self.store, self.opt, self.name, self.param, self.grad, self.s = store, opt, name, param, grad, s
         # free_grad: (step, unit) whose shard to free once consumed, or None; in_place: the step donates
         self.free_grad, self.in_place = free_grad, in_place
+        self.cloned = cloned  # the caller already made the new version of the parameter and copy (on a GPU)
+        self.data = grad if data is None else data  # what the update reads: the gradient shard, or a copy of it
         self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
         self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
+        # ready: a CUDA event after which the gradient is final (None on a CPU mesh); ups: the events after the
+        # parameters' copies back to the GPU, which the step's stream waits for when it takes the result
+        self.ready, self.ups = ready, []
         self.created: list = []  # keys written so far (appended by the worker)
         self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
         self.started, self.seconds = float("inf"), 0.0
@@ -138,17 +150,19 @@ class _Early:
         if isinstance(p, StoredParam):  # read, updated and written beside the moments
             c = None
             pkey = None if p.head is None else p.head.key if self.in_place else param_key(self.key)
-        elif not self.in_place:
+        elif not self.in_place and not self.cloned:
             p, c = p.clone(), None if c is None else c.clone()
         try:
-            owner._stream(self.opt, [Streamed(p, self.grad, segs, self.s, self.key, c, pkey)], 1.0, self.created,
-                          self.metrics, donate=self.in_place, record=self.record)
+            self.ups = owner._stream(self.opt, [Streamed(p, self.data, segs, self.s, self.key, c, pkey)], 1.0,
+                                     self.created, self.metrics, donate=self.in_place, record=self.record,
+                                     ready=self.ready, wait_up=False)
             if pkey is not None and not self.in_place:
                 p = p.renewed(_Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
             if self.free_grad is not None and _free(self.grad):  # nothing reads it after its update (grads_unread)
                 step, unit = self.free_grad
                 step.grad_freed(unit)
         finally:
+            self.data = self.grad  # a copy of the gradient made for the update is done with (its memory goes back)
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
         return p, c

@@ -47,11 +47,13 @@ class OffloadUpdate(UpdatePolicy):
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
         cannot depend on anything decided after backward. That holds when the grads stage hands the shards on
         unchanged (no global clip or skip), the moments are already in the store, the shard is on the CPU, and every
-        trainable parameter of the unit got a gradient here (so on every rank, whatever the agreement says)."""
+        trainable parameter of the unit got a gradient here (so on every rank, whatever the agreement says). On a
+        GPU the gradient shard (and a parameter kept there) goes to pinned host memory on a copy stream once this
+        thread's stream has produced it (fshard/_staging.py), and ``__call__`` waits for the parameters' way back."""
         name, early = unit.name, step.scratch(self)
         s = step.state.opt_state.get(name)
         if (not self.overlap_backward or not step.grads_unchanged or unit.grad is None
-                or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type != "cpu"
+                or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type not in ("cpu", "cuda")
                 or not unit.got_all() or name in early):
             return
         opt = step.spec.optimizer
@@ -59,7 +61,7 @@ class OffloadUpdate(UpdatePolicy):
                                int(step.state.step))
         if not segs:
             return
-        p, in_place = step.state.params[name], step.donate
+        p, in_place, cuda = step.state.params[name], step.donate, unit.grad.device.type == "cuda"
         if in_place:  # the input's items and tensors change from here on: a failing step leaves it refusing use
             step.state.donation.take(int(step.state.step))
         stored = isinstance(p, StoredParam)
@@ -69,10 +71,18 @@ class OffloadUpdate(UpdatePolicy):
                 _settle(pending[:len(pending) - self.depth + 1])
         else:
             p = unit.shard.detach()
-        early[name] = _Early(self, s.exp_avg.items.store, opt, name, p, step.state.copies.get(name), unit.grad, s,
-                             segs, count,
+        c = step.state.copies.get(name)
+        if cuda and not stored and not in_place:  # a new version, cloned on this thread's stream (the worker's differs)
+            p, c = p.clone(), None if c is None else c.clone()
+        # A bucket's view on a GPU: its buffer is written again on this stream while the copy down (on its own
+        # stream) would still read it, so the update reads a copy made here, in stream order.
+        data = unit.grad.clone() if cuda and not owns_storage(unit.grad) else None
+        early[name] = _Early(self, s.exp_avg.items.store, opt, name, p, c, unit.grad, s, segs, count,
                              s.exp_avg.key if in_place else self._key(name), step.record,
-                             free_grad=(step, unit) if stored and step.grads_unread else None, in_place=in_place)
+                             free_grad=(step, unit) if stored and step.grads_unread else None,
+                             in_place=in_place, cloned=cuda and not stored and not in_place,
+                             ready=torch.cuda.current_stream(unit.grad.device).record_event() if cuda else None,
+                             data=data)
 
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
@@ -101,7 +111,7 @@ class OffloadUpdate(UpdatePolicy):
         chosen = self._choose(spec, state)
         peak = {id(st): 0 for st in self.stores}
         in_place = dict(peak)  # per store, the largest chunk items written back in place
-        frees = self.overlap_backward and step.grads_unread and spec.mesh.device.type == "cpu"
+        frees = self.overlap_backward and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
         for u in spec.units:
@@ -183,6 +193,8 @@ class OffloadUpdate(UpdatePolicy):
                     continue
                 try:
                     taken[name] = (*work.future.result(), work)  # the updated parameter shard and its copy
+                    for up in work.ups:  # its parameters' copies back to the GPU, before anything reads them
+                        torch.cuda.current_stream().wait_event(up)
                 except BaseException:
                     work.abandon()  # deletes what the worker wrote before it failed
                     raise
@@ -289,12 +301,18 @@ class OffloadUpdate(UpdatePolicy):
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
-    def _stream(self, opt, work, scale, created, m, donate, record) -> None:
-        """Stream ``work`` through the stores its units live in, one store after the other (model order within)."""
+    def _stream(self, opt, work, scale, created, m, donate, record, ready=None, wait_up=True) -> list:
+        """Stream ``work`` through the stores its units live in, one store after the other (model order within).
+        Returns the CUDA events after the parameters' copies back to the GPU (none on a CPU mesh); ``ready`` and
+        ``wait_up``: as ``stream_update`` takes them."""
+        ups = []
         for store in self.stores:
             mine = [w for w in work if w.state.exp_avg.items.store is store]
             if mine:
-                stream_update(store, self.depth, opt, mine, scale, created, m, donate, record)
+                up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up)
+                if up is not None:
+                    ups.append(up)
+        return ups
 
     def _put(self, store, name: str, s: AdamWState, created, m, record) -> AdamWState:
         """Move a unit's in-memory moments into ``store`` as chunk items."""

@@ -31,12 +31,12 @@ class Reader:
     def __init__(self):
         self._pool: ThreadPoolExecutor | None = None
 
-    def read(self, stored, dtype, record, label: str) -> Future:
+    def read(self, stored, dtype, record, label: str, pin: bool = False) -> Future:
         """Start reading ``stored`` (a ``StoredParam``) as a CPU tensor of ``dtype``; ``record(lane, label, t0,
-        t1)`` gets the read's span for the timeline."""
+        t1)`` gets the read's span for the timeline; ``pin``: into pinned memory (bound for a GPU)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-read")
-        return self._pool.submit(_read, stored, dtype, record, label)
+        return self._pool.submit(_read, stored, dtype, record, label, pin)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -44,9 +44,9 @@ class Reader:
             self._pool = None
 
 
-def _read(stored, dtype, record, label: str):
+def _read(stored, dtype, record, label: str, pin: bool = False):
     t0 = time.perf_counter()
-    out = stored.load(dtype)
+    out = stored.load(dtype, pin)
     record("store", label, t0, time.perf_counter())
     return out
 

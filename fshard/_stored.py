@@ -99,14 +99,24 @@ class StoredParam(_Flat):
     def key(self) -> str:
         return (self.head or self.tail).key
 
-    def load(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def load(self, dtype: torch.dtype | None = None, pin: bool = False) -> torch.Tensor:
         """The shard, read back from the store into a new CPU tensor, cast to ``dtype`` (its own by default) as each
         item lands. Each store operation holds the store's lock (``locked(store)``) by itself, so a thread that
         streams an update through the same store interleaves with these reads item by item. ``READS_IN_FLIGHT``
         items are read at a time, each into the store's own memory (in place, no staging), then copied (cast)
-        into the result: the shard in its stored dtype is never whole in memory."""
-        out = torch.empty(self.numel, dtype=self.dtype if dtype is None else dtype)
+        into the result: the shard in its stored dtype is never whole in memory. A store with ``read_into`` (the
+        CPUStore) copies each item straight into the result, cast, in one pass. ``pin``: the result in pinned
+        memory, for an asynchronous copy to a GPU."""
+        out = torch.empty(self.numel, dtype=self.dtype if dtype is None else dtype, pin_memory=pin)
         store, pending = (self.head or self.tail).store, deque()
+        # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own get)
+        if getattr(type(store), "read_into", None) is not None:
+            read_into = store.read_into
+            for part, base in ((self.head, 0), (self.tail, self.opt_numel)):
+                for (lo, hi), k in zip(part.chunks, part.item_keys()) if part is not None else ():
+                    with locked(store):
+                        read_into(k, out[base + lo:base + hi])
+            return out
 
         def land():
             (lo, hi), h = pending.popleft()

@@ -125,7 +125,8 @@ class UnitRun(UnitView):
             run._read_peak = max(run._read_peak, run._read_bytes)
             run._loaded_bytes += self._stored.nbytes
             if run._reader is not None and not comm.dry:
-                self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}")
+                self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}",
+                                              pin=self.shard.device.type == "cuda")
         self.alive = True
         run._on_alive(self, +1)
         run._launches.add(self)  # gathers are issued in launch order (fshard/_reads.py)
@@ -144,7 +145,7 @@ class UnitRun(UnitView):
                 shard = self._stored.load(dtype).to(self.shard.device)
             else:
                 read, self._read = self._read, None
-                shard = read.result().to(self.shard.device)
+                shard = read.result().to(self.shard.device, non_blocking=True)  # (pinned when bound for a GPU)
         else:
             shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
         if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)

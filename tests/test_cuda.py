@@ -55,8 +55,8 @@ def _model(name: str):
     return Awkward(), awkward_loss, [_cuda(b) for b in awkward_batches(2, STEPS)]
 
 
-def _train(mesh, name, impl, transforms=lambda fs: (), donate=False):
-    """(losses, full params as CPU tensors, state) of fshard on ``mesh``."""
+def _train(mesh, name, impl, transforms=lambda fs: (), donate=False, metrics=None):
+    """(losses, full params as CPU tensors) of fshard on ``mesh``; ``metrics``: a list that gets each step's."""
     import fshard as fs
     model, loss_fn, batches = _model(name)
     state = fs.init(model, mesh, fs.adamw(**HP, impl=impl))
@@ -66,6 +66,8 @@ def _train(mesh, name, impl, transforms=lambda fs: (), donate=False):
         for b in batches:
             state, m = step(state, b)
             losses.append(m["loss"])
+            if metrics is not None:
+                metrics.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
     return losses, {n: t.cpu() for n, t in fs.full_params(state).items()}
 
 
@@ -176,6 +178,42 @@ def test_offloaded_moments_are_bitwise_on_the_gpu(mesh, tmp_path):
         assert losses == base_losses, f"{k} (mixed={mixed}): losses {losses} vs {base_losses}"
         assert full == base, f"{k} (mixed={mixed}): parameters differ"
     assert runs["cpu", False][0][-1] < runs["cpu", False][0][0]
+
+
+def _host_update_runs(mesh):
+    """Moments (and with params=True the master weights) in host memory, the update on the host: gradients and
+    parameters staged through pinned memory on a copy stream (fshard/_staging.py), after backward or during it
+    (overlap_backward: each unit's update starts once its gradient is final), with and without donate; and with
+    bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy)."""
+    out = {}
+    for k, kw, donate in (("none", None, False), ("after", dict(overlap_backward=False), False),
+                          ("during", dict(overlap_backward=True), False),
+                          ("during+donate", dict(overlap_backward=True), True),
+                          ("params", dict(params=True, overlap_backward=True), False),
+                          ("params+donate", dict(params=True, overlap_backward=True), True),
+                          ("params after+donate", dict(params=True, overlap_backward=False), True),
+                          ("during+buckets", dict(overlap_backward=True), True)):
+        for mixed in (False, True):
+            def ts(f, kw=kw, mixed=mixed, k=k):
+                extra = (f.gather_ahead(2),) + ((f.bucket_reduce(0.002),) if "buckets" in k else ()) \
+                    + ((f.mixed_precision(),) if mixed else ())
+                return extra + (() if kw is None else (f.offload_state(f.CPUStore(pin=False), chunk_mb=0.001,
+                                                                       **kw),))
+            ms = []
+            losses, full = _train(mesh, "gpt", "native", ts, donate=donate, metrics=ms)
+            out[k, mixed] = (*_bits(losses, full), ms[-1].get("update/overlapped_units", 0))
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_the_host_update_streams_bitwise_after_and_during_backward(mesh):
+    runs = _on_mesh(mesh, _host_update_runs)
+    for (k, mixed), (losses, full, overlapped) in runs.items():
+        base_losses, base, _ = runs["none", mixed]
+        assert losses == base_losses, f"{k} (mixed={mixed}): losses {losses} vs {base_losses}"
+        assert full == base, f"{k} (mixed={mixed}): parameters differ"
+        expect = k in ("during", "during+donate", "params", "params+donate", "during+buckets")
+        assert (overlapped > 0) == expect, f"{k} (mixed={mixed}): {overlapped} units updated during backward"
 
 
 def _skip_and_resume(mesh, directory):

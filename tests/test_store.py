@@ -636,3 +636,61 @@ def test_a_slot_finds_the_engines_descriptor_by_its_hint_or_by_a_scan(tmp_path, 
     assert seen and seen[0][3] == (10_000, a.fd)
     a.destroy()
     b.destroy()
+
+
+# --- CPUStore: in-place streams and reads that cast (issue #43) ---
+
+def test_an_in_place_stream_updates_the_stored_tensors_and_refuses_another_key():
+    """CPUStore.stream_in_place (offload's update with donate=True): each item is the stored tensor itself, so the
+    update lands with no copy out and back; its checksum is taken again when asked; writing an item under another
+    key (a new version, which must leave the old one intact) is refused."""
+    store = fs.CPUStore(pin=False)
+    for i in range(3):
+        store.put(("k", i), torch.full((1, 5), float(i)))
+    before = store.meta(("k", 1)).checksum
+    s = store.stream_in_place([("k", i) for i in range(3)])
+    for item in s:
+        item.tensor.add_(10.0)
+        s.writeback(item, key=item.key)
+    s.close()
+    for i in range(3):
+        assert torch.equal(store.get(("k", i)).wait(), torch.full((1, 5), 10.0 + i))
+    after = store.meta(("k", 1))
+    from fshard.store._protocol import as_bytes
+    assert after.checksum != before and after.checksum == checksum(as_bytes(torch.full((1, 5), 11.0)))
+    s = store.stream_in_place([("k", 0)])
+    item = next(s)
+    with pytest.raises(StoreError, match="under their own keys"):
+        s.writeback(item, key=("other", 0))
+    with pytest.raises(MissingKeyError):
+        next(iter(store.stream_in_place([("missing", 0)])))
+
+
+def test_read_into_casts_in_one_pass_and_a_forwarding_wrapper_keeps_its_own_get():
+    """CPUStore.read_into copies an item into a tensor of another dtype (a stored parameter read for a bf16
+    gather); StoredParam.load uses it only where the store's class has it, so a wrapper that counts its gets
+    through __getattr__ still sees every read."""
+    from fshard._stored import StoredParam, put_param
+    store = fs.CPUStore(pin=False)
+    p = torch.randn(37)
+    sp = put_param(store, "p", p, 30, 16, [])
+    assert isinstance(sp, StoredParam)
+    assert torch.equal(sp.load(torch.bfloat16), p.to(torch.bfloat16))
+    assert torch.equal(sp.load(), p)
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.gets = inner, 0
+
+        def get(self, key, out=None):
+            self.gets += 1
+            return self.inner.get(key, out)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    wrapped = Counting(store)
+    sp2 = StoredParam(*(None if part is None else type(part)(wrapped, part.key, part.chunks, rows=part.rows)
+                        for part in (sp.head, sp.tail)), sp.numel, sp.opt_numel, sp.dtype, sp.location)
+    assert torch.equal(sp2.load(torch.bfloat16), p.to(torch.bfloat16))
+    assert wrapped.gets == len(sp.head.chunks) + len(sp.tail.chunks)
