@@ -27,11 +27,14 @@ other, and writes one JSON):
   5); host DRAM: a 2 GiB tensor copy with all of torch's threads (bytes read + written); and fshard's host AdamW
   kernel over 256M fp32 parameters (28 bytes a parameter: p, g, m, v read; p, m, v written). The step's floor is
   the issue's: bf16 gradients down and bf16 parameters up (2 + 2 bytes a parameter over PCIe) plus one fp32 AdamW
-  pass in host DRAM (28 bytes a parameter), each at the measured speed.
-* ``--mode fshard --params``: moments AND master weights in host memory (``offload_state(CPUStore(pin=False),
-  params=True, overlap_backward=True)``): each gather reads its unit's shard into pinned memory and casts it, the
-  gradients go down whole units at a time on a copy stream (fshard/_staging.py) and each unit's host update starts
-  once its gradient is final, during backward.
+  pass in host DRAM (28 bytes a parameter), each at the measured speed (DRAM: the faster of the copy and the
+  kernel's own pass, a bandwidth the machine reached).
+* ``--mode fshard --params``: moments AND master weights in host memory (``offload_state(CPUStore(pin=...),
+  params=True, overlap_backward=True)``): with ``--pin`` each gather copies its unit's fp32 items straight from the
+  store's pinned memory to the GPU and casts them there (the copy engine's work, as FSDP2's offload); without,
+  the reader thread reads and casts them into pinned memory and the bf16 shard goes up. The gradients go down whole
+  units at a time on a copy stream (fshard/_staging.py) and each unit's host update starts once its gradient is
+  final, during backward.
 * ``--mode fsdp2``: the peer, FSDP2 ``fully_shard`` per block and the root with ``CPUOffloadPolicy()`` (parameters,
   gradients and the optimizer step on the host: torch's ``AdamW(fused=True)`` on CPU tensors) and
   ``MixedPrecisionPolicy(bf16, fp32)``, built on meta and initialised on the host.
@@ -215,7 +218,8 @@ def floors(a) -> int:
     with torch.device("meta"):
         params = GPT(_cfg(a)).num_params()
     pcie_s = 2 * params / (d2h * 1e9) + 2 * params / (h2d * 1e9)
-    dram_s = 28 * params / (dram * 1e9)
+    # host DRAM's speed: the faster of the copy and the AdamW kernel's own pass (a bandwidth it reached)
+    dram_s = 28 * params / (max(dram, adam) * 1e9)
     out = dict(h2d_gbps=h2d, d2h_gbps=d2h, dram_copy_gbps=dram, host_adamw_gbps=adam, threads=torch.get_num_threads(),
                params=params, pcie_floor_s=pcie_s, dram_floor_s=dram_s, floor_s=pcie_s + dram_s,
                adamw_kernel_s=28 * params / (adam * 1e9))
@@ -298,7 +302,8 @@ def run_all(a) -> int:
               "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--chunk-mb", str(a.chunk_mb)]
     res = {}
     with tempfile.TemporaryDirectory() as d:
-        for mode, extra in (("floors", []), ("fshard", ["--params", "--skip-peer"]), ("fsdp2", [])):
+        for mode, extra in (("floors", []), ("fshard", ["--params", "--skip-peer"] + (["--pin"] if a.pin else [])),
+                            ("fsdp2", [])):
             path = f"{d}/{mode}.json"
             cmd = [sys.executable, __file__, "--mode", mode, "--json", path, *common, *extra]
             print(f"[offload_cuda] $ {' '.join(cmd[1:])}", flush=True)

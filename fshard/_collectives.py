@@ -196,6 +196,8 @@ class Comm:
         self._note("all_gather", tag, out)
         t0 = time.perf_counter()
         g, n, rank = self.mesh.group, self.mesh.world_size, self.mesh.rank
+        if self.stream is not None and shard.is_cuda:  # made on another stream (a cast): not reused under the gather
+            shard.record_stream(self.stream)
         if self.dry:
             works = []
         elif g is None:

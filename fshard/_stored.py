@@ -134,6 +134,28 @@ class StoredParam(_Flat):
             land()
         return out
 
+    def direct(self, device: torch.device) -> bool:
+        """Whether the shard can go to ``device`` straight from the store's memory: a GPU, and a store that lends
+        its items (``borrow``, looked up on its class) and pins them (a CPUStore made with ``pin=True``, its
+        default where CUDA is present)."""
+        store = (self.head or self.tail).store
+        return (device.type == "cuda" and getattr(type(store), "borrow", None) is not None
+                and bool(getattr(store, "pin", False)))
+
+    def upload(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The shard on ``device`` in ``dtype`` (``direct`` stores): each item copied from the store's pinned memory
+        to the device asynchronously on the current stream, then cast there. No host copy, no reader thread: the
+        copy engine does the work (FSDP2's CPU offload moves its parameters so). An item deleted meanwhile (an old
+        version) is not reused under its copy: the pinned allocator waits for the copies recorded on it."""
+        store = (self.head or self.tail).store
+        out = torch.empty(self.numel, dtype=self.dtype, device=device)
+        for part, base in ((self.head, 0), (self.tail, self.opt_numel)):
+            for (lo, hi), k in zip(part.chunks, part.item_keys()) if part is not None else ():
+                with locked(store):
+                    src = store.borrow(k)
+                out[base + lo:base + hi].copy_(src.view(-1), non_blocking=True)
+        return out if dtype is None or dtype == self.dtype else out.to(dtype)
+
     def renewed(self, head: _Items | None) -> "StoredParam":
         """The same shard with a new version of its head (the tail is shared)."""
         return StoredParam(head, self.tail, self.numel, self.opt_numel, self.dtype, self.location)

@@ -124,7 +124,7 @@ class UnitRun(UnitView):
             run._read_bytes += self._held
             run._read_peak = max(run._read_peak, run._read_bytes)
             run._loaded_bytes += self._stored.nbytes
-            if run._reader is not None and not comm.dry:
+            if run._reader is not None and not comm.dry and not self._stored.direct(self.shard.device):
                 self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}",
                                               pin=self.shard.device.type == "cuda")
         self.alive = True
@@ -141,11 +141,15 @@ class UnitRun(UnitView):
         if self._stored is not None:
             if comm.dry:  # step.plan: counted, not read
                 shard = torch.empty(self._stored.numel, dtype=dtype, device="meta")
+            elif self._stored.direct(self.shard.device):  # pinned items: the copy engine uploads them
+                with comm.gather_scope():
+                    shard = self._stored.upload(self.shard.device, dtype)
             elif self._read is None:  # no reader: read here
                 shard = self._stored.load(dtype).to(self.shard.device)
             else:
                 read, self._read = self._read, None
-                shard = read.result().to(self.shard.device, non_blocking=True)  # (pinned when bound for a GPU)
+                with comm.gather_scope():  # uploaded on the gather stream (from pinned memory): compute goes on
+                    shard = read.result().to(self.shard.device, non_blocking=True)
         else:
             shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
         if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)

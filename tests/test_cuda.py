@@ -184,7 +184,8 @@ def _host_update_runs(mesh):
     """Moments (and with params=True the master weights) in host memory, the update on the host: gradients and
     parameters staged through pinned memory on a copy stream (fshard/_staging.py), after backward or during it
     (overlap_backward: each unit's update starts once its gradient is final), with and without donate; and with
-    bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy)."""
+    bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy); and
+    stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream."""
     out = {}
     for k, kw, donate in (("none", None, False), ("after", dict(overlap_backward=False), False),
                           ("during", dict(overlap_backward=True), False),
@@ -192,13 +193,18 @@ def _host_update_runs(mesh):
                           ("params", dict(params=True, overlap_backward=True), False),
                           ("params+donate", dict(params=True, overlap_backward=True), True),
                           ("params after+donate", dict(params=True, overlap_backward=False), True),
-                          ("during+buckets", dict(overlap_backward=True), True)):
+                          ("during+buckets", dict(overlap_backward=True), True),
+                          ("params pinned", dict(params=True, overlap_backward=True, pin=True), False),
+                          ("params pinned+donate", dict(params=True, overlap_backward=True, pin=True), True)):
         for mixed in (False, True):
             def ts(f, kw=kw, mixed=mixed, k=k):
                 extra = (f.gather_ahead(2),) + ((f.bucket_reduce(0.002),) if "buckets" in k else ()) \
                     + ((f.mixed_precision(),) if mixed else ())
-                return extra + (() if kw is None else (f.offload_state(f.CPUStore(pin=False), chunk_mb=0.001,
-                                                                       **kw),))
+                if kw is None:
+                    return extra
+                kw = dict(kw)
+                store = f.CPUStore(pin=kw.pop("pin", False))  # pinned: stored parameters go up straight from it
+                return extra + (f.offload_state(store, chunk_mb=0.001, **kw),)
             ms = []
             losses, full = _train(mesh, "gpt", "native", ts, donate=donate, metrics=ms)
             out[k, mixed] = (*_bits(losses, full), ms[-1].get("update/overlapped_units", 0))
@@ -208,11 +214,15 @@ def _host_update_runs(mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_the_host_update_streams_bitwise_after_and_during_backward(mesh):
     runs = _on_mesh(mesh, _host_update_runs)
+    bad = [(k, mixed) for (k, mixed), (losses, full, _) in runs.items()
+           if (losses, full) != runs["none", mixed][:2]]
+    assert not bad, f"differ from moments on the GPU: {bad}"
     for (k, mixed), (losses, full, overlapped) in runs.items():
         base_losses, base, _ = runs["none", mixed]
         assert losses == base_losses, f"{k} (mixed={mixed}): losses {losses} vs {base_losses}"
         assert full == base, f"{k} (mixed={mixed}): parameters differ"
-        expect = k in ("during", "during+donate", "params", "params+donate", "during+buckets")
+        expect = k in ("during", "during+donate", "params", "params+donate", "during+buckets", "params pinned",
+                       "params pinned+donate")
         assert (overlapped > 0) == expect, f"{k} (mixed={mixed}): {overlapped} units updated during backward"
 
 

@@ -63,6 +63,15 @@ class CPUStore(DeferredDeletes):
             self._meta[key] = meta_of(self._items[key], checksum(as_bytes(self._items[key])))
         return self._meta[key]
 
+    def borrow(self, key: Hashable) -> torch.Tensor:
+        """The stored tensor itself, to read (not write) while the item lives: a stored parameter's copy straight
+        to a GPU from pinned memory (fshard/_stored.py, ``StoredParam.upload``)."""
+        self._check_open()
+        src = self._items.get(key)
+        if src is None:
+            raise MissingKeyError(f"key {key!r} is not in the CPUStore (never put, or deleted)")
+        return src
+
     def read_into(self, key: Hashable, out: torch.Tensor) -> None:
         """Copy the item into ``out`` (same number of elements), cast to ``out``'s dtype: one pass, where
         ``get`` and a cast take two (a stored parameter's read for its gather, fshard/_stored.py)."""
