@@ -45,10 +45,13 @@ class offload_state(Transform):
     ``step.plan(..., max_memory=)`` names fractions that fit a budget (``Plan.fractions``).
 
     overlap_backward: update a unit in a background thread as soon as its gradient shard is final, while backward
-    goes on (CPU shards, identity grads stage, units whose parameters all got a gradient); the others are updated
+    goes on (identity grads stage, units whose parameters all got a gradient); the others are updated
     after backward. The result is bitwise the same either way. None (the default) turns it on when a store waits on
     a device (NVMeStore), whose I/O backward can hide, and off for in-memory stores, whose update is CPU work that
-    would only compete with backward for the same cores (measured 1.9x slower on 2 cores).
+    would only compete with backward for the same cores (measured 1.9x slower on 2 cores), except on a GPU mesh,
+    where backward runs on the device and the host's cores are free: on there (ZeRO-Offload's arrangement). On a
+    GPU the gradient shards go down and parameters kept there come back through pinned memory on a copy stream
+    (fshard/_staging.py), and with ``params=True`` a pinned CPUStore's items go up straight to the gathers.
     worker_nice: how much lower the worker thread's CPU priority is than the caller's (Linux nice, 0-19), so that
     backward keeps the cores and the worker's I/O waits fill the gaps (5: uring steps 3-20% faster on 2 cores in
     all 7 A/B rounds, aio within noise; benchmarks/RESULTS.md, offload runs 6-7).
@@ -82,7 +85,9 @@ class offload_state(Transform):
                 check_depth(st, 2 * depth + 2, f"fs.offload_state(depth={depth}, params=True)")
         self.params, self.chunk_mb, self.depth = params, chunk_mb, depth
         on_disk = any(st.directory is not None for st in self.stores)  # a store that waits on a device
-        self.overlap_backward = on_disk if overlap_backward is None else bool(overlap_backward)
+        # None: decided per step by where the update runs against backward (OffloadUpdate.overlaps)
+        self.overlap_backward = True if on_disk and overlap_backward is None else (
+            None if overlap_backward is None else bool(overlap_backward))
         self.worker_nice = worker_nice
 
     @property

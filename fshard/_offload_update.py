@@ -32,7 +32,7 @@ class OffloadUpdate(UpdatePolicy):
     (unit name -> ``_Early``) until ``__call__`` takes them or ``abort`` drops them."""
 
     def __init__(self, inner: UpdatePolicy, stores: tuple, fractions: tuple, chunk_numel: int, depth: int,
-                 overlap_backward: bool, worker_nice: int, params: bool = False):
+                 overlap_backward: bool | None, worker_nice: int, params: bool = False):
         self.inner, self.stores, self.fractions, self.chunk, self.depth = inner, stores, fractions, chunk_numel, depth
         self.overlap_backward, self.params = overlap_backward, params
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
@@ -52,7 +52,7 @@ class OffloadUpdate(UpdatePolicy):
         thread's stream has produced it (fshard/_staging.py), and ``__call__`` waits for the parameters' way back."""
         name, early = unit.name, step.scratch(self)
         s = step.state.opt_state.get(name)
-        if (not self.overlap_backward or not step.grads_unchanged or unit.grad is None
+        if (not self.overlaps(step.spec.mesh.device) or not step.grads_unchanged or unit.grad is None
                 or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type not in ("cpu", "cuda")
                 or not unit.got_all() or name in early):
             return
@@ -84,6 +84,11 @@ class OffloadUpdate(UpdatePolicy):
                              ready=torch.cuda.current_stream(unit.grad.device).record_event() if cuda else None,
                              data=data)
 
+    def overlaps(self, device) -> bool:
+        """Whether updates begin during backward: as asked, or by default (None) on a GPU mesh, where backward runs
+        on the device and leaves the host's cores to the update (an NVMe store's default, on, is set already)."""
+        return self.overlap_backward if self.overlap_backward is not None else device.type == "cuda"
+
     def abort(self, step) -> None:
         """Drop the updates begun during backward that ``__call__`` did not take (the step failed, or skipped its
         update): wait until the worker is done with every one of them, then delete what they wrote."""
@@ -111,7 +116,7 @@ class OffloadUpdate(UpdatePolicy):
         chosen = self._choose(spec, state)
         peak = {id(st): 0 for st in self.stores}
         in_place = dict(peak)  # per store, the largest chunk items written back in place
-        frees = self.overlap_backward and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
+        frees = self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
         for u in spec.units:
