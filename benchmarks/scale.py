@@ -197,7 +197,7 @@ def trial(args) -> None:
         # overlap_backward=False: an update begun during backward writes a clone of the unit's shard and copy (the
         # input must survive a failure before the commit), 6 bytes a parameter more at the peak (measured: 1.25 GiB
         # of 3.65 at 8 layers); the largest model wants the least memory
-        # fshard-params: reads two units ahead (fshard/_reads.py); one bucket per unit, so each gradient shard is a
+        # fshard-params: reads two units ahead (fshard/run/_read_ahead.py); one bucket per unit, so each gradient shard is a
         # tensor of its own that the unit's update during backward frees
         params_ts = lambda off: (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(), off)
         make = lambda off: fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(),  # noqa: E731

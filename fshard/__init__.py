@@ -22,7 +22,7 @@ import importlib
 
 import torch as _torch
 
-from ._errors import TorchVersionError
+from .errors import TorchVersionError
 # The oldest torch fshard is tested on: 2.11 (the GPU machine's 2.11.0+cu130: the CUDA tests; benchmarks/RESULTS.md,
 # "GPU"); the suite runs on 2.13.0. Older ones are untested, and those before 2.6 lack broadcast(group_src=).
 _TORCH_MIN = (2, 11)
@@ -34,35 +34,35 @@ if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < _TOR
 from ._malloc import from_env as _mmap_from_env, set_mmap_threshold
 _mmap_from_env()  # FSHARD_MMAP_THRESHOLD (fshard/_malloc.py)
 
-from ._accumulate import accumulate
-from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
-                    UnitView, UpdatePolicy)
-from ._bucket_reduce import bucket_reduce
-from ._checkpoint import SaveHandle, latest, save
-from ._ckpt_load import load
-from ._clip import clip_by_global_norm
-from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
+from .transforms._accumulate import accumulate
+from .protocol._stages import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy,
+                               StepView, UnitView, UpdatePolicy)
+from .transforms._bucket_reduce import bucket_reduce
+from .checkpoint._save import SaveHandle, latest, save
+from .checkpoint._load import load
+from .transforms._clip import clip_by_global_norm
+from .errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
                       CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError,
                       FshardError, InitError, LossError, MemoryBudgetError, MeshMismatchError, PolicyError,
                       RankDivergenceError, RankFailedError, RecomputeError, SaveInProgressError, ScheduleError,
                       StepClosedError, StepError, TemplateCallError, TransformConflictError, UnboundParameterError)
-from ._gather_ahead import Schedule, gather_ahead
-from ._init import full_params, init
-from ._layout import ParamSlot, UnitLayout
-from ._mesh import Mesh
-from ._loss_scale import LossScaleState
-from ._mixed_precision import MixedPrecisionState, mixed_precision
-from ._offload import OffloadError, offload_state
-from ._optim import AdamW, AdamWState, adamw
-from ._plan import Plan
-from ._skip import skip_nonfinite
-from ._state import Donation, FrozenMap, ShardSpec, TrainState
-from ._state_dict import full_state_dict
-from ._step import Step, compose
-from ._stored import Stored, StoredParam
-from ._timeline import Timeline, timeline
-from ._transforms import Policy, Transform
-from . import schedules
+from .transforms._gather_ahead import Schedule, gather_ahead
+from .model._init import full_params, init
+from .state._flat import ParamSlot, UnitLayout
+from .dist._mesh import Mesh
+from .transforms._loss_scale import LossScaleState
+from .transforms._mixed_precision import MixedPrecisionState, mixed_precision
+from .offload._transform import OffloadError, offload_state
+from .optim._adamw import AdamW, AdamWState, adamw
+from .step._plan import Plan
+from .transforms._skip import skip_nonfinite
+from .state._train_state import Donation, FrozenMap, ShardSpec, TrainState
+from .model._state_dict import full_state_dict
+from .step._step import Step, compose
+from .state._stored import Stored, StoredParam
+from .step._timeline import Timeline, timeline
+from .protocol._transform import Policy, Transform
+from .optim import schedules
 from .store import CPUStore, NVMeStore, Store, StoreError
 
 __version__ = "0.1.0"

@@ -243,7 +243,7 @@ def _bf16_reduce(reduce_dtype):
     import torch.distributed as dist
 
     import fshard as fs
-    from fshard._layout import flatten
+    from fshard.state._flat import flatten
     from models import Block
 
     class Capture(fs.Transform):

@@ -1,5 +1,5 @@
 """Checkpoints of offloaded optimizer state (fs.offload_state): fs.save streams the moments out of the store and
-fs.load streams them into one, chunk by chunk (fshard/_dcp.py).
+fs.load streams them into one, chunk by chunk (fshard/checkpoint/_dcp.py).
 
 - Resume with offload_state(NVMeStore) (plus gather_ahead, bucket_reduce, clipping, bf16, a schedule) is bitwise an
   uninterrupted run at world sizes 1 and 2, loading into a fresh fs.init state placed by ``offload=``.

@@ -1,4 +1,4 @@
-"""Activation checkpointing under fshard (fshard/_recompute.py): a checkpoint inside a unit (transformers'
+"""Activation checkpointing under fshard (fshard/run/_recompute.py): a checkpoint inside a unit (transformers'
 ``gradient_checkpointing_enable()`` checkpoints each layer's class forward), around a unit, around several units,
 reentrant or not, with a buffer read in the recompute: losses and parameters bitwise those of the same model
 checkpointed the same way without fshard (DDP at 2 ranks), at world sizes 1 and 2, with the default policies and

@@ -157,7 +157,7 @@ def test_loss_scaling_misuse_is_named():
 def test_scale_rules_equal_torch_amp_update_scale(found, interval, growth, backoff, init):
     """The rules (``LossScaling.next``) against torch's own kernel, ``torch._amp_update_scale_``, on any sequence
     of overflows, including a scale that would grow past fp32's range (it then stays)."""
-    from fshard._loss_scale import LossScaleState, LossScaling
+    from fshard.transforms._loss_scale import LossScaleState, LossScaling
     rules, ours = LossScaling(init, growth, backoff, interval), LossScaleState.initial(init)
     scale, tracker = torch.full((1,), init, dtype=torch.float32), torch.zeros(1, dtype=torch.int32)
     for f in found:

@@ -224,7 +224,7 @@ def _failing_model(begun=()):
 
 def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monkeypatch):
     import fshard as fs
-    from fshard import _offload_update as _offload
+    from fshard.offload import _update as _offload
     abandoned = []
     keep = _offload._Early.abandon
     monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
@@ -320,7 +320,8 @@ def test_with_bucket_reduce_units_begin_their_update_during_backward(tmp_path, m
     """bucket_reduce hands a unit its gradient shard once its buckets have landed, while backward goes on, so
     offload_state begins its update before the last gradient has arrived; the result is bitwise the same."""
     import fshard as fs
-    from fshard import _bucket_reduce, _offload
+    from fshard.offload import _transform as _offload
+    from fshard.transforms import _bucket_reduce
     events = []
     reduce, overlap = _bucket_reduce.BucketReduce.reduce, _offload.OffloadUpdate.overlap
     monkeypatch.setattr(_bucket_reduce.BucketReduce, "reduce",
@@ -349,7 +350,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
     """fs.init(..., offload=): the chosen units' moments are in the store from the start (the device never holds
     them all), at the places the step would have moved them to, and training is bitwise the same."""
     import fshard as fs
-    from fshard._place import choose_stores
+    from fshard.offload._tiers import choose_stores
     model, loss_fn, batches = _model()
     runs = {}
     for where in ("init", "step"):

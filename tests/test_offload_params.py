@@ -273,7 +273,7 @@ def _train_slow(directory, delays: bool):
 
 
 def test_reads_run_ahead_on_the_reader_thread_and_ranks_issue_one_order_whatever_their_timing(tmp_path):
-    """fshard/_reads.py: a stored shard is read on the step's reader thread, its gather issued in launch order on
+    """fshard/run/_read_ahead.py: a stored shard is read on the step's reader thread, its gather issued in launch order on
     the compute thread, and every reduction issues the launched gathers first; so with reads slowed at random, and
     differently on each rank, every rank issues the same collectives in the same order as without delays, and
     training is bitwise the same. Per-unit buckets hand over shards of their own, which the updates during backward

@@ -473,13 +473,13 @@ def test_import_loads_neither_the_native_ops_nor_the_test_helpers():
 # AssertionError, as pytest expects.
 _PROTOCOL_RAISES = {("__init__.py", "AttributeError"), ("_stream.py", "StopIteration"),
                     ("testing.py", "AssertionError"),
-                    ("_ckpt_read.py", "UnpicklingError"),  # pickle's protocol; read_metadata makes it a CheckpointError
+                    ("_read.py", "UnpicklingError"),  # pickle's protocol; read_metadata makes it a CheckpointError
                     ("_dcp.py", "FileNotFoundError")}  # DCP's reader protocol: no rank-local metadata, its fallback
 
 
 def test_every_error_fshard_raises_on_purpose_is_an_fshard_error():
     namespace = {}
-    for mod in ("fshard._errors", "fshard._offload", "fshard.store._errors", "fshard.ops._build"):
+    for mod in ("fshard.errors", "fshard.offload._transform", "fshard.store._errors", "fshard.ops._build"):
         namespace.update(vars(__import__(mod, fromlist=["_"])))
     bad = []
     for path in sorted(FSHARD.rglob("*.py")):

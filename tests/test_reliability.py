@@ -940,7 +940,7 @@ class _Runs:
 def _crafted(ckpt, marker, variant: str) -> None:
     import json
     import pickle
-    from fshard._ckpt_files import crc
+    from fshard.checkpoint._files import crc
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Runs(marker)))
     if variant == "no manifest":
         (ckpt / "fshard.json").unlink(missing_ok=True)
@@ -983,7 +983,7 @@ def test_a_full_disk_removes_the_partial_and_keeps_the_previous_checkpoint(tmp_p
 
     import torch.distributed.checkpoint.filesystem as fsys
 
-    import fshard._ckpt_files as ck
+    import fshard.checkpoint._files as ck
     fs.save(tmp_path / "a", _ckpt_state(1))
 
     def full(*a, **k):

@@ -458,7 +458,7 @@ def _ckpt_rows(d):
     import torch.distributed.checkpoint.filesystem as fsys
 
     import fshard as fs
-    import fshard._checkpoint as ckm
+    import fshard.checkpoint._save as ckm
     from models import Awkward
     mesh = fs.Mesh.from_env()
     rank, out = mesh.rank, {}
@@ -577,7 +577,7 @@ def test_checkpoint_calls_fail_on_every_rank_at_once_and_keep_the_data():
 
 def _ctrl_c_in_save(d):
     import fshard as fs
-    import fshard._checkpoint as ckm
+    import fshard.checkpoint._save as ckm
     from models import Awkward
     mesh = fs.Mesh.from_env()
     torch.manual_seed(0)

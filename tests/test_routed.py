@@ -1,4 +1,4 @@
-"""Routed units (fs.init(routed=...), fshard/_routed.py): experts as units while each rank's tokens pick different
+"""Routed units (fs.init(routed=...), fshard/run/_routed_groups.py): experts as units while each rank's tokens pick different
 experts. Switch Transformers with one unit per expert trains at world size 2 bitwise equal to DDP with
 find_unused_parameters (plain, with gather_ahead + bucket_reduce, with activation checkpointing), with routing that
 demonstrably differs between the ranks; Mixtral (whose experts transformers 5 keeps in one module of 3-D

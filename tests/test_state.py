@@ -168,8 +168,8 @@ def test_default_adamw_runs_the_native_kernel_and_says_so():
 def test_a_finished_step_leaves_nothing_for_the_cycle_collector():
     import gc
 
-    from fshard._run import StepRun
-    from fshard._unit import UnitRun
+    from fshard.run._run import StepRun
+    from fshard.run._unit import UnitRun
     state = _state()
     step = fs.compose(awkward_loss)
     gc.collect()

@@ -32,7 +32,7 @@ def test_tiers_take_whole_units_in_model_order_until_each_share_is_reached(sizes
     """Units in model order fill tier 0, then tier 1, ...: a tier's units are consecutive, tiers come in order,
     the units left stay on the device; a tier stops taking units once the tiers so far hold their cumulative share
     of the bytes (and takes them until then); with one tier, offload_state(store, fraction=...)'s rule."""
-    from fshard._place import choose_tiers
+    from fshard.offload._tiers import choose_tiers
     layouts = [_Layout(f"u{i}", n) for i, n in enumerate(sizes)]
     tiers = choose_tiers(layouts, 0, tuple(fractions))
     order = [tiers.get(u.name) for u in layouts]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from .._errors import FshardError
+from ..errors import FshardError
 
 log = logging.getLogger("fshard.ops")
 

@@ -1,7 +1,7 @@
 """Error classes of the store. Every message names the key and, for disk errors, the file or directory."""
 from __future__ import annotations
 
-from .._errors import FshardError
+from ..errors import FshardError
 
 
 class StoreError(FshardError, RuntimeError):

@@ -35,7 +35,7 @@ from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
 from ._owner import guard
 from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
 from ._protocol import DeferredDeletes, ItemMeta, as_bytes, from_bytes, meta_of
-from .._errors import ArgumentError
+from ..errors import ArgumentError
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ._errors import PoolExhaustedError
-from .._errors import ArgumentError
+from ..errors import ArgumentError
 
 PAGE = mmap.PAGESIZE
 

@@ -21,7 +21,7 @@ import torch
 from ._errors import StoreError
 from ._handle import Handle
 from ._pool import AlignedBuffer
-from .._errors import ArgumentError
+from ..errors import ArgumentError
 
 
 def check_depth(store: Any, depth: int, who: str) -> None:
