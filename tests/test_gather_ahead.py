@@ -62,7 +62,7 @@ def _configs():
 
 def _bound(units, depth, extra):
     """root + the (depth + 1 + extra) largest other units."""
-    from fshard.model._init import ROOT
+    from fshard.state._flat import ROOT
     others = sorted((b for n, b in units.items() if n != ROOT), reverse=True)
     return units.get(ROOT, 0) + sum(others[:depth + 1 + extra])
 

@@ -23,7 +23,8 @@ from ..offload._transform import offload_state
 from ..optim._adamw import AdamWState
 from ..offload._tiers import choose_stores
 from ..state._train_state import TrainState
-from ..state._stored import StoredParam, Stored, _chunks, _Items, _location, _stored_state
+from ..offload._tiers import _stored_state
+from ..state._stored import StoredParam, Stored, _chunks, _Items, _location
 
 __all__ = ["load"]
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._agreement import HASH_BITS, exchange, wait_works
-from ..protocol._stages import Collectives
+from ._protocol import Collectives
 from ..errors import ArgumentError
 from ._mesh import Mesh
 GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")

@@ -20,17 +20,15 @@ import torch.nn as nn
 from ..dist._agreement import HASH_BITS, agree
 from ..dist._collectives import Comm
 from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
-from ..state._flat import ALIGN_BYTES, UnitLayout, plan_unit, shard, views
+from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
-from ..offload._tiers import placer
+from ..offload._placer import placer
 from ..state._stored import resident
 from ..state._train_state import ShardSpec, TrainState
 from ..store._checksum import checksum
 from ..run._dispatch import route_units
 from ..run._routed_groups import route_groups, routed_groups
 from ._wrapped import check_not_wrapped
-
-ROOT = "<root>"
 
 
 def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,

@@ -1,21 +1,14 @@
-"""``fs.init(..., offload=)``: each unit's optimizer moments (and, with ``offload_state(params=True)``, its parameter
-shard) go straight into the store as the unit is made, so the device never holds more than one unit's moments and
-parameters (a model that fits only in the store can be initialised).
-
-The alternative, moving them on the first step (what ``offload_state`` does with a state from a plain ``fs.init``),
-needs every moment on the device first: a 6.3B-parameter GPT's 50 GB of moments beside its 25 GB of fp32 weights
-ran an H100 out of memory at init. The placement is the transform's own (``choose_tiers``: whole units in model order,
-each tier's ``fraction`` of the moment bytes in turn, chunks of ``chunk_mb``), so the step finds them where it would
-have put them.
+"""Which units of an ``fs.offload_state`` go to which tier (``choose_tiers``, ``choose_stores``: whole units in
+model order, each tier's ``fraction`` of the moment bytes in turn), and a unit's moments written into its store as
+chunk items (``put_moments``: ``Stored`` leaves, fshard/state/_stored.py). ``fs.init(..., offload=)`` places units
+by the same rule as they are made (fshard/offload/_placer.py), and so does ``fs.load(..., offload=)``.
 """
 from __future__ import annotations
 
-import uuid
+import torch
 
-from ..errors import ArgumentTypeError
-from ._pipeline import param_key
-from ..state._stored import put_moments, put_param
-from ..store._protocol import locked
+from ..optim._adamw import AdamWState
+from ..state._stored import Stored, _chunks, _Items, _location
 
 
 def choose_tiers(layouts, rank: int, fractions) -> dict:
@@ -42,34 +35,19 @@ def choose_stores(spec, opt_state, stores, fractions) -> dict:
     return {name: stores[t] for name, t in tiers.items()}
 
 
-def placer(offload, layouts, mesh):
-    """``place(layout, param, moments) -> (param, moments)``: for a unit ``offload`` keeps in its store, the same
-    zero moments as chunk items in the store (``Stored`` leaves), and with ``offload_state(params=True)`` its
-    parameter shard too (a ``StoredParam``); the others as they are. None without ``offload``."""
-    if offload is None:
-        return None
-    from ._transform import offload_state  # (which imports this module)
-    if not isinstance(offload, offload_state):
-        raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
-                                f"with, not {type(offload).__name__}.")
-    chunk, tag = offload.chunk_numel, uuid.uuid4().hex[:8]
-    # the units AdamW makes moments for (AdamW.init: the trainable ones)
-    tiers = choose_tiers([u for u in layouts if u.trainable], mesh.rank, offload.fractions)
 
-    def place(u, param, s):
-        if u.name not in tiers:
-            return param, s
-        store = offload.stores[tiers[u.name]]
-        created = []
-        try:
-            with locked(store):
-                s = put_moments(store, f"{u.name}@init-{tag}", s, chunk, created)
-                if offload.params:
-                    param = put_param(store, param_key(f"{u.name}@init-{tag}"), param, u.opt_numel(mesh.rank),
-                                      chunk, created)
-                return param, s
-        except BaseException:
-            store.delete_later(created)  # the items written before the failure: no state refers to them
-            raise
+def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
+    return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
 
-    return place
+
+def put_moments(store, key: str, s: AdamWState, chunk: int, created: list) -> AdamWState:
+    """``s``'s moments written to ``store`` (the caller holds its lock) as chunk items ``(key, i)`` of rows
+    ``[exp_avg; exp_avg_sq]``, each key noted in ``created`` as it is written: the same state with Stored leaves."""
+    n = s.exp_avg.numel()
+    chunks, handles = _chunks(n, chunk), []
+    for i, (lo, hi) in enumerate(chunks):
+        handles.append(store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
+        created.append((key, i))
+    for h in handles:
+        h.wait()
+    return _stored_state(_Items(store, key, chunks), s.count, n, s.exp_avg.dtype, _location(store))

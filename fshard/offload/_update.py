@@ -16,9 +16,9 @@ from ._pipeline import (Streamed, _Early, _lower_priority, _quiet_delete, _settl
                      stream_update)
 from ..errors import FshardError
 from ..optim._adamw import AdamWState
-from ._tiers import choose_stores
-from ..state._stored import (READS_IN_FLIGHT, Stored, StoredParam, _disk_need, _Items, _location, _stored_state,
-                      put_moments, put_param)
+from ._tiers import _stored_state, choose_stores, put_moments
+from ..state._stored import (READS_IN_FLIGHT, Stored, StoredParam, _disk_need, _Items, _location,
+                      put_param)
 from ..store import StoreError
 from ..store._protocol import locked
 

@@ -15,6 +15,7 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -60,6 +61,8 @@ class AdamW:
     impl: str = "auto"
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    # the type of one unit's state, which state.replace checks opt_state's entries against (fshard/state/_check.py)
+    state_type: ClassVar[type] = AdamWState
 
     def __post_init__(self):
         if self.impl not in _IMPLS:

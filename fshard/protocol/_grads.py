@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ._stages import Collectives
+    from ..dist._protocol import Collectives
 
 
 @dataclass(frozen=True)

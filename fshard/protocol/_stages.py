@@ -6,8 +6,8 @@ a policy subclasses its protocol and overrides what it changes; the step calls t
 else (it never probes a policy for an attribute).
 
 What policies receive is described here too: ``StepView`` (one micro-batch of a running step), ``UnitView`` (one
-unit in it), ``Collectives`` (the step's collectives); ``Grads``, the value the grads stage transforms, is in
-fshard/_grads.py. The runtime objects behind the views are private; a policy uses only what the views name.
+unit in it), ``Collectives`` (the step's collectives, declared beside them in fshard/dist/_protocol.py and
+re-exported here); ``Grads``, the value the grads stage transforms, is in fshard/protocol/_grads.py. The runtime objects behind the views are private; a policy uses only what the views name.
 
 Rules every policy keeps:
 
@@ -26,46 +26,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..errors import PolicyError
+from ..dist._protocol import Collectives, InFlight  # noqa: F401 (what policies receive of the collectives: re-exported)
 from ._grads import Grads  # noqa: F401 (the value the grads stage transforms: a protocol name, re-exported here)
 
 if TYPE_CHECKING:
     from ..state._flat import UnitLayout
-    from ..dist._mesh import Mesh
     from ..state._train_state import ShardSpec, TrainState
 
 
 # --- what policies receive --------------------------------------------------------------------------------------
-
-class InFlight(Protocol):
-    """A collective that was issued asynchronously."""
-
-    def done(self) -> bool:
-        """Whether it has completed; never blocks."""
-
-    def wait(self) -> None:
-        """Block until its output may be read."""
-
-
-class Collectives(Protocol):
-    """The step's collectives. Every gather and reduction is recorded and hashed (ranks compare the sequence after
-    backward, so ranks that issue different ones fail the step instead of mixing data); ``all_reduce``, a small
-    control message, is recorded in the trace but not hashed.
-
-    Attributes:
-      mesh: the ranks of the state (``fs.Mesh``): ``rank``, ``world_size``, ``device``.
-    """
-
-    mesh: Mesh
-
-    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """Sum a small control tensor over ranks, in place, blocking. Returns ``t``."""
-
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> InFlight:
-        """Start ``out <- this rank's 1/N slice of the sum over ranks of full``."""
-
-    def reduce_each(self, sections: Sequence[torch.Tensor], tag: str) -> InFlight:
-        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]``."""
-
 
 class UnitView(Protocol):
     """One unit during one micro-batch of a step.

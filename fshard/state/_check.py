@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError
-from ..optim._adamw import AdamWState
 from ._stored import Stored, StoredParam
 
 
@@ -70,8 +69,9 @@ def check_fields(state, changes) -> None:
         _check_units("opt_state", state.opt_state, trainable, required=False)
         for n, s in state.opt_state.items():
             u = trainable[n]
-            if not isinstance(s, AdamWState):
-                _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an fs.AdamWState is needed.")
+            if not isinstance(s, spec.opt.state_type):  # the optimizer's (AdamW's: AdamWState)
+                _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an fs.{spec.opt.state_type.__name__} is "
+                                   "needed.")
             c = s.count
             if not (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and tuple(c.shape) == (len(u.trainable),)):
                 _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+ROOT = "<root>"  # the root unit: the parameters outside every unit module, and those tied across units
 ALIGN_BYTES = 64  # each parameter starts on a cache line; each shard is a whole number of cache lines
 
 

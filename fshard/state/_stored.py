@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..optim._adamw import AdamWState
 from ..store._protocol import locked
 
 _ROWS = ("exp_avg", "exp_avg_sq")
@@ -161,10 +160,6 @@ def _location(store) -> str:
     return f"nvme:{d} ({getattr(store, 'backend', '?')})" if d else type(store).__name__.removesuffix("Store").lower()
 
 
-def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
-    return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
-
-
 def _disk_need(store, state, chosen) -> str:
     """What the store needs at its peak on this rank, what its directory has free, and the options that lower it."""
     moments = sum(2 * s.exp_avg.nbytes for n, s in state.opt_state.items() if n in chosen)  # both moments
@@ -187,16 +182,3 @@ def _bytes(b: int) -> str:
 
 def _chunks(n: int, chunk: int):
     return [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)] or [(0, 0)]
-
-
-def put_moments(store, key: str, s: AdamWState, chunk: int, created: list) -> AdamWState:
-    """``s``'s moments written to ``store`` (the caller holds its lock) as chunk items ``(key, i)`` of rows
-    ``[exp_avg; exp_avg_sq]``, each key noted in ``created`` as it is written: the same state with Stored leaves."""
-    n = s.exp_avg.numel()
-    chunks, handles = _chunks(n, chunk), []
-    for i, (lo, hi) in enumerate(chunks):
-        handles.append(store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
-        created.append((key, i))
-    for h in handles:
-        h.wait()
-    return _stored_state(_Items(store, key, chunks), s.count, n, s.exp_avg.dtype, _location(store))

@@ -33,7 +33,7 @@ from ..dist._agreement import CHECKED, agree
 from ..dist._collectives import Comm, CollectivesView
 from ._eval import train_mode
 from ..transforms._gather_ahead import Schedule
-from ..model._init import ROOT
+from ..state._flat import ROOT
 from ._plan import Plan, peak_bytes, state_figures
 from ..state._stored import StoredParam
 from ..run._run import StepRun

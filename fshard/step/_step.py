@@ -30,7 +30,7 @@ from ._eval import evaluate, train_mode
 from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, exclusive, spec_of
 from ..errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
                       UnboundParameterError)
-from ..model._init import ROOT
+from ..state._flat import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._dry_run import plan
 from ..run._read_ahead import Reader

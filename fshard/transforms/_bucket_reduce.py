@@ -34,7 +34,7 @@ import torch
 
 from ..protocol._stages import ReducePolicy
 from ..errors import ArgumentError, ArgumentTypeError
-from ..model._init import ROOT
+from ..state._flat import ROOT
 from ..protocol._transform import Transform
 
 
