@@ -81,7 +81,7 @@ __all__ = [
     "LossScaleState",
     # what a step costs: step.plan(state, batch) before it runs, fs.timeline(...) of one that ran
     "Plan", "timeline", "Timeline",
-    # the stage protocols (fshard/_base.py)
+    # the stage protocols (fshard/protocol/_stages.py)
     "GatherPolicy", "ReducePolicy", "GradsPolicy", "UpdatePolicy", "BatchesPolicy", "StepView", "UnitView",
     "Collectives", "InFlight", "Grads",
     # stores

@@ -98,12 +98,12 @@ class StepClosedError(FshardError, RuntimeError):
 
 
 class PolicyError(FshardError, RuntimeError):
-    """A stage policy broke its protocol (fshard/_base.py), e.g. a reduce policy that never handed a unit's
+    """A stage policy broke its protocol (fshard/protocol/_stages.py), e.g. a reduce policy that never handed a unit's
     gradient shard over."""
 
 
 class RecomputeError(FshardError, RuntimeError):
-    """Activation checkpointing was used in a way the step cannot keep exact (fshard/_recompute.py), e.g. a reentrant
+    """Activation checkpointing was used in a way the step cannot keep exact (run/_recompute.py), e.g. a reentrant
     checkpoint around part of a unit's uses."""
 
 

@@ -196,7 +196,7 @@ class _StreamingReader(FileSystemReader):
     """DCP's file reader, asked for one target chunk of stored moments (or parameters) at a time (``targets``: (order,
     chunk index) -> (items, numel, dtype, rows), in the order to fill them): everything else first, then each
     chunk's reads into one zeroed buffer (what the checkpoint lacks stays zero, as a fresh moment), put into its
-    store and waited for. ``metadata``: the checkpoint's, as fshard read it (fshard/_ckpt_read.py: unpickled
+    store and waited for. ``metadata``: the checkpoint's, as fshard read it (fshard/checkpoint/_read.py: unpickled
     without running anything), which DCP gets instead of unpickling ``.metadata`` itself."""
 
     def __init__(self, path: str, targets: dict, window: _Chunks, metadata):

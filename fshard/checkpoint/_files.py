@@ -229,7 +229,7 @@ def read_manifest(path: Path) -> dict:
 def check_files(path: Path, m: dict, call) -> None:
     """Each rank checks a share of the manifest's files (size and CRC); one all-reduce of the statuses, so every
     rank raises the same ``CheckpointError`` naming each bad file. (That the list is whole, ``.metadata`` and every
-    data file in it, fshard/_ckpt_read.py's ``check_consistent`` checks once the metadata is read.)"""
+    data file in it, fshard/checkpoint/_read.py's ``check_consistent`` checks once the metadata is read.)"""
     names = sorted(m["files"])
     mesh = call.mesh
     status = call.all_reduce(call.run("its file checks", lambda: crc_share(path, names, mesh.rank, mesh.world_size,

@@ -1,7 +1,7 @@
 """fs.load: a TrainState from a checkpoint of fs.save (at any world size) or of FSDP2 + DCP, read in phases that
-every rank ends at the same check (fshard/_agreed.py): the manifest, every file's size and CRC, the metadata (read
-without running anything: fshard/_ckpt_read.py) and the plan, DCP's read. New shards shaped like ``like`` are filled;
-moments and parameters in a store are streamed into it chunk by chunk (fshard/_dcp.py)."""
+every rank ends at the same check (fshard/dist/_call.py): the manifest, every file's size and CRC, the metadata (read
+without running anything: checkpoint/_read.py) and the plan, DCP's read. New shards shaped like ``like`` are filled;
+moments and parameters in a store are streamed into it chunk by chunk (fshard/checkpoint/_dcp.py)."""
 from __future__ import annotations
 
 import json
@@ -41,7 +41,7 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
     fractions, chunk size and ``params``) rather than as ``like`` has them, e.g. when ``like`` is fresh from
     ``fs.init``.
 
-    Nothing in the checkpoint is run (fshard/_ckpt_read.py); every file is checked against fshard's manifest first
+    Nothing in the checkpoint is run (fshard/checkpoint/_read.py); every file is checked against fshard's manifest first
     (none for FSDP2's), and a manifest in a newer format, or one that contradicts the metadata, is refused. The
     optimizer's hyperparameters are ``like``'s, with a warning naming each that the checkpoint's ``param_groups``
     give otherwise. A failure on one rank is an fshard error on every rank."""
@@ -79,7 +79,7 @@ def _open(path, offload) -> tuple[Path, dict | None]:
 
 
 def _plan(path: Path, m: dict | None, like: TrainState, offload):
-    """The metadata (read without running anything: fshard/_ckpt_read.py), checked against the manifest and
+    """The metadata (read without running anything: fshard/checkpoint/_read.py), checked against the manifest and
     ``like``; the new tensors to load into, and the DCP state dict of what to read into them."""
     md = read_metadata(path)
     check_consistent(path, m, md)
@@ -146,7 +146,7 @@ def _new_params(like: TrainState, offload, targets: dict) -> dict:
     parameters there (``offload_state(params=True)``: its placement; without ``offload``, where ``like`` has them),
     filled chunk by chunk as stored moments are (``targets``: rows of one), so a model whose parameters fit only in
     a store loads. The head is chunked as the unit's moments, the tail (frozen parameters) apart, as
-    fshard/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (fshard/_checkpoint.py's
+    state/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (checkpoint/_save.py's
     ``_param_items``)."""
     spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
     if offload is not None:

@@ -4,7 +4,7 @@
   names. ``read_metadata`` unpickles it admitting only the classes a DCP metadata file holds (the
   ``torch.distributed.checkpoint.metadata`` dataclasses, ``_StorageInfo``, ``torch.Size``, torch dtypes and
   layouts, paths) and plain containers; anything else is a ``CheckpointError`` "not a DCP metadata file". fshard
-  hands what it read to DCP's reader (fshard/_dcp.py's ``_StreamingReader.read_metadata``), so DCP never unpickles
+  hands what it read to DCP's reader (checkpoint/_dcp.py's ``_StreamingReader.read_metadata``), so DCP never unpickles
   it again. The classes were taken from what fshard's and FSDP2's ``.metadata`` reference (torch 2.13).
 - Tensor data is ``torch.load(weights_only=True)`` in DCP's reader already; byte entries (fshard's
   ``transform_state``, the optimizer's ``param_groups``) DCP reads with ``weights_only=False``, so fshard's load

@@ -3,7 +3,7 @@
 The checkpoint is a DCP directory that FSDP2 and plain torch can read, in the layout FSDP2's users already have:
 
 - ``"model"``: keyed like ``model.state_dict()`` (every name of a tied parameter, persistent buffers). Each rank
-  writes only its shard of each parameter, as boxes with true offsets (fshard/_dcp.py), so DCP reshards.
+  writes only its shard of each parameter, as boxes with true offsets (fshard/checkpoint/_dcp.py), so DCP reshards.
 - ``"optim"``: ``get_optimizer_state_dict``'s layout, keyed by parameter name: ``state[name]`` holds ``step`` (a
   0-dim fp32 tensor, as torch's AdamW keeps it), ``exp_avg`` and ``exp_avg_sq`` (boxes as above); parameters that
   were never updated have no entry, as in torch. ``param_groups`` lists the hyperparameters, one group per weight
@@ -12,9 +12,9 @@ The checkpoint is a DCP directory that FSDP2 and plain torch can read, in the la
   description of the layout for the error messages.
 
 A save is visible only complete (a rename after DCP's metadata and fshard's manifest of file CRCs, in
-fshard/_ckpt_files.py), and deletes nothing fshard did not write; ``load`` checks every file's size and CRC before
-DCP reads, so a damaged file is an error that names it, and runs nothing a checkpoint holds (fshard/_ckpt_read.py).
-Both are phases ended by checks that every rank joins (fshard/_agreed.py), so a failure on one rank is an fshard
+fshard/checkpoint/_files.py), and deletes nothing fshard did not write; ``load`` checks every file's size and CRC before
+DCP reads, so a damaged file is an error that names it, and runs nothing a checkpoint holds (checkpoint/_read.py).
+Both are phases ended by checks that every rank joins (fshard/dist/_call.py), so a failure on one rank is an fshard
 error on every rank. ``blocking=False`` runs the save in a thread of its own, over a process group of its own, on
 the state as it is: a state is immutable unless donated, so the save needs no copy (fs.SaveHandle).
 """
@@ -40,7 +40,7 @@ from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
 from ..state._stored import Stored, StoredParam
 
-__all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/_ckpt_load.py
+__all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/checkpoint/_load.py
 
 
 def _layout_of(state: TrainState) -> dict:
@@ -131,7 +131,7 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     checkpoint appears at ``path`` only once complete; an existing one at ``path`` is replaced only then. A ``path``
     that exists and is not an fshard checkpoint (nor an empty directory) is refused: fs.save deletes nothing it did
     not write. ``keep_last=N``: afterwards, of the complete checkpoints in ``path``'s parent directory that are of
-    ``path``'s series (the same name but for its numbers, ``step-00000100``, ``step-00000200``: fshard/_ckpt_files.py),
+    ``path``'s series (the same name but for its numbers, ``step-00000100``, ``step-00000200``: checkpoint/_files.py),
     keep the N committed last, this one always among them, and delete the others. A failed save removes its
     ``<path>.partial`` and leaves ``path`` as it was; a failure on one rank is an fshard error on every rank. Moments
     in a store are read from it one chunk item at a time, never all at once.
@@ -180,7 +180,7 @@ def _target(path, state: TrainState, keep_last, blocking) -> Path:
 
 
 def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> str:
-    """The save proper, in phases that every rank ends at the same check (fshard/_agreed.py): the ``.partial``
+    """The save proper, in phases that every rank ends at the same check (fshard/dist/_call.py): the ``.partial``
     made, DCP's write, the files' checksums, rank 0's commit. Any failure removes the ``.partial`` (rank 0), before
     any rank returns where the ranks can still agree."""
     tmp = path.with_name(path.name + ".partial")

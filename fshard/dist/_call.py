@@ -2,7 +2,7 @@
 failure on one rank is an fshard error on every rank at once, never a wait for the collective timeout.
 
 Such a call is phases of local work (reading a manifest, checking a path, writing files), each ended by a check that
-every rank joins: fshard/_agreement.py's all-reduce of ``[h, h * h, failed]``, where ``h`` hashes what every rank
+every rank joins: fshard/dist/_agreement.py's all-reduce of ``[h, h * h, failed]``, where ``h`` hashes what every rank
 must hold alike (the path, the manifest it read, the files it sees) and ``failed`` is 1 on a rank whose work
 raised. If no rank failed and the hashes are equal (``all_equal``), the call goes on to its next phase, whose
 collectives therefore pair. Otherwise every rank learns it at that check, and one all-gather of fixed-size

@@ -2,7 +2,7 @@
 
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
-``verify`` checks each one across ranks before it is issued (fshard/_agreement.py), (b) seconds spent
+``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py), (b) seconds spent
 per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
 optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
@@ -137,7 +137,7 @@ class Comm:
 
     def _check(self, entry: tuple, force: bool = False) -> None:
         """With ``verify`` (or ``force``): before a collective, one all-reduce of three numbers tells whether every
-        rank is about to issue the same one and none has failed (fshard/_agreement.py: ``exchange``). Every rank
+        rank is about to issue the same one and none has failed (fshard/dist/_agreement.py: ``exchange``). Every rank
         raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
         (which it answers by aborting the process)."""
         if not force:
@@ -312,7 +312,7 @@ class CollectivesView(Collectives):
     """What policies get of a step's ``Comm`` (``fs.Collectives``): the mesh and the collectives a policy may issue.
     The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each collective
     (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
-    fshard/_reads.py)."""
+    fshard/run/_read_ahead.py)."""
 
     def __init__(self, comm: Comm, before=None):
         self._comm, self.mesh, self._before = comm, comm.mesh, before or (lambda: None)

@@ -100,7 +100,7 @@ class Mesh:
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=_timeout()))
     id: int = field(default_factory=lambda: next(_ids))
     _background: list = field(default_factory=list, repr=False, compare=False)  # see background()
-    checks: list = field(default_factory=lambda: [0], repr=False, compare=False)  # checks made (fshard/_agreement.py)
+    checks: list = field(default_factory=lambda: [0], repr=False, compare=False)  # checks made (dist/_agreement.py)
     _held: deque = field(default_factory=lambda: deque(maxlen=_HELD), repr=False, compare=False)  # see hold()
 
     @classmethod

@@ -41,7 +41,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     Sequential. Parameters outside all units, and parameters tied across units, form the root unit.
     routed: modules (paths or modules) that call a data-dependent subset of their children, as a mixture-of-experts
     layer calls its experts: each child becomes a unit, and a call of the container gathers, reduces and frees all
-    of them on every rank, whatever each rank's tokens use (fshard/_routed.py). A module without such children
+    of them on every rank, whatever each rank's tokens use (run/_routed_groups.py). A module without such children
     (fused experts: one module of 3-D parameters for all experts, as in transformers 5) is an ArgumentError: it is
     gathered whole at each call already, so it needs no routed= (units=[...] makes it a unit of its own).
     init_fn / seed: for a model on the meta device, each unit is materialised with ``init_fn(module)`` (or each
@@ -60,7 +60,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     ``fs.load``, which allocates each rank's shards and fills them, so resuming never holds the model whole; a
     step, a save or ``fs.full_params`` refuses it.
     offload: the ``fs.offload_state(store, ...)`` the step will be composed with: the moments it keeps in its store
-    are put there as each unit is made, so the device never holds more than one unit's moments (fshard/_place.py).
+    are put there as each unit is made, so the device never holds more than one unit's moments (offload/_placer.py).
     """
     _check_args(model, mesh, opt, units, init_fn, seed, align_bytes)
     device = _check_devices(model, mesh)

@@ -3,7 +3,7 @@ NVMe) and stream them through the update.
 
 The moments of the chosen units live in ``store`` as chunk items: item ``(key, i)`` holds rows
 ``[exp_avg; exp_avg_sq]`` of elements ``chunks[i]`` of the unit's optimizer range; they are ``Stored`` leaves in
-the state (parameters: ``StoredParam``, fshard/_stored.py). The update streams every active offloaded chunk,
+the state (parameters: ``StoredParam``, fshard/state/_stored.py). The update streams every active offloaded chunk,
 read(i+1) || update(i) || write(i-1) with a bounded number of buffers, through the same AdamW kernel on the same
 elements as without offload (bitwise: chunk boundaries are multiples of 16 elements, so vector lanes see every
 element in the same position).

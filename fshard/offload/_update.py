@@ -1,5 +1,5 @@
-"""The update policy of ``fs.offload_state`` (fshard/_offload.py): ``OffloadUpdate`` streams the stored units'
-chunks through the update (fshard/_early.py's ``stream_update``), moves the chosen units' state into their tier's
+"""The update policy of ``fs.offload_state`` (fshard/offload/_transform.py): ``OffloadUpdate`` streams the stored units'
+chunks through the update (offload/_pipeline.py's ``stream_update``), moves the chosen units' state into their tier's
 store on the first step, begins updates during backward in its worker thread (``overlap``), says what a step will
 hold and move (``plan``), and cleans up after a failure (``abort``, ``OffloadError``). design/OFFLOAD.md."""
 from __future__ import annotations
@@ -306,7 +306,7 @@ class OffloadUpdate(UpdatePolicy):
         return stored
 
     def _put_param(self, store, u, rank: int, p, created, m, record) -> StoredParam:
-        """Move a unit's parameter shard into ``store`` (head chunked as its moments, fshard/_stored.py)."""
+        """Move a unit's parameter shard into ``store`` (head chunked as its moments, fshard/state/_stored.py)."""
         t0 = time.perf_counter()
         with locked(store):
             out = put_param(store, param_key(self._key(u.name)), p, u.opt_numel(rank), self.chunk, created)

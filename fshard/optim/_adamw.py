@@ -97,7 +97,7 @@ class AdamW:
     def fingerprint(self, count: int) -> tuple:
         """What every rank must agree on for the update that follows ``count`` updates: the hyperparameters (the
         schedule's value at ``count``, not the schedule object, whose repr differs between processes), the
-        implementation, and the parameters that decay. The step's rank check compares it (fshard/_agreement.py)."""
+        implementation, and the parameters that decay. The step's rank check compares it (fshard/dist/_agreement.py)."""
         return (self.lr_at(count), *self._static_fingerprint)
 
     @functools.cached_property

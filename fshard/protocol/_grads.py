@@ -1,5 +1,5 @@
 """``Grads``: the frozen value the grads stage transforms and the update consumes (the stage protocols are in
-fshard/_base.py)."""
+fshard/protocol/_stages.py)."""
 from __future__ import annotations
 
 import types

@@ -1,7 +1,7 @@
 """How calls of the template's modules reach the step being run.
 
 ``fs.init`` replaces the ``forward`` of each unit module in the template by a ``_UnitForward`` (and that of each
-routed container by a ``_GroupForward``, fshard/_routed.py), which hands the call to the step being run: a context
+routed container by a ``_GroupForward``, run/_routed_groups.py), which hands the call to the step being run: a context
 variable, set only while a step runs (``StepRun._active``).
 """
 from __future__ import annotations

@@ -18,10 +18,10 @@ tensors or freed storage. Three mechanisms cover every place a checkpoint can si
 
 A recompute that calls a unit module (a checkpoint around the unit, or the reentrant variant, whose recompute
 graph is the one differentiated) goes through the step like any call: it begins the unit's backward use and keeps
-the unit gathered until that use's gradient is complete (fshard/_unit.py).
+the unit gathered until that use's gradient is complete (fshard/run/_unit.py).
 
 ``through`` marks where backward has finished a call (FSDP2's post-backward node on a module's inputs): for a
-frozen unit, which has no gradient of its own to say so, and for a routed group (fshard/_routed.py).
+frozen unit, which has no gradient of its own to say so, and for a routed group (fshard/run/_routed_groups.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One micro-batch of a step at run time: ``StepRun``, the ``StepView`` policies see, the routing target of unit calls
-(fshard/_route.py), the saved-tensor hooks that re-gather units in backward, the hand-over of gradient shards
-(``grad_ready``) and the memory counters a step reports. Its units are ``UnitRun``s (fshard/_unit.py)."""
+(fshard/run/_dispatch.py), the saved-tensor hooks that re-gather units in backward, the hand-over of gradient shards
+(``grad_ready``) and the memory counters a step reports. Its units are ``UnitRun``s (fshard/run/_unit.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +26,7 @@ class StepRun(StepView):
     def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
                  donate: bool = False, reader: Reader | None = None):
         self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
-        self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/_reads.py)
+        self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/run/_read_ahead.py)
         # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
         self._comm, self.comm = comm, CollectivesView(comm, before=self._launches.flush)
         self.grads_unchanged, self.grads_unread = policy.grads_unchanged, policy.grads_unread
@@ -122,7 +122,7 @@ class StepRun(StepView):
         if self.param_dtype is not None:  # as FSDP2's cast_forward_inputs: floating-point inputs in the compute dtype
             args, kwargs = optree.tree_map(self._cast, (args, kwargs), none_is_leaf=True)
         if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
-            # a frozen unit has no gradient to end its backward use: a node on its inputs does (fshard/_recompute.py)
+            # a frozen unit has no gradient to end its backward use: a node on its inputs does (run/_recompute.py)
             _, args, kwargs = through(lambda: unit._use_done(None), args, kwargs)
         out = call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
         if not recompute:

@@ -1,4 +1,4 @@
-"""One step's runtime for the units (``UnitRun``; the step's is ``StepRun``, fshard/_run.py): gather, bind through
+"""One step's runtime for the units (``UnitRun``; the step's is ``StepRun``, fshard/run/_run.py): gather, bind through
 functional_call, free, re-gather in backward, reduce.
 
 How a unit's parameters reach the module: ``fs.init`` replaces the ``forward`` of each unit module in the template
@@ -8,7 +8,7 @@ frees the buffer's storage (``resize_(0)``, as FSDP does). Autograd still needs 
 saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
 handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
 which hands it to the reduce policy and frees the buffer again. Activation checkpointing (a recompute in backward)
-is covered by fshard/_recompute.py's hooks.
+is covered by fshard/run/_recompute.py's hooks.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, unit, anchor=None):
-        ctx.unit, ctx.anchored = unit, anchor is not None  # anchor: a routed group's (fshard/_routed.py)
+        ctx.unit, ctx.anchored = unit, anchor is not None  # anchor: a routed group's (fshard/run/_routed_groups.py)
         return unit._alias()  # a new tensor on the gathered buffer's storage (not a view of an input)
 
     @staticmethod
@@ -85,11 +85,11 @@ class UnitRun(UnitView):
         self._pending = None  # the Flight of a gather into ``_buf`` that nobody has waited on yet
         self._read = None  # the Future of the reader's read of a stored shard, until its gather is issued
         self._held = 0  # bytes of the read shard a gather in flight holds
-        self._queued = False  # launched, its gather not issued yet (fshard/_reads.py)
+        self._queued = False  # launched, its gather not issued yet (fshard/run/_read_ahead.py)
         self._grad: torch.Tensor | None = None
         self._got = [False] * len(layout.trainable)
         self._attached: list | None = None  # in backward, the module's parameters set to views of the buffer
-        self._member = layout.name in run._grouped  # a member of a routed group (fshard/_routed.py)
+        self._member = layout.name in run._grouped  # a member of a routed group (fshard/run/_routed_groups.py)
         self._anchor = self._stash = None  # the group call's anchor for _Gather; the gradient until the group's end
         self._group_depth = 0  # calls of its group under way
 
@@ -128,7 +128,7 @@ class UnitRun(UnitView):
                 self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}")
         self.alive = True
         run._on_alive(self, +1)
-        run._launches.add(self)  # gathers are issued in launch order (fshard/_reads.py)
+        run._launches.add(self)  # gathers are issued in launch order (fshard/run/_read_ahead.py)
 
     def _read_done(self) -> bool:
         return self._read is None or self._read.done()

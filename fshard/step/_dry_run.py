@@ -1,4 +1,4 @@
-"""step.plan(state, batch): what one step will cost on this rank, before it runs (the ``fs.Plan`` of fshard/_plan.py).
+"""step.plan(state, batch): what one step will cost on this rank, before it runs (the ``fs.Plan`` of step/_plan.py).
 
 The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
 gather, reduce and grads policies called in the order a step calls them, and a dry ``Comm`` (``dry=True``: the

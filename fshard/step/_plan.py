@@ -1,4 +1,4 @@
-"""``fs.Plan``: what one step will hold and move on this rank (``step.plan(state, batch)``, made by fshard/_planner.py),
+"""``fs.Plan``: what one step will hold and move on this rank (``step.plan(state, batch)``, made by step/_dry_run.py),
 its prediction of the process's peak RSS, the check against a memory budget and the offload fractions that fit it.
 
 Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py

@@ -10,7 +10,7 @@ The data flow of one step, as the code below reads:
     update  optimizer on the shards -> new TrainState                        (policy.update)
     commit  did any rank fail? every rank returns, or every rank raises     (one tiny all-reduce)
 
-``Step.__call__`` wraps that flow (``Step._step``) in what keeps ranks together (fshard/_agreement.py): a rank that
+``Step.__call__`` wraps that flow (``Step._step``) in what keeps ranks together (fshard/dist/_agreement.py): a rank that
 raises tells the others at their next check, and the step ends with a commit vote.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Step:
 
     def plan(self, state: TrainState, batch, max_memory: int | None = None) -> Plan:
         """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
-        it). No collective and no compute: the step's policies run on a simulated step (fshard/_planner.py) of
+        it). No collective and no compute: the step's policies run on a simulated step (fshard/step/_dry_run.py) of
         ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
         step, its metrics carry the same figures, measured. ``max_memory`` (bytes): raise ``MemoryBudgetError``,
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
@@ -222,11 +222,11 @@ class Step:
         """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
         included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
         reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
-        over ranks as a step's ``metrics["loss"]`` (fshard/_eval.py)."""
+        over ranks as a step's ``metrics["loss"]`` (fshard/step/_eval.py)."""
         return evaluate(self, state, batch)
 
     def _verify(self, mesh) -> bool:
-        """Check every collective across ranks before it is issued (fshard/_agreement.py)? ``check_collectives``
+        """Check every collective across ranks before it is issued (fshard/dist/_agreement.py)? ``check_collectives``
         if given; by default always on a CPU mesh, and until a step has completed on others (the check's
         all-reduce reads its result on the host: on CUDA a device sync per collective)."""
         if self.check_collectives is not None:
@@ -385,7 +385,7 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
       step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
       with ``fs.timeline(metrics, path)``.
     check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
-      one and that none has failed (fshard/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
+      one and that none has failed (fshard/dist/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
       one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
       process or the others would wait for the timeout. None (the default): on CPU meshes at every step (the
       example's step: 0.98x blocking, 1.04x with gather_ahead + bucket_reduce, benchmarks/RESULTS.md); on CUDA

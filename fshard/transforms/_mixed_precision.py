@@ -11,7 +11,7 @@ step moves and computes with, through two declared seams:
   default, as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); the shard it hands over is cast to the
   master dtype, and the update runs there.
 
-- grads (fp16): dynamic loss scaling, as ``torch.amp.GradScaler`` (fshard/_loss_scale.py), with the scale in
+- grads (fp16): dynamic loss scaling, as ``torch.amp.GradScaler`` (fshard/transforms/_loss_scale.py), with the scale in
   the state.
 
 With ``param_copies=True`` (the default) the gather policy also declares ``param_copies``: the state holds a
