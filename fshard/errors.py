@@ -1,4 +1,6 @@
-"""fshard's error types. Each message names what was misused and how to fix it."""
+"""``fs.errors``: every error type fshard raises on purpose, each an ``FshardError``; each message names what was
+misused and how to fix it. The common ones are also top-level names (``fs.ArgumentError``, ``fs.StepError``, ...);
+the stores' errors are also ``fs.store``'s names."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +37,7 @@ class RankFailedError(FshardError, RuntimeError):
     donated and its update had begun), so the step can be retried on every rank. The other ranks raise this when
     they stop at their next check, naming the failing rank's error; the failing rank raises ``StepError`` (a
     subclass) from its own error, or the fshard error it raised as it is. One ``except fs.FshardError`` (or
-    ``except fs.RankFailedError``, for errors other than fshard's own) catches it on every rank."""
+    ``except fs.errors.RankFailedError``, for errors other than fshard's own) catches it on every rank."""
 
 
 class StepError(RankFailedError):
@@ -121,3 +123,50 @@ class MemoryBudgetError(FshardError, MemoryError):
 
 class AbstractStateError(FshardError, ValueError):
     """A state from fs.init(..., abstract=True), which has no values, was given where values are needed."""
+
+
+class OffloadError(FshardError):
+    """The store could not hold the optimizer state; the input state is unchanged (unless it was donated)."""
+
+
+# --- the stores' (fs.store) -------------------------------------------------------------------------------------------
+
+class StoreError(FshardError, RuntimeError):
+    """Base class of every error the store raises on purpose (an ``fs.FshardError``)."""
+
+
+class StoreDirectoryError(StoreError):
+    """The store directory is missing, cannot be created, or is not writable."""
+
+
+class MissingKeyError(StoreError, KeyError):
+    """The key was never put, or was deleted. Also a KeyError, so `except KeyError` works."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "missing key"
+
+
+class CorruptedItemError(StoreError):
+    """What was read back is not what was put: checksum mismatch, truncated or deleted file."""
+
+
+class StoreWriteError(StoreError):
+    """A write did not reach the file in full (disk full, I/O error). The previous version is kept."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after close()."""
+
+
+class PoolExhaustedError(StoreError):
+    """The buffer pool is at its count or byte bound and nothing can be given back."""
+
+
+# --- the native ops' build (fs.ops) -----------------------------------------------------------------------------------
+
+class BuildError(FshardError, RuntimeError):
+    """The native ops could not be built (no compiler, no ninja, compile error)."""
+
+
+class BuildLockError(BuildError):
+    """The build lock cannot be opened safely (a symbolic link, not a regular file, no permission)."""

@@ -76,7 +76,7 @@ class _Capture(fs.Transform):
     def wrap_grads(self, inner):
         seen = self.seen
 
-        class Policy(fs.GradsPolicy):
+        class Policy(fs.protocol.GradsPolicy):
             changes_grads = False
 
             def __call__(self, comm, g):

@@ -178,7 +178,7 @@ def _order_change(on_change):
                 warnings.simplefilter("always")
                 try:
                     state, m = step(state, b)
-                except fs.ScheduleError as e:
+                except fs.errors.ScheduleError as e:
                     errors.append(str(e))
                     # the state is intact: continue this batch with a step that adopts the new order
                     state, m = fs.compose(_switch_loss, fs.gather_ahead(2))(state, b)

@@ -142,3 +142,14 @@ def test_at_most_12_modules_in_a_folder():
         if path.name != "__init__.py":
             count[path.parent.relative_to(FSHARD.parent)] = count.get(path.parent.relative_to(FSHARD.parent), 0) + 1
     assert {str(d): n for d, n in count.items() if n > 12} == {}
+
+
+def test_a_small_public_face():
+    """At most 40 names in ``fs.__all__``; every error type in ``fs.errors``, each an FshardError, and the top-level
+    errors are the same objects."""
+    assert len(fs.__all__) <= 40, len(fs.__all__)
+    errors = {n: v for n, v in vars(fs.errors).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    assert all(issubclass(v, fs.FshardError) for v in errors.values()), errors
+    assert {"OffloadError", "StoreError", "BuildError", "TorchVersionError"} <= set(errors)
+    assert all(getattr(fs, n) is errors[n] for n in fs.__all__ if n.endswith("Error"))
+    assert fs.store.StoreError is fs.errors.StoreError

@@ -111,7 +111,7 @@ def test_plan_is_local_and_changes_no_policy():
 
 def _shard_storage():
     import fshard as fs
-    from fshard import UpdatePolicy
+    from fshard.protocol import UpdatePolicy
     from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
 
     seen = {}

@@ -309,9 +309,9 @@ class Comm:
 
 
 class CollectivesView(Collectives):
-    """What policies get of a step's ``Comm`` (``fs.Collectives``): the mesh and the collectives a policy may issue.
-    The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each collective
-    (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
+    """What policies get of a step's ``Comm`` (``fs.protocol.Collectives``): the mesh and the collectives a policy may
+    issue. The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each
+    collective (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
     fshard/run/_read_ahead.py)."""
 
     def __init__(self, comm: Comm, before=None):

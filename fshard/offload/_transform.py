@@ -25,7 +25,7 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
-from ._update import OffloadError, OffloadUpdate
+from ._update import OffloadUpdate
 from ..state._stored import _location
 from ..protocol._transform import Transform
 from ..store._protocol import is_store

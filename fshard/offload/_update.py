@@ -14,17 +14,13 @@ import torch
 from ..protocol._stages import UpdatePolicy
 from ._pipeline import (Streamed, _Early, _lower_priority, _quiet_delete, _settle, owns_storage, param_key,
                      stream_update)
-from ..errors import FshardError
+from ..errors import FshardError, OffloadError
 from ..optim._adamw import AdamWState
 from ._tiers import _stored_state, choose_stores, put_moments
 from ..state._stored import (READS_IN_FLIGHT, Stored, StoredParam, _disk_need, _Items, _location,
                       put_param)
 from ..store import StoreError
 from ..store._protocol import locked
-
-
-class OffloadError(FshardError):
-    """The store could not hold the optimizer state; the input state is unchanged (unless it was donated)."""
 
 
 class OffloadUpdate(UpdatePolicy):

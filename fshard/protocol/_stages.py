@@ -7,7 +7,8 @@ else (it never probes a policy for an attribute).
 
 What policies receive is described here too: ``StepView`` (one micro-batch of a running step), ``UnitView`` (one
 unit in it), ``Collectives`` (the step's collectives, declared beside them in fshard/dist/_protocol.py and
-re-exported here); ``Grads``, the value the grads stage transforms, is in fshard/protocol/_grads.py. The runtime objects behind the views are private; a policy uses only what the views name.
+re-exported here); ``Grads``, the value the grads stage transforms, is in fshard/protocol/_grads.py. The runtime
+objects behind the views are private; a policy uses only what the views name.
 
 Rules every policy keeps:
 
@@ -41,7 +42,7 @@ class UnitView(Protocol):
 
     Attributes:
       name: the unit's name (``layout.name``).
-      layout: its ``fs.UnitLayout`` (slots, sizes, dtype, this rank's ranges).
+      layout: its ``fs.state.UnitLayout`` (slots, sizes, dtype, this rank's ranges).
       trainable: whether it has trainable parameters.
       shard: this rank's parameter shard (read it; never write it); without storage when it lives in a store.
       grad: this rank's reduced gradient shard, once the reduce policy handed it over (``StepView.grad_ready``);
@@ -76,7 +77,7 @@ class StepView(Protocol):
     """One micro-batch of a running step, as policies see it.
 
     Attributes:
-      spec: the static half of the state (``fs.ShardSpec``: template, unit layouts, mesh, optimizer).
+      spec: the static half of the state (``fs.state.ShardSpec``: template, unit layouts, mesh, optimizer).
       state: the step's input ``TrainState`` (read it; never write its tensors).
       comm: the step's ``Collectives``.
       units: unit name -> ``UnitView``, in layout order.

@@ -184,7 +184,8 @@ def fold(transforms) -> Policy:
             if PROTOCOLS[stage] not in type(new).__mro__:  # the step calls every declared hook: defaults needed
                 raise ArgumentTypeError(
                     f"{t!r} gave the {stage} stage {new!r}, which is not a {PROTOCOLS[stage].__name__}: subclass "
-                    f"fs.{PROTOCOLS[stage].__name__}, which declares every hook of the stage with its default.")
+                    f"fs.protocol.{PROTOCOLS[stage].__name__}, which declares every hook of the stage with its "
+                    "default.")
             _check_conflict(t, stage, how, changed[stage])
             changed[stage].append((t, how))
             if stage == "grads":

@@ -189,7 +189,7 @@ class TrainState:
 
     def replace(self, **changes) -> "TrainState":
         """A copy with ``changes``; it shares the tensors it does not change, and so the donation token too (pass
-        ``donation=fs.Donation()`` for a copy that shares no tensor with this state). The changed fields are
+        ``donation=fs.state.Donation()`` for a copy that shares no tensor with this state). The changed fields are
         checked against the spec (units, shapes, dtypes; fshard/state/_check.py): a wrong one is an
         ``ArgumentError`` that names it, here rather than deep inside the next step."""
         new = dataclasses.replace(self, **changes, **({} if "donation" in changes else {"donation": self.donation}))

@@ -7,7 +7,7 @@ from typing import Dict, Hashable, Iterable, List, Optional
 import torch
 
 from ._checksum import checksum
-from ._errors import MissingKeyError, StoreClosedError
+from ..errors import MissingKeyError, StoreClosedError
 from ._handle import EventLog, Handle
 from ._pool import BufferPool
 from ._protocol import DeferredDeletes, ItemMeta, as_bytes, meta_of

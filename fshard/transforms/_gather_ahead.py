@@ -224,7 +224,7 @@ class gather_ahead(Transform):
         backward: one all-gather per unit instead of two, for more memory), or a mapping / callable from unit name
         to bool, per unit.
     on_change: what a step does when the model's order differs from the schedule: "replan" (finish the step
-        without prefetch, adopt the new order, warn once) or "error" (raise ``fs.ScheduleError``).
+        without prefetch, adopt the new order, warn once) or "error" (raise ``fs.errors.ScheduleError``).
 
     Live memory: at most depth + 1 gathered units besides the root unit in forward (the current one and the
     prefetched ones), one more in backward; ``metrics["mem/peak_gathered_bytes"]`` measures it.
