@@ -1,4 +1,4 @@
-"""The cost of one cross-rank check (fshard/_agreement.py) against a bare gloo all-reduce of the same 3 numbers.
+"""The cost of one cross-rank check (fshard/dist/_agreement.py) against a bare gloo all-reduce of the same 3 numbers.
 
     flock /tmp/fshard-bench.lock .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/check.py
 
@@ -20,7 +20,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     import fshard as fs
-    from fshard._collectives import Comm
+    from fshard.dist._collectives import Comm
 
     mesh = fs.Mesh.from_env()
     buf = torch.zeros(3, dtype=torch.float64)

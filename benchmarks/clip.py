@@ -29,9 +29,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 
 def _rank(rounds: int):
     import fshard as fs
-    import fshard._clip as clip
-    from fshard._base import Grads
-    from fshard._collectives import Comm
+    import fshard.transforms._clip as clip
+    from fshard.protocol._stages import Grads
+    from fshard.dist._collectives import Comm
     from gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Which torch.distributed call gathers (and reduce-scatters) fastest on this backend? Measured, not guessed.
 
-fshard's gather_ahead and bucket_reduce pick one implementation per backend (fshard/_collectives.py); this script
+fshard's gather_ahead and bucket_reduce pick one implementation per backend (fshard/dist/_collectives.py); this script
 is the evidence (design/COLLECTIVES.md). It runs every option in the same processes, interleaved round-robin, and
 prints the median time and the ratio to the plain ``*_single`` call::
 

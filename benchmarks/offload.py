@@ -95,7 +95,7 @@ def run_config(name: str, args, out_q) -> None:
     rss, hwm = _rss()
     io_only = None
     if store is not None:  # the same reads and write-backs, with no compute: the I/O time to hide
-        keys = [k for s in state.opt_state.values() if s is not None and isinstance(s.exp_avg, fs.Stored)
+        keys = [k for s in state.opt_state.values() if s is not None and isinstance(s.exp_avg, fs.state.Stored)
                 for k in s.exp_avg.items.item_keys()]
         io_times = []
         for _ in range(2):

@@ -33,7 +33,7 @@ other, and writes one JSON):
   params=True, overlap_backward=True)``): with ``--pin`` each gather copies its unit's fp32 items straight from the
   store's pinned memory to the GPU and casts them there (the copy engine's work, as FSDP2's offload); without,
   the reader thread reads and casts them into pinned memory and the bf16 shard goes up. The gradients go down whole
-  units at a time on a copy stream (fshard/_staging.py) and each unit's host update starts once its gradient is
+  units at a time on a copy stream (fshard/offload/_staging.py) and each unit's host update starts once its gradient is
   final, during backward.
 * ``--mode fsdp2``: the peer, FSDP2 ``fully_shard`` per block and the root with ``CPUOffloadPolicy()`` (parameters,
   gradients and the optimizer step on the host: torch's ``AdamW(fused=True)`` on CPU tensors) and

@@ -197,8 +197,8 @@ def trial(args) -> None:
         # overlap_backward=False: an update begun during backward writes a clone of the unit's shard and copy (the
         # input must survive a failure before the commit), 6 bytes a parameter more at the peak (measured: 1.25 GiB
         # of 3.65 at 8 layers); the largest model wants the least memory
-        # fshard-params: reads two units ahead (fshard/_reads.py); one bucket per unit, so each gradient shard is a
-        # tensor of its own that the unit's update during backward frees
+        # fshard-params: reads two units ahead (fshard/run/_read_ahead.py); one bucket per unit, so each gradient shard
+        # is a tensor of its own that the unit's update during backward frees
         params_ts = lambda off: (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True), fs.mixed_precision(), off)
         make = lambda off: fs.init(GPT(cfg, device="meta"), fs.Mesh.from_env(),  # noqa: E731
                                    fs.adamw(lr=args.lr, weight_decay=0.1), init_fn=init_weights, seed=0, offload=off)
@@ -237,7 +237,7 @@ def trial(args) -> None:
         # activations are left out: batch 1 x 64 tokens, a few MiB), checked against this rank's share of the budget
         try:
             plan = fstep.plan(state, batches[0], max_memory=args.rank_budget)
-        except fs.MemoryBudgetError as e:
+        except fs.errors.MemoryBudgetError as e:
             if rank == 0:
                 Path(args.result).write_text(json.dumps({"refused": str(e)}))
             dist.barrier()

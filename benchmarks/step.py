@@ -255,7 +255,7 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
 # check_collectives=False: collectives checked across ranks in a step function's first step only (the default checks
-# every step on CPU meshes; fshard/_agreement.py)
+# every step on CPU meshes; fshard/dist/_agreement.py)
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
 register("fshard+ahead+buckets+unchecked")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=False))

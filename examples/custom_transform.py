@@ -5,12 +5,12 @@
 
 A transform is an ``fs.Transform`` that returns, for each stage it changes, a policy following that stage's
 protocol, and declares how in ``stages``. This one wraps the grads stage (``stages = {"grads": "wrap"}``): its
-``fs.GradsPolicy`` calls the policy it was given, then reads the value it returned, an ``fs.Grads`` whose
-``shards`` map each unit that got a gradient to this rank's 1/N slice of the reduced gradient. The slices tile the
+``fs.protocol.GradsPolicy`` calls the policy it was given, then reads the value it returned, an ``fs.protocol.Grads``
+whose ``shards`` map each unit that got a gradient to this rank's 1/N slice of the reduced gradient. The slices tile the
 unit, so a unit's global squared norm is the sum over ranks of the squares of its slices: one
-``fs.Collectives.all_reduce`` of a float64 vector with one entry per unit gives every norm on every rank; times
-``grads.scale``, since the update applies ``shards * scale`` (fp16 loss scaling starts it at 1/scale). ``Grads``
-is frozen; ``with_metrics`` returns a copy whose metrics the step adds to its own.
+``fs.protocol.Collectives.all_reduce`` of a float64 vector with one entry per unit gives every norm on every rank; times
+``grads.scale``, since the update applies ``shards * scale`` (fp16 loss scaling starts it at 1/scale). ``Grads`` is
+frozen; ``with_metrics`` returns a copy whose metrics the step adds to its own.
 
 The policy only reads the gradients, so it says ``changes_grads = False``: composed without clip or skip, the grads
 stage still counts as unchanged and ``fs.offload_state`` may begin updates during backward.
@@ -24,13 +24,13 @@ import torch
 import fshard as fs
 
 
-class _UnitGradNorms(fs.GradsPolicy):
+class _UnitGradNorms(fs.protocol.GradsPolicy):
     changes_grads = False  # reads the shards, adds metrics; scale, skip and values are left as they are
 
-    def __init__(self, inner: fs.GradsPolicy):
+    def __init__(self, inner: fs.protocol.GradsPolicy):
         self.inner = inner
 
-    def __call__(self, comm: fs.Collectives, grads: fs.Grads) -> fs.Grads:
+    def __call__(self, comm: fs.protocol.Collectives, grads: fs.protocol.Grads) -> fs.protocol.Grads:
         # Read the shards before the policies this one wraps change what the update does with them (a clip before
         # this transform scales them): the norms are those of the gradients backward produced. Every rank must
         # issue the same collective with the same size. It does: before the grads stage runs, the step checks that
@@ -57,7 +57,7 @@ class unit_grad_norms(fs.Transform):
     name = "unit_grad_norms"
     stages = {"grads": "wrap"}
 
-    def wrap_grads(self, grads: fs.GradsPolicy) -> fs.GradsPolicy:
+    def wrap_grads(self, grads: fs.protocol.GradsPolicy) -> fs.protocol.GradsPolicy:
         return _UnitGradNorms(grads)
 
     def __repr__(self) -> str:

@@ -9,12 +9,15 @@ State is data (an immutable, sharded pytree) and the step is a pure function::
         for batch in loader:
             state, metrics = step(state, batch)
 
-Public names are re-exported here over private modules (``fshard._*``), as optax does; ``__all__`` lists them.
-The subpackages are modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *`` loads none of
-them): ``fs.schedules`` (learning-rate schedules), ``fs.store`` (plain Python until an ``NVMeStore`` is opened,
-when tensornvme loads), and two that load on
+The names a training script uses are re-exported here, as optax does; ``__all__`` lists them (at most 40). The rest
+of the public surface is in public modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *``
+loads none of them): ``fs.errors`` (every error type; the common ones are also here), ``fs.state`` (the state's
+types: ``ShardSpec``, ``FrozenMap``, ``Donation``, the layouts, the stored leaves), ``fs.optim`` (``AdamW``,
+``AdamWState``), ``fs.schedules`` (learning-rate schedules), ``fs.protocol`` (what a transform author writes against:
+``Transform``, ``Policy``, the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their
+state types), ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on
 first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
-``fs.testing`` (hypothesis).
+``fs.testing`` (hypothesis). The packages by concern behind them are laid out in design/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -22,77 +25,53 @@ import importlib
 
 import torch as _torch
 
-from ._errors import TorchVersionError
+from . import errors
 # The oldest torch fshard is tested on: 2.11 (the GPU machine's 2.11.0+cu130: the CUDA tests; benchmarks/RESULTS.md,
 # "GPU"); the suite runs on 2.13.0. Older ones are untested, and those before 2.6 lack broadcast(group_src=).
 _TORCH_MIN = (2, 11)
 if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < _TORCH_MIN:
-    raise TorchVersionError(f"fshard needs torch >= {'.'.join(map(str, _TORCH_MIN))}; this is torch "
-                            f"{_torch.__version__}. Upgrade torch (pip install 'torch>=2.11'), or use the bootstrap's "
-                            "torch==2.13.0.")
+    raise errors.TorchVersionError(
+        f"fshard needs torch >= {'.'.join(map(str, _TORCH_MIN))}; this is torch {_torch.__version__}. Upgrade torch "
+        "(pip install 'torch>=2.11'), or use the bootstrap's torch==2.13.0.")
 
 from ._malloc import from_env as _mmap_from_env, set_mmap_threshold
 _mmap_from_env()  # FSHARD_MMAP_THRESHOLD (fshard/_malloc.py)
 
-from ._accumulate import accumulate
-from ._base import (BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, InFlight, ReducePolicy, StepView,
-                    UnitView, UpdatePolicy)
-from ._bucket_reduce import bucket_reduce
-from ._checkpoint import SaveHandle, latest, save
-from ._ckpt_load import load
-from ._clip import clip_by_global_norm
-from ._errors import (AbstractStateError, ArgumentError, ArgumentTypeError, BatchMismatchError, CheckpointError,
-                      CollectiveError, ConcurrentStepError, DonatedStateError, EmptyBatchError, FrozenStateError,
-                      FshardError, InitError, LossError, MemoryBudgetError, MeshMismatchError, PolicyError,
-                      RankDivergenceError, RankFailedError, RecomputeError, SaveInProgressError, ScheduleError,
-                      StepClosedError, StepError, TemplateCallError, TransformConflictError, UnboundParameterError)
-from ._gather_ahead import Schedule, gather_ahead
-from ._init import full_params, init
-from ._layout import ParamSlot, UnitLayout
-from ._mesh import Mesh
-from ._loss_scale import LossScaleState
-from ._mixed_precision import MixedPrecisionState, mixed_precision
-from ._offload import OffloadError, offload_state
-from ._optim import AdamW, AdamWState, adamw
-from ._plan import Plan
-from ._skip import skip_nonfinite
-from ._state import Donation, FrozenMap, ShardSpec, TrainState
-from ._state_dict import full_state_dict
-from ._step import Step, compose
-from ._stored import Stored, StoredParam
-from ._timeline import Timeline, timeline
-from ._transforms import Policy, Transform
-from . import schedules
-from .store import CPUStore, NVMeStore, Store, StoreError
+from . import optim, protocol, state, transforms  # noqa: F401 (public modules, with errors and store)
+from .checkpoint import SaveHandle, latest, load, save
+from .dist import Mesh
+from .errors import (ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError, FshardError, InitError,
+                     RankDivergenceError, StepError)
+from .model import full_params, full_state_dict, init
+from .offload import offload_state
+from .optim import adamw, schedules  # noqa: F401 (fs.schedules: a public module)
+from .protocol import Transform
+from .state import TrainState
+from .step import Plan, Step, Timeline, compose, timeline
+from .store import CPUStore, NVMeStore, Store
+from .transforms import (Schedule, accumulate, bucket_reduce, clip_by_global_norm, gather_ahead, mixed_precision,
+                         skip_nonfinite)
 
 __version__ = "0.1.0"
 
 _LAZY = ("ops", "testing")
+_MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "store")  # the public modules
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "ShardSpec", "FrozenMap", "set_mmap_threshold",
-    "Donation", "ParamSlot", "UnitLayout", "adamw", "AdamW", "AdamWState", "Stored", "StoredParam",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "adamw", "set_mmap_threshold",
     # checkpoints
     "save", "load", "latest", "SaveHandle",
-    # the step and its transforms
-    "compose", "Step", "Transform", "Policy", "gather_ahead", "Schedule", "bucket_reduce", "accumulate",
-    "clip_by_global_norm", "skip_nonfinite", "offload_state", "mixed_precision", "MixedPrecisionState",
-    "LossScaleState",
+    # the step and its transforms (their state types: fs.transforms; writing one: fs.protocol)
+    "compose", "Step", "Transform", "gather_ahead", "Schedule", "bucket_reduce", "accumulate", "clip_by_global_norm",
+    "skip_nonfinite", "offload_state", "mixed_precision",
     # what a step costs: step.plan(state, batch) before it runs, fs.timeline(...) of one that ran
     "Plan", "timeline", "Timeline",
-    # the stage protocols (fshard/_base.py)
-    "GatherPolicy", "ReducePolicy", "GradsPolicy", "UpdatePolicy", "BatchesPolicy", "StepView", "UnitView",
-    "Collectives", "InFlight", "Grads",
     # stores
     "Store", "CPUStore", "NVMeStore",
-    # errors: every one an FshardError
-    "FshardError", "AbstractStateError", "ArgumentError", "ArgumentTypeError", "BatchMismatchError", "CheckpointError",
-    "CollectiveError", "ConcurrentStepError", "DonatedStateError", "EmptyBatchError", "FrozenStateError", "InitError",
-    "LossError",
-    "MemoryBudgetError", "MeshMismatchError", "OffloadError", "PolicyError", "RankDivergenceError", "RankFailedError",
-    "RecomputeError", "SaveInProgressError", "ScheduleError", "StepClosedError", "StepError", "StoreError",
-    "TemplateCallError", "TorchVersionError", "TransformConflictError", "UnboundParameterError",
+    # the common errors, every one an FshardError (all of them: fs.errors)
+    "FshardError", "ArgumentError", "ArgumentTypeError", "InitError", "StepError", "CheckpointError",
+    "RankDivergenceError", "CollectiveError",
 ]
 
 
@@ -103,4 +82,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(_LAZY) | {"store", "schedules", "__version__"})
+    return sorted(set(__all__) | set(_LAZY) | set(_MODULES) | {"__version__"})

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from hypothesis import strategies as st
 
-from ._layout import UnitLayout, flatten, plan_unit, shard, unshard
-from ._state import NAMESPACE, TrainState
+from .state._flat import UnitLayout, flatten, plan_unit, shard, unshard
+from .state._train_state import NAMESPACE, TrainState
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIMS = (0, 1, 2, 3, 5, 7, 11, 13, 31)  # includes empty and prime sizes

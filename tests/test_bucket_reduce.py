@@ -243,7 +243,7 @@ def _bf16_reduce(reduce_dtype):
     import torch.distributed as dist
 
     import fshard as fs
-    from fshard._layout import flatten
+    from fshard.state._flat import flatten
     from models import Block
 
     class Capture(fs.Transform):
@@ -256,7 +256,7 @@ def _bf16_reduce(reduce_dtype):
         def wrap_grads(self, inner):
             shards = self.shards
 
-            class Policy(fs.GradsPolicy):
+            class Policy(fs.protocol.GradsPolicy):
                 changes_grads = False
 
                 def __call__(self, comm, g):

@@ -1,4 +1,4 @@
-"""fs.save / fs.load / fs.latest (fshard/_checkpoint.py) through torch.distributed.checkpoint.
+"""fs.save / fs.load / fs.latest (fshard/checkpoint/_save.py) through torch.distributed.checkpoint.
 
 - Resume: 6 steps uninterrupted against 3 steps, save, new processes, load, 3 steps: losses and parameters
   bitwise, at world sizes 1 and 2, with gather_ahead, bucket_reduce, clipping, bf16 mixed precision with param
@@ -162,7 +162,7 @@ def test_a_damaged_file_is_named_and_latest_keeps_the_complete_one(tmp_path):
 
 @given(shape=st.lists(st.integers(1, 5), max_size=4), data=st.data())
 def test_boxes_tile_a_flat_range_in_order(shape, data):
-    from fshard._dcp import _boxes
+    from fshard.checkpoint._dcp import _boxes
     n = math.prod(shape)
     lo = data.draw(st.integers(0, n))
     hi = data.draw(st.integers(lo, n))
@@ -245,7 +245,7 @@ def _killed_save(d: str, where: str):
 
     import torch.distributed.checkpoint.filesystem as fsys
 
-    import fshard._ckpt_files as ck
+    import fshard.checkpoint._files as ck
     mesh = fs.Mesh.from_env()
     state = fs.init(_model(), mesh, _transforms("plain")[0])
     with fs.compose(awkward_loss) as step:

@@ -62,12 +62,12 @@ def test_an_abstract_state_holds_nothing_and_is_refused_where_values_are_needed(
     state = fs.init(model, fs.Mesh.from_env(), fs.adamw(), abstract=True)
     assert _status("VmHWM:") - before < 8 * 2**20
     assert state.nbytes()["params"] == 0 or all(p.is_meta for p in state.params.values())
-    with pytest.raises(fs.AbstractStateError, match=r"fs.load\(path, like=state\)"):
+    with pytest.raises(fs.errors.AbstractStateError, match=r"fs.load\(path, like=state\)"):
         fs.full_params(state)
-    with pytest.raises(fs.AbstractStateError, match="abstract"):
+    with pytest.raises(fs.errors.AbstractStateError, match="abstract"):
         fs.save(tmp_path / "c", state)
     with fs.compose(lambda m, b: m(b).sum()) as step:
-        with pytest.raises(fs.AbstractStateError, match="abstract"):
+        with pytest.raises(fs.errors.AbstractStateError, match="abstract"):
             step(state, torch.ones(2, 2048))
 
 

@@ -58,7 +58,7 @@ def _donated(path: str):
     with fs.compose(awkward_loss, donate=True) as step:
         state, _ = step(state, next(batches))
         handle = fs.save(path, state, blocking=False)
-        with pytest.raises(fs.SaveInProgressError, match=r"handle.wait\(\)"):
+        with pytest.raises(fs.errors.SaveInProgressError, match=r"handle.wait\(\)"):
             step(state, next(batches))
         handle.wait()
         state, _ = step(state, next(batches))  # taken now, and updated in place

@@ -1,5 +1,5 @@
 """Checkpoints of offloaded optimizer state (fs.offload_state): fs.save streams the moments out of the store and
-fs.load streams them into one, chunk by chunk (fshard/_dcp.py).
+fs.load streams them into one, chunk by chunk (fshard/checkpoint/_dcp.py).
 
 - Resume with offload_state(NVMeStore) (plus gather_ahead, bucket_reduce, clipping, bf16, a schedule) is bitwise an
   uninterrupted run at world sizes 1 and 2, loading into a fresh fs.init state placed by ``offload=``.
@@ -39,7 +39,7 @@ def _run(path: str | None, phase: str):
         batches = batches[:3]
     elif phase == "second":
         state = fs.load(path, like=state, offload=off)  # straight into the store: the first step streams
-        assert all(isinstance(s.exp_avg, fs.Stored) for s in state.opt_state.values() if s is not None)
+        assert all(isinstance(s.exp_avg, fs.state.Stored) for s in state.opt_state.values() if s is not None)
         batches = batches[3:]
     losses = []
     with fs.compose(awkward_loss, *extra, off) as step:
@@ -80,7 +80,7 @@ def _moments(state) -> dict:
     out = {}
     for n, s in state.opt_state.items():
         if s is not None:
-            rows = [m.load() if isinstance(m, fs.Stored) else m for m in (s.exp_avg, s.exp_avg_sq)]
+            rows = [m.load() if isinstance(m, fs.state.Stored) else m for m in (s.exp_avg, s.exp_avg_sq)]
             out[n] = [r.numpy().copy() for r in rows] + [s.count.numpy().copy()]
     return out
 
@@ -92,7 +92,7 @@ def _load_placed(path: str):
     ref = _moments(fs.load(path, like=like))
     for chunk_mb, fraction in ((32 * 4 / 2**20, 1.0), (48 * 4 / 2**20, 1.0), (4, 1.0), (16 * 4 / 2**20, 0.5)):
         state = fs.load(path, like=like, offload=_offload(chunk_mb, fraction))
-        stored = sum(isinstance(s.exp_avg, fs.Stored) for s in state.opt_state.values() if s is not None)
+        stored = sum(isinstance(s.exp_avg, fs.state.Stored) for s in state.opt_state.values() if s is not None)
         assert stored == len(ref) if fraction == 1 else 0 < stored < len(ref), (stored, fraction)
         got = _moments(state)
         assert all((a == b).all() for n in ref for a, b in zip(ref[n], got[n])), (chunk_mb, fraction)

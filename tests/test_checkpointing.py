@@ -1,4 +1,4 @@
-"""Activation checkpointing under fshard (fshard/_recompute.py): a checkpoint inside a unit (transformers'
+"""Activation checkpointing under fshard (fshard/run/_recompute.py): a checkpoint inside a unit (transformers'
 ``gradient_checkpointing_enable()`` checkpoints each layer's class forward), around a unit, around several units,
 reentrant or not, with a buffer read in the recompute: losses and parameters bitwise those of the same model
 checkpointed the same way without fshard (DDP at 2 ranks), at world sizes 1 and 2, with the default policies and
@@ -177,7 +177,7 @@ def test_a_unit_in_two_reentrant_checkpoints_is_refused():
         for i in (0, 2, 2):
             h = checkpoint(model.blocks[i], h, use_reentrant=True)
         return nn.functional.cross_entropy(model.head(h).flatten(0, 1), y.flatten())
-    with fs.compose(loss_fn) as step, pytest.raises(fs.RecomputeError, match="use_reentrant=False"):
+    with fs.compose(loss_fn) as step, pytest.raises(fs.errors.RecomputeError, match="use_reentrant=False"):
         step(_state(model), next(_batches(0, 1)))
 
 
@@ -190,7 +190,7 @@ def test_a_recompute_that_reads_an_ungathered_root_parameter_names_the_fix():
     def loss_fn(model, x):  # the root's only parameters are used inside a checkpoint, between two units
         h = checkpoint(model.pre, model.blocks[0](x), use_reentrant=False)
         return model.blocks[1](h).square().mean()
-    with fs.compose(loss_fn) as step, pytest.raises(fs.UnboundParameterError, match="make each checkpointed"):
+    with fs.compose(loss_fn) as step, pytest.raises(fs.errors.UnboundParameterError, match="make each checkpointed"):
         step(_state(Pre()), torch.randn(2, D))
 
 

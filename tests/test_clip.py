@@ -1,4 +1,4 @@
-"""fs.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ (fshard/_clip.py).
+"""fs.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ (fshard/transforms/_clip.py).
 
 - On the gradients fshard reduced (captured ahead of the clip and gathered), ``metrics["grad_norm"]`` is bitwise
   ``get_total_norm`` (clip_grad_norm_'s norm) at world sizes 1-4: each parameter's torch fp32 norm is continued
@@ -76,7 +76,7 @@ class _Capture(fs.Transform):
     def wrap_grads(self, inner):
         seen = self.seen
 
-        class Policy(fs.GradsPolicy):
+        class Policy(fs.protocol.GradsPolicy):
             changes_grads = False
 
             def __call__(self, comm, g):
@@ -107,7 +107,7 @@ def _full_grads(g, world_size: int) -> list[torch.Tensor]:
 
 
 def _same_grads(name: str, native: bool):
-    import fshard._clip as clip
+    import fshard.transforms._clip as clip
     calls, rounded = [], clip._rounded_norms
     if not native:
         clip._ops = lambda: SimpleNamespace(native_available=lambda: False, sq_norm=fs.ops.sq_norm)

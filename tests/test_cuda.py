@@ -182,7 +182,7 @@ def test_offloaded_moments_are_bitwise_on_the_gpu(mesh, tmp_path):
 
 def _host_update_runs(mesh):
     """Moments (and with params=True the master weights) in host memory, the update on the host: gradients and
-    parameters staged through pinned memory on a copy stream (fshard/_staging.py), after backward or during it
+    parameters staged through pinned memory on a copy stream (fshard/offload/_staging.py), after backward or during it
     (overlap_backward: each unit's update starts once its gradient is final), with and without donate; and with
     bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy); and
     stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream."""

@@ -136,7 +136,7 @@ def test_composes_with_clip_and_skip_in_either_order(results):
         for label, u in norms.items():
             m = r["compose"][label][1][2]
             assert m["grad_clip_scale"] < 1.0 and m["skipped"] == 0, label  # clip did clip; nothing skipped
-            # grad_norm is clip_grad_norm_'s, in fp32 arithmetic (fshard/_clip.py): two ulps of the float64 norm
+            # grad_norm is clip_grad_norm_'s, in fp32 arithmetic (fshard/transforms/_clip.py): two ulps of the float64 norm
             assert math.isclose(math.hypot(*u.values()), m["grad_norm"], rel_tol=3e-7), label
 
 

@@ -25,9 +25,9 @@ def test_loss_fn_returning_a_non_scalar():
     state = _init(Awkward())
     snap = ft.snapshot(state)
     per_token = lambda m, b: nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten(), reduction="none")  # noqa
-    with pytest.raises(fs.LossError, match=r"shape \(12,\).*loss.mean\(\)"):
+    with pytest.raises(fs.errors.LossError, match=r"shape \(12,\).*loss.mean\(\)"):
         fs.compose(per_token)(state, next(awkward_batches(2, 1)))
-    with pytest.raises(fs.LossError, match="returned int"):
+    with pytest.raises(fs.errors.LossError, match="returned int"):
         fs.compose(lambda m, b: 3)(state, next(awkward_batches(2, 1)))
     ft.check_unchanged(state, snap)  # nothing lost: the state still trains
     fs.compose(awkward_loss)(state, next(awkward_batches(2, 1)))

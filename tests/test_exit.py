@@ -74,7 +74,7 @@ def test_released_waits_until_no_one_else_holds_the_tensor():
 
     import torch
 
-    from fshard._mesh import released
+    from fshard.dist._mesh import released
     t = torch.zeros(8)
     other = [t.view(-1)]  # a second holder of t's TensorImpl, as a gloo work is
     threading.Timer(0.2, other.clear).start()
@@ -91,7 +91,7 @@ def test_the_background_group_and_thread_are_closed_by_their_owner_at_exit():
     import weakref
 
     import fshard as fs
-    from fshard._mesh import _close_background
+    from fshard.dist._mesh import _close_background
     mesh = fs.Mesh.local()
     group, pool = mesh.background()
     assert pool.submit(lambda: 7).result() == 7 and group is None  # (a local mesh has no group to destroy)

@@ -62,7 +62,7 @@ def _configs():
 
 def _bound(units, depth, extra):
     """root + the (depth + 1 + extra) largest other units."""
-    from fshard._init import ROOT
+    from fshard.state._flat import ROOT
     others = sorted((b for n, b in units.items() if n != ROOT), reverse=True)
     return units.get(ROOT, 0) + sum(others[:depth + 1 + extra])
 
@@ -178,7 +178,7 @@ def _order_change(on_change):
                 warnings.simplefilter("always")
                 try:
                     state, m = step(state, b)
-                except fs.ScheduleError as e:
+                except fs.errors.ScheduleError as e:
                     errors.append(str(e))
                     # the state is intact: continue this batch with a step that adopts the new order
                     state, m = fs.compose(_switch_loss, fs.gather_ahead(2))(state, b)

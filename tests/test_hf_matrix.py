@@ -10,7 +10,7 @@ oracle (the same model in plain torch, DDP at 2 ranks, torch.optim.AdamW, the sa
 - native: the native AdamW kernel instead of ``impl="torch"``.
 
 Losses and parameters bitwise with ``impl="torch"`` at world size 1, and at world size 2 except with clipping, whose
-global norm is within 1e-7 relative of clip_grad_norm_'s there (fshard/_clip.py), so parameters are within 1e-4
+global norm is within 1e-7 relative of clip_grad_norm_'s there (fshard/transforms/_clip.py), so parameters are within 1e-4
 (Adam's update of an element whose gradient is near zero turns a last-bit difference into up to lr); within 1e-5
 with the native kernel, except GPT-2's key bias (its gradient is zero up to rounding noise, which Adam turns into
 updates of up to lr: models.KEY_BIAS_BOUND, as in test_ddp_equivalence.py) and Mixtral after its first step (a

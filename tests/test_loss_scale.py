@@ -142,7 +142,7 @@ def test_print_state_shows_master_and_compute_dtypes_and_the_scale():
 def test_loss_scaling_misuse_is_named():
     import fshard as fs
     from gpt import loss_fn
-    with pytest.raises(fs.TransformConflictError, match="both scale the loss"):
+    with pytest.raises(fs.errors.TransformConflictError, match="both scale the loss"):
         fs.compose(loss_fn, fs.mixed_precision(torch.float16), fs.mixed_precision(torch.float16))
     for bad in (dict(loss_scale="yes"), dict(init_scale=0.0), dict(growth_factor=0.5), dict(growth_interval=0)):
         with pytest.raises((fs.ArgumentError, fs.ArgumentTypeError)):
@@ -157,7 +157,7 @@ def test_loss_scaling_misuse_is_named():
 def test_scale_rules_equal_torch_amp_update_scale(found, interval, growth, backoff, init):
     """The rules (``LossScaling.next``) against torch's own kernel, ``torch._amp_update_scale_``, on any sequence
     of overflows, including a scale that would grow past fp32's range (it then stays)."""
-    from fshard._loss_scale import LossScaleState, LossScaling
+    from fshard.transforms._loss_scale import LossScaleState, LossScaling
     rules, ours = LossScaling(init, growth, backoff, interval), LossScaleState.initial(init)
     scale, tracker = torch.full((1,), init, dtype=torch.float32), torch.zeros(1, dtype=torch.int32)
     for f in found:

@@ -124,7 +124,7 @@ def test_bf16_composes_with_the_other_transforms():
 def test_mixed_precision_wraps_so_it_comes_after_the_setters():
     import fshard as fs
     from gpt import loss_fn
-    with pytest.raises(fs.TransformConflictError):
+    with pytest.raises(fs.errors.TransformConflictError):
         fs.compose(loss_fn, fs.mixed_precision(), fs.gather_ahead(2))
     with pytest.raises(fs.ArgumentTypeError, match="param_dtype"):
         fs.mixed_precision(param_dtype=torch.int8)

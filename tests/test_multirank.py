@@ -98,7 +98,7 @@ def _misuse():
     batch = (x, x) if mesh.rank == 0 else {"x": x, "y": x}
     try:
         fs.compose(lambda m, b: m(x))(state, batch)
-    except fs.BatchMismatchError as e:
+    except fs.errors.BatchMismatchError as e:
         out["batch"] = str(e)
 
     import torch.distributed as dist
@@ -107,13 +107,13 @@ def _misuse():
     other = fs.Mesh.from_group(dist.new_group([0, 1]))
     try:
         fs.compose(same, mesh=other)(state, x)
-    except fs.MeshMismatchError as e:
+    except fs.errors.MeshMismatchError as e:
         out["mesh"] = str(e)
 
     dist.destroy_process_group()
     try:
         fs.compose(same)(state, x)
-    except fs.MeshMismatchError as e:
+    except fs.errors.MeshMismatchError as e:
         out["stale"] = str(e)
     return out
 

@@ -26,7 +26,7 @@ def _moments(state):
         if s is not None:
             for f in ("exp_avg", "exp_avg_sq"):
                 v = getattr(s, f)
-                out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.Stored) else v).numpy().tobytes()
+                out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.state.Stored) else v).numpy().tobytes()
     return out
 
 
@@ -50,7 +50,7 @@ def _train(directory, with_transforms, donate=False):
         for b in batches(mesh.rank, mesh.world_size):
             state, m = step(state, b)
             losses.append(m["loss"])
-        stored = sum(isinstance(getattr(s, "exp_avg", None), fs.Stored) for s in state.opt_state.values())
+        stored = sum(isinstance(getattr(s, "exp_avg", None), fs.state.Stored) for s in state.opt_state.values())
         params = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
         out[key] = (losses, params, _moments(state), stored,
                     {k: v for k, v in m.items() if k.startswith(("io/", "update/"))})
@@ -147,7 +147,7 @@ def test_a_full_directory_fails_on_the_first_step_and_loses_nothing(tmpfs):
     state = fs.init(model, fs.Mesh.local(), fs.adamw())
     with fs.NVMeStore(str(small)) as store:
         step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
-        with pytest.raises(fs.OffloadError, match="input state is unchanged"):
+        with pytest.raises(fs.errors.OffloadError, match="input state is unchanged"):
             step(state, bs[0])
         assert store.keys() == []  # what the failed step had written is gone again
     # the input state is intact: training on without offload gives what training without offload gives
@@ -224,7 +224,7 @@ def _failing_model(begun=()):
 
 def test_a_step_that_fails_in_backward_drops_the_updates_it_began(tmp_path, monkeypatch):
     import fshard as fs
-    from fshard import _offload_update as _offload
+    from fshard.offload import _update as _offload
     abandoned = []
     keep = _offload._Early.abandon
     monkeypatch.setattr(_offload._Early, "abandon", lambda w: (abandoned.append((w.name, len(w.created))), keep(w)))
@@ -285,7 +285,7 @@ def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
     step(s, bs[1])  # empties the trash of the freed version
     keys = set(store.keys())
     store.fail = True
-    with pytest.raises(fs.OffloadError, match="input state is unchanged"):
+    with pytest.raises(fs.errors.OffloadError, match="input state is unchanged"):
         step(s, bs[1])
     store.fail = False
     assert set(store.keys()) == keys
@@ -320,7 +320,8 @@ def test_with_bucket_reduce_units_begin_their_update_during_backward(tmp_path, m
     """bucket_reduce hands a unit its gradient shard once its buckets have landed, while backward goes on, so
     offload_state begins its update before the last gradient has arrived; the result is bitwise the same."""
     import fshard as fs
-    from fshard import _bucket_reduce, _offload
+    from fshard.offload import _transform as _offload
+    from fshard.transforms import _bucket_reduce
     events = []
     reduce, overlap = _bucket_reduce.BucketReduce.reduce, _offload.OffloadUpdate.overlap
     monkeypatch.setattr(_bucket_reduce.BucketReduce, "reduce",
@@ -349,7 +350,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
     """fs.init(..., offload=): the chosen units' moments are in the store from the start (the device never holds
     them all), at the places the step would have moved them to, and training is bitwise the same."""
     import fshard as fs
-    from fshard._place import choose_stores
+    from fshard.offload._tiers import choose_stores
     model, loss_fn, batches = _model()
     runs = {}
     for where in ("init", "step"):
@@ -357,7 +358,7 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
             off = fs.offload_state(store, fraction=fraction, chunk_mb=0.01)
             state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=3e-3, weight_decay=0.1),
                             offload=off if where == "init" else None)
-            stored = {n for n, s in state.opt_state.items() if isinstance(s.exp_avg, fs.Stored)}
+            stored = {n for n, s in state.opt_state.items() if isinstance(s.exp_avg, fs.state.Stored)}
             with fs.compose(loss_fn, off) as step:
                 for b in batches(0, 1):
                     state, m = step(state, b)

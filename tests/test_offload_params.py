@@ -34,7 +34,7 @@ def _bytes(state):
     for name, s in state.opt_state.items():
         for f in ("exp_avg", "exp_avg_sq"):
             v = getattr(s, f)
-            out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.Stored) else v).numpy().tobytes()
+            out[f"{name}.{f}"] = (v.load() if isinstance(v, fs.state.Stored) else v).numpy().tobytes()
     return out
 
 
@@ -55,13 +55,13 @@ def _train(directory, model_name, extras, donate=False, at_init=False):
         off = None if store is None else fs.offload_state(store, chunk_mb=0.001, params=True)
         state = fs.init(model, mesh, fs.adamw(lr=3e-3, weight_decay=0.1), offload=off if at_init else None)
         if at_init and off is not None:
-            assert all(isinstance(p, fs.StoredParam) for n, p in state.params.items() if n in state.opt_state)
+            assert all(isinstance(p, fs.state.StoredParam) for n, p in state.params.items() if n in state.opt_state)
         step = fs.compose(loss_fn, *extra, *(() if off is None else (off,)), donate=donate)
         losses = []
         for b in batches(mesh.rank, mesh.world_size):
             state, m = step(state, b)
             losses.append(m["loss"])
-        n_stored = (sum(isinstance(p, fs.StoredParam) for p in state.params.values()), len(state.opt_state))
+        n_stored = (sum(isinstance(p, fs.state.StoredParam) for p in state.params.values()), len(state.opt_state))
         out[kind] = (losses, _bytes(state), n_stored, {k: v for k, v in m.items() if k.startswith(("io/", "upd"))})
         step.close()
         del state, step
@@ -139,16 +139,16 @@ def test_a_checkpoint_of_stored_parameters_resumes_bitwise(tmp_path):
         step = fs.compose(loss_fn, fs.mixed_precision(torch.bfloat16), off)
         s, _ = step(fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-2), offload=off), bs[0])
         s, _ = step(s, bs[1])
-        assert all(isinstance(p, fs.StoredParam) for n, p in s.params.items() if n in s.opt_state)
+        assert all(isinstance(p, fs.state.StoredParam) for n, p in s.params.items() if n in s.opt_state)
         fs.save(tmp_path / "ckpt", s)
         ref = s
         for x in bs[2:]:
             ref, _ = step(ref, x)
         loaded = fs.load(tmp_path / "ckpt", like=s, offload=off)
         # the parameters load into the store, chunk by chunk, never whole in memory (a model that fits only there)
-        assert all(isinstance(p, fs.StoredParam) for n, p in loaded.params.items() if n in loaded.opt_state)
+        assert all(isinstance(p, fs.state.StoredParam) for n, p in loaded.params.items() if n in loaded.opt_state)
         again = fs.load(tmp_path / "ckpt", like=s)  # without offload=: where like keeps them
-        assert all(isinstance(p, fs.StoredParam) for n, p in again.params.items() if n in again.opt_state)
+        assert all(isinstance(p, fs.state.StoredParam) for n, p in again.params.items() if n in again.opt_state)
         del again
         assert {n: p.numpy().tobytes() for n, p in fs.full_params(loaded).items()} == \
             {n: p.numpy().tobytes() for n, p in fs.full_params(s).items()}
@@ -209,7 +209,7 @@ def test_the_plan_counts_what_parameter_offload_holds_and_refuses_a_budget_it_ca
                 assert plan.baseline_rss > 0 and plan.predicted_rss > plan.baseline_rss + plan["mem/peak_bytes"]
                 assert "peak RSS of this process, predicted" in str(plan)
                 assert step.plan(state, b, max_memory=int(plan.predicted_rss * 1.1)) is not None  # fits
-                with pytest.raises(fs.MemoryBudgetError) as e:
+                with pytest.raises(fs.errors.MemoryBudgetError) as e:
                     step.plan(state, b, max_memory=plan.baseline_rss + plan["mem/peak_bytes"] // 4)
                 msg = str(e.value)
                 assert "max_memory=" in msg and "Nothing ran" in msg and "process baseline" in msg
@@ -273,8 +273,8 @@ def _train_slow(directory, delays: bool):
 
 
 def test_reads_run_ahead_on_the_reader_thread_and_ranks_issue_one_order_whatever_their_timing(tmp_path):
-    """fshard/_reads.py: a stored shard is read on the step's reader thread, its gather issued in launch order on
-    the compute thread, and every reduction issues the launched gathers first; so with reads slowed at random, and
+    """fshard/run/_read_ahead.py: a stored shard is read on the step's reader thread, its gather issued in launch order
+    on the compute thread, and every reduction issues the launched gathers first; so with reads slowed at random, and
     differently on each rank, every rank issues the same collectives in the same order as without delays, and
     training is bitwise the same. Per-unit buckets hand over shards of their own, which the updates during backward
     free (fewer held at once than the step produces)."""

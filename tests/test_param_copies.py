@@ -93,7 +93,7 @@ def _misuse():
     b = next(awkward_batches(2, 1))
     found = {}
 
-    class Three(fs.UpdatePolicy):  # an update policy of the old protocol: no copies returned
+    class Three(fs.protocol.UpdatePolicy):  # an update policy of the old protocol: no copies returned
         def __init__(self, inner):
             self.inner = inner
 
@@ -114,7 +114,7 @@ def _misuse():
         state = fs.init(copy.deepcopy(model), mesh, fs.adamw())
         try:
             fs.compose(awkward_loss, fs.mixed_precision(param_copies=True), wrap())(state, b)
-        except fs.PolicyError as e:
+        except fs.errors.PolicyError as e:
             found[policy.__name__] = str(e)
     # a state with copies, stepped without them: the copies are dropped, not left to go stale
     state = fs.init(copy.deepcopy(model), mesh, fs.adamw())

@@ -31,7 +31,7 @@ def _configs():
 
 def _compare(name):
     import fshard as fs
-    from fshard._plan import FIGURES
+    from fshard.step._plan import FIGURES
     from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
     mesh = fs.Mesh.from_env()
     cfg = GPTConfig.tiny(n_layers=3)
@@ -111,7 +111,7 @@ def test_plan_is_local_and_changes_no_policy():
 
 def _shard_storage():
     import fshard as fs
-    from fshard import UpdatePolicy
+    from fshard.protocol import UpdatePolicy
     from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
 
     seen = {}
@@ -165,7 +165,7 @@ class _NoRoot(torch.nn.Module):
 
 def _awkward_plans(model_name):
     import fshard as fs
-    from fshard._plan import FIGURES
+    from fshard.step._plan import FIGURES
     from models import Awkward, awkward_batches, awkward_loss
     mesh = fs.Mesh.from_env()
     if model_name == "awkward":

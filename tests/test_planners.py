@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fshard.testing as ft
-from fshard._bucket_reduce import plan_buckets
-from fshard._agreement import HASH_BITS, agree, all_equal
-from fshard._layout import plan_unit
-from fshard._optim import _segments
+from fshard.transforms._bucket_reduce import plan_buckets
+from fshard.dist._agreement import HASH_BITS, agree, all_equal
+from fshard.state._flat import plan_unit
+from fshard.optim._adamw import _segments
 
 
 @st.composite

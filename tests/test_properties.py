@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import fshard as fs
 import fshard.testing as ft
-from fshard._layout import flatten, shard, unshard
+from fshard.state._flat import flatten, shard, unshard
 
 
 @given(ft.param_trees(), ft.world_sizes())

@@ -166,7 +166,7 @@ REPLACE = [  # (what is given, the message fragment)
     (lambda s: dict(params={k: v for k, v in list(s.params.items())[1:]}), r"params lacks unit"),
     (lambda s: dict(params={**s.params, "nope": torch.zeros(3)}), r"params has unit 'nope', which the model"),
     (lambda s: dict(params={k: v.double() for k, v in s.params.items()}), r"params\['.*'\] is torch.float64"),
-    (lambda s: dict(opt_state={k: fs.AdamWState(v.count, v.exp_avg.half(), v.exp_avg_sq)
+    (lambda s: dict(opt_state={k: fs.optim.AdamWState(v.count, v.exp_avg.half(), v.exp_avg_sq)
                                for k, v in s.opt_state.items()}), r"opt_state\['.*'\].exp_avg is torch.float16"),
     (lambda s: dict(buffers={}), r"buffers lacks 'shift'"),
 ]
@@ -219,7 +219,7 @@ def test_a_loss_with_no_path_to_a_parameter_is_refused_and_changes_nothing():
     snap = ft.snapshot(state)
     for detached in (lambda m, b: awkward_loss(m, b).detach(), lambda m, b: torch.tensor(1.0),
                      lambda m, b: _no_grad(awkward_loss, m, b)):
-        with pytest.raises(fs.LossError, match=r"no path to any trainable parameter.*step.eval"):
+        with pytest.raises(fs.errors.LossError, match=r"no path to any trainable parameter.*step.eval"):
             fs.compose(detached)(state, next(awkward_batches(2, 1)))
     ft.check_unchanged(state, snap)
     fs.compose(awkward_loss)(state, next(awkward_batches(2, 1)))  # still trains
@@ -283,7 +283,7 @@ def test_a_concurrent_step_is_refused_and_the_running_one_is_unaffected():
                     lambda: other_step.eval(state, batch)):
         try:
             attempt()
-        except fs.ConcurrentStepError as e:
+        except fs.errors.ConcurrentStepError as e:
             errors.append(str(e))
     tried.set()
     first.join(30)
@@ -374,7 +374,7 @@ def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
 
         def stream(self, keys, depth=2, writeback=False, max_writes=None):
             if self.fail:
-                raise fs.StoreError(f"write failed (No space left on device) in {tmp_path}")
+                raise fs.errors.StoreError(f"write failed (No space left on device) in {tmp_path}")
             return super().stream(keys, depth=depth, writeback=writeback, max_writes=max_writes)
 
     state = _state()
@@ -383,8 +383,9 @@ def test_a_full_disk_says_how_much_the_store_needs_and_what_lowers_it(tmp_path):
         s1, _ = step(state, next(awkward_batches(2, 1)))
         snap = ft.snapshot(s1)
         store.fail = True
-        with pytest.raises(fs.OffloadError, match=r"needs about [\d.]+ (MiB|GiB) at its peak \(2x its .* free\. .*"
-                                                  r"fraction=.*donate=True and .*overlap_backward=False"):
+        with pytest.raises(fs.errors.OffloadError,
+                           match=r"needs about [\d.]+ (MiB|GiB) at its peak \(2x its .* free\. .*"
+                                 r"fraction=.*donate=True and .*overlap_backward=False"):
             step(s1, next(awkward_batches(2, 1)))
         ft.check_unchanged(s1, snap)
 
@@ -940,7 +941,7 @@ class _Runs:
 def _crafted(ckpt, marker, variant: str) -> None:
     import json
     import pickle
-    from fshard._ckpt_files import crc
+    from fshard.checkpoint._files import crc
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Runs(marker)))
     if variant == "no manifest":
         (ckpt / "fshard.json").unlink(missing_ok=True)
@@ -983,7 +984,7 @@ def test_a_full_disk_removes_the_partial_and_keeps_the_previous_checkpoint(tmp_p
 
     import torch.distributed.checkpoint.filesystem as fsys
 
-    import fshard._ckpt_files as ck
+    import fshard.checkpoint._files as ck
     fs.save(tmp_path / "a", _ckpt_state(1))
 
     def full(*a, **k):

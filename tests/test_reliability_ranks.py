@@ -218,7 +218,7 @@ class FlakyStore(fs.CPUStore):
 
     def stream(self, keys, depth=2, writeback=False, max_writes=None):
         if self.armed:
-            raise fs.StoreError("injected: the device is full")
+            raise fs.errors.StoreError("injected: the device is full")
         return super().stream(keys, depth=depth, writeback=writeback, max_writes=max_writes)
 
 
@@ -371,7 +371,7 @@ def test_an_empty_batch_whose_loss_is_nan_is_refused_on_every_rank():
         loss, step = row["summed"]
         assert step == 1 and loss == loss and loss > 0  # finite: such a loss_fn trains through an empty batch
         assert row["after"] == row["after"]
-    assert issubclass(fs.EmptyBatchError, fs.BatchMismatchError)
+    assert issubclass(fs.errors.EmptyBatchError, fs.errors.BatchMismatchError)
 
 
 # --- One error family on every rank (issue #38) ---
@@ -405,7 +405,7 @@ def _retry(n):
                             break
                         except fs.FshardError as e:
                             caught.append((type(e).__name__, str(e), type(e.__cause__).__name__,
-                                           str(e.__cause__), isinstance(e, fs.RankFailedError)))
+                                           str(e.__cause__), isinstance(e, fs.errors.RankFailedError)))
             finals.append(_snapshot(state) + [state.step.clone()])
         out[name] = (caught, all(torch.equal(a, b) for a, b in zip(*finals)) and len(finals[0]) == len(finals[1]))
     return out
@@ -420,7 +420,7 @@ def test_every_rank_catches_fshard_error_and_a_retry_ends_bitwise_as_a_clean_run
             assert same, (r, name, "the retried run differs from the clean one")
             assert len(caught) == 1, (r, name, caught)  # one failure, caught once, then the retry went through
             kind, text, cause, cause_text, rank_failed = caught[0]
-            assert rank_failed, (r, name, kind)  # except fs.RankFailedError would catch it on every rank too
+            assert rank_failed, (r, name, kind)  # except fs.errors.RankFailedError would catch it on every rank too
             if r == n - 1:  # the failing rank: an fshard error raised from its own, which it names
                 assert kind == "StepError" and cause == "ValueError" and cause_text == "boom at the first call"
                 assert f"rank {r} failed in step 0: ValueError: boom at the first call" in text, text
@@ -458,7 +458,7 @@ def _ckpt_rows(d):
     import torch.distributed.checkpoint.filesystem as fsys
 
     import fshard as fs
-    import fshard._checkpoint as ckm
+    import fshard.checkpoint._save as ckm
     from models import Awkward
     mesh = fs.Mesh.from_env()
     rank, out = mesh.rank, {}
@@ -577,7 +577,7 @@ def test_checkpoint_calls_fail_on_every_rank_at_once_and_keep_the_data():
 
 def _ctrl_c_in_save(d):
     import fshard as fs
-    import fshard._checkpoint as ckm
+    import fshard.checkpoint._save as ckm
     from models import Awkward
     mesh = fs.Mesh.from_env()
     torch.manual_seed(0)

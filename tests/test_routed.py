@@ -1,5 +1,5 @@
-"""Routed units (fs.init(routed=...), fshard/_routed.py): experts as units while each rank's tokens pick different
-experts. Switch Transformers with one unit per expert trains at world size 2 bitwise equal to DDP with
+"""Routed units (fs.init(routed=...), fshard/run/_routed_groups.py): experts as units while each rank's tokens pick
+different experts. Switch Transformers with one unit per expert trains at world size 2 bitwise equal to DDP with
 find_unused_parameters (plain, with gather_ahead + bucket_reduce, with activation checkpointing), with routing that
 demonstrably differs between the ranks; Mixtral (whose experts transformers 5 keeps in one module of 3-D
 parameters) with each experts module as a unit likewise. A small MoE covers an expert no rank uses (no update, as
@@ -175,7 +175,7 @@ def test_routed_misuse_is_named():
         return model.moe.experts[0](batch[0]).sum()
     state = fs.init(MoE(), mesh, fs.adamw(), routed=["moe"])
     assert state.spec.groups == (("moe", tuple(f"moe.experts.{i}" for i in range(4))),)
-    with fs.compose(direct) as step, pytest.raises(fs.TemplateCallError, match="through the container"):
+    with fs.compose(direct) as step, pytest.raises(fs.errors.TemplateCallError, match="through the container"):
         step(state, next(_moe_batches(0, 1)))
 
 

@@ -20,9 +20,9 @@ def _state(model=None, n=1, rank=0, **kw):
 
 def test_fields_cannot_be_assigned():
     state = _state()
-    with pytest.raises(fs.FrozenStateError, match=r"state\.replace\(params=\.\.\.\)"):
+    with pytest.raises(fs.errors.FrozenStateError, match=r"state\.replace\(params=\.\.\.\)"):
         state.params = {}
-    with pytest.raises(fs.FrozenStateError):
+    with pytest.raises(fs.errors.FrozenStateError):
         state.opt_state["<root>"].exp_avg = None
     with pytest.raises(AttributeError):  # FrozenInstanceError is an AttributeError, as for dataclasses
         del state.step
@@ -71,9 +71,9 @@ def test_donated_step_updates_in_place_and_refuses_reuse():
     donated, _ = fs.compose(awkward_loss, donate=True)(state, batch)
     assert torch.equal(donated.params["<root>"], ref.params["<root>"])
     assert donated.params["<root>"] is state.params["<root>"]  # updated in place: no copy
-    with pytest.raises(fs.DonatedStateError, match="donated"):
+    with pytest.raises(fs.errors.DonatedStateError, match="donated"):
         fs.compose(awkward_loss)(state, batch)
-    with pytest.raises(fs.DonatedStateError):
+    with pytest.raises(fs.errors.DonatedStateError):
         fs.full_params(state)
 
 
@@ -133,7 +133,7 @@ def test_cpu_model_is_not_modified_by_init():
 def test_template_has_no_data_and_cannot_be_called_outside_a_step():
     state = _state()
     assert all(p.device.type == "meta" for p in state.spec.template.parameters())
-    with pytest.raises(fs.TemplateCallError, match="outside a step"):
+    with pytest.raises(fs.errors.TemplateCallError, match="outside a step"):
         state.spec.template.blocks[0](torch.zeros(1, 8))
 
 
@@ -168,8 +168,8 @@ def test_default_adamw_runs_the_native_kernel_and_says_so():
 def test_a_finished_step_leaves_nothing_for_the_cycle_collector():
     import gc
 
-    from fshard._run import StepRun
-    from fshard._unit import UnitRun
+    from fshard.run._run import StepRun
+    from fshard.run._unit import UnitRun
     state = _state()
     step = fs.compose(awkward_loss)
     gc.collect()

@@ -124,7 +124,7 @@ def test_reaching_into_a_unit_is_a_clear_error():
     torch.manual_seed(0)
     state = fs.init(Nested(), fs.Mesh.local(), fs.adamw())
     reach_in = lambda m, x: (x * m.outer[0].gate).sum()  # noqa: E731 - uses a unit's param without calling it
-    with pytest.raises(fs.UnboundParameterError, match=r"reaches into a unit.*units=\[\.\.\.\]"):
+    with pytest.raises(fs.errors.UnboundParameterError, match=r"reaches into a unit.*units=\[\.\.\.\]"):
         fs.compose(reach_in)(state, torch.randn(2, 6))
 
 

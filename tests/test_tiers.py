@@ -32,7 +32,7 @@ def test_tiers_take_whole_units_in_model_order_until_each_share_is_reached(sizes
     """Units in model order fill tier 0, then tier 1, ...: a tier's units are consecutive, tiers come in order,
     the units left stay on the device; a tier stops taking units once the tiers so far hold their cumulative share
     of the bytes (and takes them until then); with one tier, offload_state(store, fraction=...)'s rule."""
-    from fshard._place import choose_tiers
+    from fshard.offload._tiers import choose_tiers
     layouts = [_Layout(f"u{i}", n) for i, n in enumerate(sizes)]
     tiers = choose_tiers(layouts, 0, tuple(fractions))
     order = [tiers.get(u.name) for u in layouts]
@@ -63,7 +63,7 @@ def _where(state) -> dict:
     for name, s in state.opt_state.items():
         m, p = s.exp_avg, state.params[name]
         kind = "device" if isinstance(m, torch.Tensor) else "nvme" if m.location.startswith("nvme") else "cpu"
-        if isinstance(p, fs.StoredParam):
+        if isinstance(p, fs.state.StoredParam):
             assert p.location == m.location, name
         out[name] = kind
     return out
@@ -171,7 +171,7 @@ def _fit(directory):
     assert p0.tiers[0][1] and not p0.tiers[1][1] and movable == p0.bounds["offload/device_bytes"] > 0
     budget = p0.predicted_rss - movable // 2
     fr = p0.fractions(budget)
-    with pytest.raises(fs.MemoryBudgetError) as e:
+    with pytest.raises(fs.errors.MemoryBudgetError) as e:
         p0.check(budget)
     assert f"fraction={fr}" in str(e.value)
     assert p0.fractions(p0.predicted_rss) == (0.0, 0.0)  # fits already, everything on the device: as it is

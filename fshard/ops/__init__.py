@@ -33,7 +33,7 @@ import torch
 
 from ._build import BuildError, cache_root
 from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
-from .._errors import ArgumentError
+from ..errors import ArgumentError
 
 __all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
            "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]

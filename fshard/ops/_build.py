@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from .._errors import FshardError
+from ..errors import BuildError, BuildLockError
 
 log = logging.getLogger("fshard.ops")
 
@@ -49,14 +49,6 @@ CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]  # FMAs only where
 LDFLAGS = ["-fopenmp"]
 LOCK_NAME = "fshard.lock"
 INPUTS_NAME = "inputs.json"  # what a build directory was made from: the reason a later build gives compares them
-
-
-class BuildError(FshardError, RuntimeError):
-    """The native ops could not be built (no compiler, no ninja, compile error)."""
-
-
-class BuildLockError(BuildError):
-    """The build lock cannot be opened safely (a symbolic link, not a regular file, no permission)."""
 
 
 def cache_root() -> Path:

@@ -9,7 +9,7 @@ copy) are the passes the native kernel fuses away.
 from __future__ import annotations
 
 import torch
-from .._errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError
 
 Tensors = list[torch.Tensor]
 

@@ -10,7 +10,7 @@
 Design notes: design/STORE.md.
 """
 from ._cpu import CPUStore
-from ._errors import (CorruptedItemError, MissingKeyError, PoolExhaustedError, StoreClosedError,
+from ..errors import (CorruptedItemError, MissingKeyError, PoolExhaustedError, StoreClosedError,
                       StoreDirectoryError, StoreError, StoreWriteError)
 from ._handle import DONE, FAILED, IN_FLIGHT, EventLog, Handle
 from ._nvme import NVMeStore

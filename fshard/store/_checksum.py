@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 import torch
-from .._errors import ArgumentError
+from ..errors import ArgumentError
 
 _BLOCK_WORDS = 512  # 4 KiB of uint64 words
 _MASK = (1 << 64) - 1

@@ -7,7 +7,7 @@ from typing import Dict, Hashable, Iterable, List, Optional
 import torch
 
 from ._checksum import checksum
-from ._errors import MissingKeyError, StoreClosedError, StoreError
+from ..errors import MissingKeyError, StoreClosedError, StoreError
 from ._handle import EventLog, Handle
 from ._pool import BufferPool
 from ._protocol import DeferredDeletes, ItemMeta, as_bytes, meta_of
@@ -65,7 +65,7 @@ class CPUStore(DeferredDeletes):
 
     def borrow(self, key: Hashable) -> torch.Tensor:
         """The stored tensor itself, to read (not write) while the item lives: a stored parameter's copy straight
-        to a GPU from pinned memory (fshard/_stored.py, ``StoredParam.upload``)."""
+        to a GPU from pinned memory (fshard/state/_stored.py, ``StoredParam.upload``)."""
         self._check_open()
         src = self._items.get(key)
         if src is None:
@@ -74,7 +74,7 @@ class CPUStore(DeferredDeletes):
 
     def read_into(self, key: Hashable, out: torch.Tensor) -> None:
         """Copy the item into ``out`` (same number of elements), cast to ``out``'s dtype: one pass, where
-        ``get`` and a cast take two (a stored parameter's read for its gather, fshard/_stored.py)."""
+        ``get`` and a cast take two (a stored parameter's read for its gather, fshard/state/_stored.py)."""
         self._check_open()
         src = self._items.get(key)
         if src is None:

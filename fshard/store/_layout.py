@@ -35,7 +35,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ._errors import StoreDirectoryError, StoreError, StoreWriteError
+from ..errors import StoreDirectoryError, StoreError, StoreWriteError
 from ._owner import PREFIX, TermCleanup, sweep, unguard, write_owner
 
 _ENGINE_KEY = "v"  # each engine holds at most one entry, so one fixed key suffices

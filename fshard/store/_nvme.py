@@ -29,13 +29,13 @@ from typing import Deque, Dict, Hashable, Iterable, List, Optional
 import torch
 
 from ._checksum import checksum, validate_kind
-from ._errors import CorruptedItemError, MissingKeyError, StoreClosedError, StoreError, StoreWriteError
 from ._handle import EventLog, Handle
 from ._layout import DIO_ALIGN, Slot, SlotSpace, cleanup, open_store_dir
 from ._owner import guard
 from ._pool import round_up, AlignedBuffer, BufferPool, Iovecs, copy_bytes as _copy
 from ._protocol import DeferredDeletes, ItemMeta, as_bytes, from_bytes, meta_of
-from .._errors import ArgumentError
+from ..errors import (ArgumentError, CorruptedItemError, MissingKeyError, StoreClosedError, StoreError,
+                      StoreWriteError)
 
 
 @dataclass

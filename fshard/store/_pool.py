@@ -24,8 +24,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._errors import PoolExhaustedError
-from .._errors import ArgumentError
+from ..errors import ArgumentError, PoolExhaustedError
 
 PAGE = mmap.PAGESIZE
 

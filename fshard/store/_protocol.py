@@ -9,7 +9,7 @@ from typing import Any, Hashable, Iterable, Optional, Protocol, Tuple, runtime_c
 
 import torch
 
-from ._errors import MissingKeyError
+from ..errors import MissingKeyError
 from ._handle import Handle
 
 

@@ -18,10 +18,9 @@ from typing import Any, Deque, Hashable, Iterable, List, Optional, Tuple
 
 import torch
 
-from ._errors import StoreError
 from ._handle import Handle
 from ._pool import AlignedBuffer
-from .._errors import ArgumentError
+from ..errors import ArgumentError, StoreError
 
 
 def check_depth(store: Any, depth: int, who: str) -> None:

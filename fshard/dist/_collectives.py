@@ -1,0 +1,332 @@
+"""The collectives of one step: torch.distributed calls, plus a record of what was issued.
+
+Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
+compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
+``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py), (b) seconds spent
+per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
+optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
+
+Gathers are issued asynchronously and return a ``Flight``; the caller waits on it right before the data is used.
+Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy`` the wall time during which at
+least one gather was in flight. Blocking use (issue, then wait at once) makes the two equal.
+
+How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
+on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
+``all_gather_into_tensor``; on NCCL, ``all_gather_into_tensor`` is the native ring. ``FSHARD_GATHER`` overrides it
+(``all_gather``, ``broadcast``, ``all_reduce``). Every implementation is an exact copy of each rank's shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from ._agreement import HASH_BITS, exchange, wait_works
+from ._protocol import Collectives
+from ..errors import ArgumentError
+from ._mesh import Mesh
+GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
+_FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_into_tensor
+
+
+def gather_impl(mesh: Mesh) -> str:
+    impl = os.environ.get("FSHARD_GATHER", "auto")
+    if impl == "auto":
+        return _FASTEST_GATHER.get(mesh.backend, "all_gather")
+    if impl not in GATHER_IMPLS:
+        raise ArgumentError(f"FSHARD_GATHER={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}.")
+    return impl
+
+
+class Flight:
+    """One collective in flight (a gather or a reduction, ``phase``, of the unit or bucket ``tag``). ``wait()``
+    returns once its output is complete (on CUDA: once the current stream is ordered after it)."""
+
+    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase", "tag")
+
+    def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather", tag: str = ""):
+        self._comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
+        self.tag = tag
+        self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
+        if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
+            try:
+                futures = [w.get_future() for w in works]
+            except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
+                futures = []
+            for i, fut in enumerate(futures):
+                # (the stamps, not the flight: gloo's thread then holds no reference to the step's objects)
+                fut.add_done_callback(lambda _f, i=i, s=self._stamps: s.__setitem__(i, time.perf_counter()))
+
+    def done(self) -> bool:
+        """Has every work completed? Never blocks; ``wait()`` is still what makes the output usable."""
+        return self.works is None or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        if self.works is None:
+            return
+        t0 = time.perf_counter()
+        # timeline: a wait is exposed if the collective was still running when compute asked for it (issuing, in
+        # _flight, is exposed too)
+        blocked = self._comm.spans is not None and not all(w.is_completed() for w in self.works)
+        wait_works(self.works, self._comm, lambda: f"its {self.phase} of {self.tag!r}")
+        if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
+            torch.cuda.current_stream().wait_stream(self._comm.stream)
+        t1 = time.perf_counter()
+        self.works = None
+        stamps = self._stamps
+        self.t_done = max(stamps) if stamps and all(t is not None for t in stamps) else t1
+        self._comm.seconds[self.phase + "_exposed"] += t1 - t0
+        if blocked and self.t_done > t0:  # (gloo may run the completion callback before is_completed() says so)
+            self._comm.span("wait", f"{self.phase}:{self.tag}", t0, t1)
+        self._comm = None  # a record now: no cycle with comm.flights, so a step's Comm (and its mesh's process
+        # group) is freed when the step ends, not at a later garbage collection (design: "Exit and teardown")
+
+
+class Comm:
+    def __init__(self, mesh: Mesh, trace: bool = False, stream=None, timeline: bool = False, dry: bool = False,
+                 verify: bool = False, context: str = ""):
+        self.mesh = mesh
+        self.verify = verify  # compare each collective across ranks before issuing it (``_check``)
+        self.context = context  # where this Comm works, for messages ("step 5")
+        self.closed = False  # every rank knows this step failed (a check said so, or the transport broke)
+        self.vote_next = False  # the other ranks' next collective is the commit vote (a check), whatever ``verify``
+        self.dry = dry  # step.plan: every collective is recorded and counted as usual, but moves nothing
+        self.trace: list[tuple] | None = [] if trace else None
+        # timeline=True: (lane, label, start, end) in perf_counter seconds, appended from any thread (list.append
+        # is atomic); gathers and reductions are added from their flights by ``timeline()``; "wait" spans are
+        # compute's time on a collective: issuing it, and blocking in wait() while it still ran
+        self.spans: list[tuple] | None = [] if timeline else None
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.flights: dict[str, list[Flight]] = defaultdict(list)
+        self.reduce_buffer_bytes = 0  # the largest buffer one reduction read (a unit's gradient, or a bucket)
+        self.impl = gather_impl(mesh)
+        self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
+        self._hash = 0
+
+    def span(self, lane: str, label: str, t0: float, t1: float) -> None:
+        """Add a span to this step's timeline, if one is being recorded."""
+        if self.spans is not None:
+            self.spans.append((lane, label, t0, t1))
+
+    def timeline(self, origin: float) -> tuple:
+        """The recorded spans and one per gather and reduction (issue to completion), in seconds since
+        ``origin``, ordered by start."""
+        flights = [(p, f.tag, f.t_issue, f.t_done if f.t_done is not None else f.t_issue)
+                   for p in ("gather", "reduce") for f in self.flights[p]]
+        return tuple(sorted(((lane, label, a - origin, b - origin) for lane, label, a, b in self.spans + flights),
+                            key=lambda s: s[2]))
+
+    @property
+    def seq_hash(self) -> int:
+        return self._hash & ((1 << HASH_BITS) - 1)
+
+    def _note(self, kind: str, tag: str, t: torch.Tensor, check: bool = True) -> None:
+        entry = (kind, tag, str(t.dtype).removeprefix("torch."), t.numel())
+        if check:
+            self._check(entry)
+        self._hash = zlib.crc32(repr(entry).encode(), self._hash)
+        self.bytes[kind] += t.nbytes
+        if self.trace is not None:
+            self.trace.append(entry)
+
+    def _check(self, entry: tuple, force: bool = False) -> None:
+        """With ``verify`` (or ``force``): before a collective, one all-reduce of three numbers tells whether every
+        rank is about to issue the same one and none has failed (fshard/dist/_agreement.py: ``exchange``). Every rank
+        raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
+        (which it answers by aborting the process)."""
+        if not force:
+            self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
+        if not (self.verify or force) or self.mesh.group is None or self.dry or self.closed:
+            return
+        exchange(self, entry)
+
+    def vote(self, tag: str) -> None:
+        """A check with no collective after it, made whether or not ``verify`` is on: the step's commit. Returns on
+        every rank or raises on every rank (``RankFailedError`` if one has failed)."""
+        self._check(("vote", tag, "", 0), force=True)
+
+    def fail(self, error: BaseException) -> bool:
+        """This rank raised ``error`` mid-step: complete what is in flight, then post the failure at the other
+        ranks' next check, where each raises ``RankFailedError`` naming this rank's error. Only where every
+        collective is checked (otherwise the others may be waiting in a collective this rank never issues: they
+        time out with a ``CollectiveError``); not for KeyboardInterrupt or SystemExit (every rank gets its own
+        Ctrl-C; an exiting rank is a dead one to the others), nor when the ranks already know (``closed``).
+        Returns whether the other ranks know (posted, or known before), for the failing rank's message."""
+        self.drain()
+        if self.closed or self.mesh.group is None or self.dry:
+            return True
+        if not (self.verify or self.vote_next) or not isinstance(error, Exception):
+            return False
+        try:
+            exchange(self, ("fail", "", "", 0), failure=error)
+        except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
+            return False
+        return True
+
+    def unanimous(self, error: Exception) -> Exception:
+        """Mark ``error`` as one every rank raises at this point (from values they agreed on): no rank posts it."""
+        self.closed = True
+        return error
+
+    # --- gathers -------------------------------------------------------------------------------------------------
+
+    def gather_scope(self):
+        """Where a gather's output is allocated and its collective issued. On CUDA that is the gather stream, so
+        the caching allocator ties the buffer to it (see ``before_free``); elsewhere nothing."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())  # the shard may have just been written
+        return torch.cuda.stream(self.stream)
+
+    def before_free(self) -> None:
+        """Call before freeing a gathered buffer. On CUDA the buffer returns to the gather stream's pool at once,
+        so the gather stream must not reuse it before compute has finished reading it: order the gather stream
+        after everything compute has queued (FSDP2's alternative to ``record_stream``)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    def gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> Flight:
+        """Start ``out <- concatenation of every rank's shard``; wait on the returned flight before reading out."""
+        self._note("all_gather", tag, out)
+        t0 = time.perf_counter()
+        g, n, rank = self.mesh.group, self.mesh.world_size, self.mesh.rank
+        if self.stream is not None and shard.is_cuda:  # made on another stream (a cast): not reused under the gather
+            shard.record_stream(self.stream)
+        if self.dry:
+            works = []
+        elif g is None:
+            out.copy_(shard)
+            works = []
+        elif self.impl == "all_gather":
+            works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
+        elif self.impl == "broadcast":
+            parts = out.chunk(n)
+            parts[rank].copy_(shard)
+            works = [dist.broadcast(parts[r], group_src=r, group=g, async_op=True) for r in range(n)]
+        else:  # all_reduce of a buffer that is -0.0 except this rank's shard: x + (-0.0) == x for every float x
+            out.fill_(-0.0 if out.is_floating_point() else 0)
+            out.chunk(n)[rank].copy_(shard)
+            works = [dist.all_reduce(out, group=g, async_op=True)]
+        return self._flight(works, t0, "gather", tag)
+
+    def _flight(self, works: list, t0: float, phase: str, tag: str) -> Flight:
+        f = Flight(self, works, t0, phase, tag)
+        self.flights[phase].append(f)
+        t1 = time.perf_counter()
+        self.seconds[phase + "_exposed"] += t1 - t0  # issuing runs on the compute thread
+        if self.spans is not None:  # so the timeline counts it as exposed, as a wait that blocked
+            self.spans.append(("wait", f"{phase}:{tag}", t0, t1))
+        return f
+
+    def drain(self) -> None:
+        """Complete every collective still in flight (after an error: nothing may write into freed memory, and
+        the next step must not pair with this one's leftovers)."""
+        for flights in self.flights.values():
+            for f in flights:
+                try:
+                    f.wait()
+                except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
+                    pass
+
+    def busy_seconds(self, phase: str) -> float:
+        """Wall time during which at least one collective of ``phase`` was in flight (the union of their
+        intervals)."""
+        total, end = 0.0, float("-inf")
+        for f in sorted(self.flights[phase], key=lambda f: f.t_issue):
+            done = f.t_done if f.t_done is not None else f.t_issue
+            if done > end:
+                total += done - max(f.t_issue, end)
+                end = done
+        return total
+
+    # --- reductions ----------------------------------------------------------------------------------------------
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> None:
+        """Blocking gather (outside a step: fs.full_params)."""
+        self.gather(out, shard, tag).wait()
+
+    def gather_to_first(self, out: torch.Tensor | None, shard: torch.Tensor, tag: str) -> None:
+        """Blocking gather of every rank's shard into rank 0's ``out`` (the others pass None and get nothing):
+        fs.full_state_dict(rank0_only=True)."""
+        self._note("gather_to_first", tag, shard)
+        if self.mesh.group is None:
+            out.copy_(shard)
+        elif not self.dry:  # (waited for as every collective: interruptible, a transport error named)
+            pieces = list(out.split(shard.numel())) if self.mesh.rank == 0 else None
+            wait_works([dist.gather(shard, gather_list=pieces, group_dst=0, group=self.mesh.group, async_op=True)],
+                       self, lambda: f"its gather of {tag!r} to rank 0")
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
+        """Start ``out <- this rank's slice of the sum over ranks of full``; wait on the returned flight."""
+        self._note("reduce_scatter", tag, full)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
+        t0 = time.perf_counter()
+        if self.dry:
+            works = []
+        elif self.mesh.group is None:
+            out.copy_(full)
+            works = []
+        else:
+            works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
+                                                async_op=True)]
+        return self._flight(works, t0, "reduce", tag)
+
+    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]`` (the
+        others' are scratch). Sections may differ in size, so a bucket can end anywhere in a unit."""
+        self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."),
+                     "+".join(str(t.numel()) for t in sections)))  # one check for the call's N reduces
+        for r, t in enumerate(sections):
+            self._note("reduce", f"{tag}/r{r}", t, check=False)
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
+        t0 = time.perf_counter()
+        g = self.mesh.group
+        works = [] if g is None or self.dry else [
+            dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True) for r, t in enumerate(sections)]
+        return self._flight(works, t0, "reduce", tag)
+
+    def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""
+        entry = ("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel())
+        self._check(entry)
+        if self.trace is not None:
+            self.trace.append(entry)
+        t0 = time.perf_counter()
+        if self.mesh.group is not None:
+            self.bytes["control"] += t.nbytes
+            if not self.dry:
+                wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self,
+                           lambda: f"its {tag!r}")
+        t1 = time.perf_counter()
+        self.seconds["control"] += t1 - t0
+        if self.spans is not None:
+            self.spans.append(("control", tag, t0, t1))
+        return t
+
+
+class CollectivesView(Collectives):
+    """What policies get of a step's ``Comm`` (``fs.protocol.Collectives``): the mesh and the collectives a policy may
+    issue. The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each
+    collective (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
+    fshard/run/_read_ahead.py)."""
+
+    def __init__(self, comm: Comm, before=None):
+        self._comm, self.mesh, self._before = comm, comm.mesh, before or (lambda: None)
+
+    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        self._before()
+        return self._comm.all_reduce(t, tag)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
+        self._before()
+        return self._comm.reduce_scatter(out, full, tag)
+
+    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+        self._before()
+        return self._comm.reduce_each(sections, tag)

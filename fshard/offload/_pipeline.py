@@ -1,0 +1,216 @@
+"""offload_state's pipeline: ``stream_update`` runs units' updates through the store (read ‖ update ‖ write, the
+parameters' chunks beside the moments' where they live in the store too); ``_Early``, an update begun during
+backward (``overlap_backward``) in the worker thread; ``Streamed``, one unit's work item."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import wait
+from typing import Any, NamedTuple
+
+import torch
+
+from ..state._stored import StoredParam, _Items
+from ..store._protocol import locked
+from ._staging import HostStaging
+
+
+class Streamed(NamedTuple):
+    """One unit's update through the store: its parameter shard (a tensor, written in place, or a ``StoredParam``),
+    gradient shard, the optimizer's runs, its stored optimizer state, the key the new moments are written under, its
+    low-precision copy (or None), and the key a stored parameter's head is written under (None for a tensor)."""
+
+    param: Any
+    grad: torch.Tensor
+    segs: list
+    state: Any
+    key: str
+    copy: torch.Tensor | None
+    pkey: str | None = None
+
+
+def param_key(key: str) -> str:
+    """The key of a stored parameter's head written beside moments under ``key``."""
+    return key + "/param"
+
+
+def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True):
+    """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
+    items and, for parameters in the store, a second one over their head items in lockstep (item i of both covers
+    the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
+    holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
+    (``StoredParam.load``, on the step's reader thread) go between this stream's items instead of waiting for the
+    whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic.
+    Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole units at a
+    time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after
+    which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
+    which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits)."""
+    keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
+    pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
+    where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
+    last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
+    staging = HostStaging(work, ready)
+    t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
+    # an in-memory store updated in place where the input may be overwritten: no copy out and back
+    # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own stream)
+    in_place = store.stream_in_place if donate and getattr(type(store), "stream_in_place", None) else None
+    with locked(store):
+        open_stream = in_place or (lambda ks: store.stream(ks, depth=depth, writeback=True))
+        streams = [open_stream(keys)]
+        if pkeys:
+            streams.append(open_stream(pkeys))
+    try:
+        its = [iter(s) for s in streams]
+        for i, c in where:
+            t0 = time.perf_counter()
+            w = staging.host(i)  # its tensors on the host (waits for their copies down)
+            spans.setdefault(i, [t0, t0])
+            with locked(store):
+                item = next(its[0])  # waits for read(i); reads i+1 .. i+depth are in flight
+                pitem = next(its[1]) if w.pkey is not None else None
+            t_wait += time.perf_counter() - t0
+            lo, hi = w.state.exp_avg.items.chunks[c]
+            mv = item.tensor
+            p, plo = (w.param, 0) if pitem is None else (pitem.tensor[0], lo)  # a stored head chunk starts at lo
+            for a, b, step, lr, wd in w.segs:
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    _apply(opt, p, w.grad, mv[0], mv[1], a, b, lo, (step, scale, lr, wd), w.copy, plo)
+            t0 = time.perf_counter()
+            done = [(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else [])
+            for s, it_, k in done:
+                with locked(store):
+                    s.writeback(it_, key=k)  # async; waits only if too many writes are in flight
+                if not donate:
+                    created.append(k)
+                n = it_.tensor.numel() * it_.tensor.element_size()
+                m["io/read_bytes"] += n
+                m["io/write_bytes"] += n
+            if c == last[i]:
+                staging.up(i)
+            spans[i][1] = time.perf_counter()
+            t_wait += spans[i][1] - t0
+        up = staging.finish(wait=wait_up)
+    finally:
+        t0 = time.perf_counter()
+        error = None
+        for s in streams:
+            try:
+                with locked(store):
+                    s.close()  # completes every write-back (raises the first error)
+            except BaseException as e:  # noqa: BLE001 - close the other stream too, then raise
+                error = error or e
+        t1 = time.perf_counter()
+        t_wait += t1 - t0
+        for i, (a, b) in spans.items():
+            record("store", f"stream {work[i].key.rsplit('@', 1)[0]}", a, b)
+        record("store", "write-back", t0, t1)
+        m["time/io_wait"] += t_wait
+        if error is not None:
+            raise error
+    return up
+
+
+def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> None:
+    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows and
+    parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay); ``copy``: the shard's
+    low-precision copy, written in the same pass. Every tensor is on the host (``HostStaging`` put it there)."""
+    step, scale, lr, wd = run
+    opt.apply(p[a - plo:b - plo], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr,
+              weight_decay=wd, copy=None if copy is None else copy[a:b])
+
+
+class _Early:
+    """One unit's update, begun in the worker during backward: a new version of its chunks (new keys, a cloned
+    parameter and copy), so the input state stays intact until the update takes the result, and nothing is lost if
+    the step fails first (``abandon``). A step that donates its input writes in place instead (``in_place``: the
+    policy marked the input donated first)."""
+
+    def __init__(self, owner, store, opt, name, param, copy, grad, s, segs, count, key, record, free_grad=None,
+                 in_place=False, ready=None, cloned=False, data=None):
+        self.store, self.opt, self.name, self.param, self.grad, self.s = store, opt, name, param, grad, s
+        # free_grad: (step, unit) whose shard to free once consumed, or None; in_place: the step donates
+        self.free_grad, self.in_place = free_grad, in_place
+        self.cloned = cloned  # the caller already made the new version of the parameter and copy (on a GPU)
+        self.data = grad if data is None else data  # what the update reads: the gradient shard, or a copy of it
+        self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
+        self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
+        # ready: a CUDA event after which the gradient is final (None on a CPU mesh); ups: the events after the
+        # parameters' copies back to the GPU, which the step's stream waits for when it takes the result
+        self.ready, self.ups = ready, []
+        self.created: list = []  # keys written so far (appended by the worker)
+        self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+        self.started, self.seconds = float("inf"), 0.0
+        self.future = owner.worker.submit(self._run, owner, segs)
+
+    def _run(self, owner, segs):
+        t0 = self.started = time.perf_counter()
+        p, c, pkey = self.param, self.copy, None
+        if isinstance(p, StoredParam):  # read, updated and written beside the moments
+            c = None
+            pkey = None if p.head is None else p.head.key if self.in_place else param_key(self.key)
+        elif not self.in_place and not self.cloned:
+            p, c = p.clone(), None if c is None else c.clone()
+        try:
+            self.ups = owner._stream(self.opt, [Streamed(p, self.data, segs, self.s, self.key, c, pkey)], 1.0,
+                                     self.created, self.metrics, donate=self.in_place, record=self.record,
+                                     ready=self.ready, wait_up=False)
+            if pkey is not None and not self.in_place:
+                p = p.renewed(_Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
+            if self.free_grad is not None and _free(self.grad):  # nothing reads it after its update (grads_unread)
+                step, unit = self.free_grad
+                step.grad_freed(unit)
+        finally:
+            self.data = self.grad  # a copy of the gradient made for the update is done with (its memory goes back)
+            self.seconds = time.perf_counter() - t0
+            self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
+        return p, c
+
+    def abandon(self) -> None:
+        """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let
+        the worker finish every other update first, so the store has one user at a time.)"""
+        try:
+            self.future.result()
+        except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
+            pass
+        with locked(self.store):
+            for k in self.created:
+                _quiet_delete(self.store, k)
+        self.created = []
+
+
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (a gradient shard that is a view of a bucket is not)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous()
+
+
+def _free(t: torch.Tensor) -> bool:
+    """Free ``t``'s storage if ``t`` is all of it; whether it did."""
+    if not owns_storage(t):
+        return False
+    t.untyped_storage().resize_(0)
+    return True
+
+
+def _settle(works) -> None:
+    """Wait until the worker has finished (or failed) every one of ``works``."""
+    wait([w.future for w in works])
+
+
+def _quiet_delete(store, key) -> None:
+    try:
+        store.delete(key)
+    except Exception:  # noqa: BLE001 - already gone, or the store is closed: nothing left to free
+        pass
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
+    their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
+    lower the whole process, so it is left alone there; a refusal only costs speed."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+        except OSError:
+            pass

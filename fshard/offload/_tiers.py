@@ -1,0 +1,53 @@
+"""Which units of an ``fs.offload_state`` go to which tier (``choose_tiers``, ``choose_stores``: whole units in
+model order, each tier's ``fraction`` of the moment bytes in turn), and a unit's moments written into its store as
+chunk items (``put_moments``: ``Stored`` leaves, fshard/state/_stored.py). ``fs.init(..., offload=)`` places units
+by the same rule as they are made (fshard/offload/_placer.py), and so does ``fs.load(..., offload=)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..optim._adamw import AdamWState
+from ..state._stored import Stored, _chunks, _Items, _location
+
+
+def choose_tiers(layouts, rank: int, fractions) -> dict:
+    """Unit name -> tier (an index into ``fractions``): whole units in model order, the first ones to tier 0 until
+    their moments make up ``fractions[0]`` of all moment bytes, the next ones to tier 1 until the tiers so far hold
+    ``fractions[0] + fractions[1]``, and so on; the units left stay on the device (absent)."""
+    sizes = [(u.name, 2 * u.opt_numel(rank)) for u in layouts]
+    total, acc, out, tier, bound = sum(b for _, b in sizes), 0, {}, 0, fractions[0]
+    for name, b in sizes:
+        while tier < len(fractions) and acc >= (bound - 1e-9) * total:  # this tier is full: the next one
+            tier += 1
+            bound += fractions[tier] if tier < len(fractions) else 0.0
+        if tier == len(fractions):
+            break
+        out[name] = tier
+        acc += b
+    return out
+
+
+def choose_stores(spec, opt_state, stores, fractions) -> dict:
+    """Unit name -> the store of its tier (``choose_tiers`` over the units that have moments): offload_state's
+    placement, which fs.init(..., offload=) and fs.load(..., offload=) follow too."""
+    tiers = choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fractions)
+    return {name: stores[t] for name, t in tiers.items()}
+
+
+
+def _stored_state(items: "_Items", count, numel: int, dtype, location: str) -> AdamWState:
+    return AdamWState(count, *(Stored(items, r, numel, dtype, location) for r in (0, 1)))
+
+
+def put_moments(store, key: str, s: AdamWState, chunk: int, created: list) -> AdamWState:
+    """``s``'s moments written to ``store`` (the caller holds its lock) as chunk items ``(key, i)`` of rows
+    ``[exp_avg; exp_avg_sq]``, each key noted in ``created`` as it is written: the same state with Stored leaves."""
+    n = s.exp_avg.numel()
+    chunks, handles = _chunks(n, chunk), []
+    for i, (lo, hi) in enumerate(chunks):
+        handles.append(store.put((key, i), torch.stack([s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi]])))
+        created.append((key, i))
+    for h in handles:
+        h.wait()
+    return _stored_state(_Items(store, key, chunks), s.count, n, s.exp_avg.dtype, _location(store))

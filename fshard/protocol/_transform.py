@@ -1,0 +1,214 @@
+"""Transforms, the blocking policies a step uses when no transform changes a stage, and ``fold``.
+
+A transform is a small named object. For each stage it returns the policy it was given, or a policy of its own;
+it declares which stages it changes and how (``Transform.stages``):
+
+- ``"set"``: its policy takes the stage over (it may still call the policy it was given, as offload_state does
+  for the units it leaves in memory). A stage is set by at most one transform.
+- ``"wrap"``: its policy calls the one it was given and changes its result (clip, skip). Wrappers compose, in
+  the order given.
+
+``fs.compose`` folds the transforms over the blocking policies, left to right (``fold``). Two transforms that set
+the same stage, or one that sets a stage another already wraps, are a ``TransformConflictError``: the later one
+would silently replace the earlier.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._stages import BatchesPolicy, GatherPolicy, Grads, GradsPolicy, ReducePolicy, UpdatePolicy
+from ..errors import ArgumentTypeError, TransformConflictError
+
+if TYPE_CHECKING:
+    from ..state._train_state import ShardSpec, TrainState
+
+STAGES = ("gather", "reduce", "grads", "update", "batches")
+PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "grads": GradsPolicy, "update": UpdatePolicy,
+             "batches": BatchesPolicy}
+
+
+class Transform:
+    """Base class: every stage unchanged. A subclass overrides ``wrap_<stage>`` for the stages it changes and
+    declares them in ``stages`` (stage -> "set" or "wrap")."""
+
+    name = "transform"
+    stages: Mapping[str, str] = {}
+
+    def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
+        return gather
+
+    def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
+        return reduce
+
+    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
+        return grads
+
+    def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
+        return update
+
+    def wrap_batches(self, batches: BatchesPolicy) -> BatchesPolicy:
+        return batches
+
+    def init_state(self, spec: ShardSpec, old: Any) -> Any:
+        """This transform's entry in ``TrainState.transform_state`` (under its ``name``) for a step on a state of
+        ``spec``, given the entry the state holds (``old``; None if none): the initial state, or ``old`` carried
+        on (return it itself when nothing changes). None (the default): the transform keeps no state. A step
+        calls it for each of its transforms before it runs (``Step.init``)."""
+        return None
+
+    def fingerprint(self) -> str:
+        """What every rank must compose alike (the step's rank check compares the chain's): ``repr(self)`` by
+        default, so a transform's arguments count. A transform whose repr holds what may differ between ranks (a
+        rank's own directory) returns the rest."""
+        return repr(self)
+
+    def __repr__(self) -> str:
+        return f"fs.{self.name}()"
+
+
+class BlockingGather(GatherPolicy):
+    """Gather a unit right before it computes and free it right after, in forward and in backward (the protocol's
+    defaults)."""
+
+
+class BlockingReduce(ReducePolicy):
+    """Reduce-scatter each unit's flat gradient as soon as backward has produced it, and wait for it.
+
+    Gradients are scaled by 1/world_size before a SUM reduce-scatter, in the order DDP uses, so the average
+    matches DDP's bit for bit wherever the summation order allows it."""
+
+    def reduce(self, step, unit, grad: torch.Tensor) -> None:
+        n = step.comm.mesh.world_size
+        full = grad.contiguous()  # the unit's gradient is the step's own (autograd made it for this unit alone):
+        if n > 1:                 # scaled in place, not into a second unit-sized buffer
+            full.mul_(1.0 / n)
+        out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+        step.comm.reduce_scatter(out, full, unit.name).wait()
+        step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
+
+
+class IdentityGrads(GradsPolicy):
+    """Reduced gradient shards go to the update as they are."""
+
+    changes_grads = False
+    reads_grads = False
+
+
+class DeviceUpdate(UpdatePolicy):
+    """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
+    holds them, in the same pass)."""
+
+    def __call__(self, step, state, grads: Grads, active, donate):
+        rank, params, opt_state = step.spec.mesh.rank, dict(state.params), dict(state.opt_state)
+        copies = dict(state.copies)
+        for u in step.spec.units:
+            if u.name in opt_state and any(active[u.name]):
+                if not isinstance(opt_state[u.name].exp_avg, torch.Tensor) or not isinstance(params[u.name],
+                                                                                             torch.Tensor):
+                    raise ArgumentTypeError(
+                        f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
+                        "compose this step with the same fs.offload_state(store, ...) to update it.")
+                params[u.name], opt_state[u.name], copy = step.spec.optimizer.update(
+                    u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
+                    donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name))
+                if copy is not None:
+                    copies[u.name] = copy
+        return params, opt_state, {}, copies
+
+    def plan(self, step, state, active, donate):
+        """Each unit it updates (a parameter active) gets a new step-count tensor; without ``donate`` also a new
+        parameter shard, new moments and a new parameter copy (the update writes into copies)."""
+        def renewed(name, s):
+            copy = state.copies.get(name)
+            moments = s.exp_avg.nbytes + s.exp_avg_sq.nbytes
+            return state.params[name].nbytes + moments + (0 if copy is None else copy.nbytes)
+        return {"mem/new_state_bytes": sum(s.count.nbytes + (0 if donate else renewed(name, s))
+                                           for name, s in state.opt_state.items()
+                                           if s is not None and any(active.get(name, ())))}
+
+
+class OneBatch(BatchesPolicy):
+    """The batch is one micro-batch (``fs.accumulate(k)`` makes it a list of k)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A composed step's five policies, and what ``fold`` derived from them: ``grads_unchanged`` is True when
+    every policy of the grads chain declares ``changes_grads = False``, ``grads_unread`` when moreover none declares
+    ``reads_grads``; ``loss_scaler`` is the one policy of the
+    grads chain that declares ``scales_loss`` (None: the loss is not scaled)."""
+
+    gather: GatherPolicy
+    reduce: ReducePolicy
+    grads: GradsPolicy
+    update: UpdatePolicy
+    batches: BatchesPolicy
+    grads_unchanged: bool
+    loss_scaler: GradsPolicy | None = None
+    grads_unread: bool = True
+
+    def loss_scale(self, state: TrainState) -> float:
+        """The factor backward multiplies the loss by in a step on ``state`` (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.loss_scale(state))
+
+    def close(self) -> None:
+        for stage in STAGES:
+            getattr(self, stage).close()
+
+
+def fold(transforms) -> Policy:
+    """The step's policies: the blocking ones, changed by each transform in turn (see the module docstring)."""
+    policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "grads": IdentityGrads(),
+                "update": DeviceUpdate(), "batches": OneBatch()}
+    changed: dict[str, list[tuple[Transform, str]]] = {s: [] for s in STAGES}  # stage -> [(transform, how)]
+    unchanged, unread, scaler = True, True, None
+    for t in transforms:
+        if not isinstance(t, Transform):
+            raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
+                                    "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
+        wrap = {"gather": t.wrap_gather, "reduce": t.wrap_reduce, "grads": t.wrap_grads, "update": t.wrap_update,
+                "batches": t.wrap_batches}
+        for stage in STAGES:
+            given = policies[stage]
+            new = wrap[stage](given)
+            if new is given:
+                continue
+            how = t.stages.get(stage)
+            if how not in ("set", "wrap"):
+                raise ArgumentTypeError(f"{t!r} changes the {stage} stage but does not declare how: add "
+                                        f"stages = {{{stage!r}: 'set' or 'wrap'}} to its class.")
+            if PROTOCOLS[stage] not in type(new).__mro__:  # the step calls every declared hook: defaults needed
+                raise ArgumentTypeError(
+                    f"{t!r} gave the {stage} stage {new!r}, which is not a {PROTOCOLS[stage].__name__}: subclass "
+                    f"fs.protocol.{PROTOCOLS[stage].__name__}, which declares every hook of the stage with its "
+                    "default.")
+            _check_conflict(t, stage, how, changed[stage])
+            changed[stage].append((t, how))
+            if stage == "grads":
+                unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
+                unread = unread and not getattr(new, "reads_grads", True)
+                if new.scales_loss and scaler is not None:
+                    raise TransformConflictError(
+                        f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
+                        "scales it once; pass one of them.")
+                scaler = (t, new) if new.scales_loss else scaler
+            policies[stage] = new
+    return Policy(**policies, grads_unchanged=unchanged, loss_scaler=scaler and scaler[1],
+                  grads_unread=unchanged and unread)
+
+
+def _check_conflict(t: Transform, stage: str, how: str, before: list[tuple[Transform, str]]) -> None:
+    setter = next((b for b, h in before if h == "set"), None)
+    if how == "set" and setter is not None:
+        raise TransformConflictError(
+            f"fs.compose: {setter!r} and {t!r} both set the {stage} stage, and a step has one {stage} policy: the "
+            f"later would silently replace the earlier. Pass only one of them, e.g. fs.compose(loss_fn, ..., {t!r}).")
+    if how == "set" and before:
+        wrapper = before[-1][0]
+        raise TransformConflictError(
+            f"fs.compose: {t!r} sets the {stage} stage, which {wrapper!r} (passed before it) wraps: setting it "
+            f"afterwards would drop {wrapper!r}. Pass {t!r} before {wrapper!r}.")

@@ -1,0 +1,102 @@
+"""What ``TrainState.replace`` checks: each changed field against the state's spec, so that a fractional step, a
+shard one element short or a missing unit is an error that names the field and the fix at the call, not a raw
+``RuntimeError``/``KeyError`` from deep inside the next step."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ArgumentError
+from ._stored import Stored, StoredParam
+
+
+def _what(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"{type(v).__name__} {v!r}"[:80]
+
+
+def _fail(field: str, msg: str) -> None:
+    raise ArgumentError(f"state.replace({field}=...): {msg}")
+
+
+def _check_flat(field: str, key: str, t, numel: int, dtype) -> None:
+    where = f"{field}[{key!r}]"
+    if not isinstance(t, torch.Tensor):
+        _fail(field, f"{where} is {_what(t)}, where a tensor is needed.")
+    if t.dim() != 1 or t.numel() != numel:
+        _fail(field, f"{where} has shape {tuple(t.shape)}, where a unit's shard is flat, of ({numel},) elements: "
+                     f"take the shard from state.{field}[{key!r}] and change its values (a tensor of the same shape).")
+    if dtype is not None and t.dtype != dtype:
+        _fail(field, f"{where} is {t.dtype}, but unit {key!r} holds {dtype}: cast it with .to({dtype}).")
+
+
+def _check_units(field: str, got, names, required: bool) -> None:
+    extra = [n for n in got if n not in names]
+    if extra:
+        _fail(field, f"{field} has unit {extra[0]!r}, which the model's layout does not have (its units: "
+                     f"{', '.join(list(names)[:6])}{', ...' if len(names) > 6 else ''}).")
+    missing = [n for n in names if n not in got] if required else []
+    if missing:
+        _fail(field, f"{field} lacks unit(s) {', '.join(map(repr, missing[:6]))}: every unit needs its entry. Change "
+                     f"entries on a copy, {{**state.{field}, name: value}}.")
+
+
+def check_fields(state, changes) -> None:
+    """Raise ``ArgumentError`` for the first field of ``changes`` that does not fit ``state.spec``."""
+    spec = state.spec
+    units = {u.name: u for u in spec.units}
+    rank = spec.mesh.rank
+    for f in ("step", "skipped"):
+        v = getattr(state, f)
+        if f in changes and not (isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.dim() == 0):
+            _fail(f, f"{f} must be a 0-dim torch.int64 tensor (a count), got {_what(v)}; pass torch.tensor(n) "
+                     "with an int n.")
+    if "params" in changes:
+        _check_units("params", state.params, units, required=True)
+        for n, t in state.params.items():
+            if isinstance(t, StoredParam):  # a shard in a store (offload_state(params=True))
+                if t.numel != units[n].shard_numel or t.dtype != units[n].dtype:
+                    _fail("params", f"params[{n!r}] holds {t.numel} elements of {t.dtype} in its store, where unit "
+                                    f"{n!r}'s shard has {units[n].shard_numel} of {units[n].dtype}.")
+                continue
+            _check_flat("params", n, t, units[n].shard_numel, units[n].dtype)
+    if "copies" in changes:
+        _check_units("copies", state.copies, units, required=False)
+        for n, t in state.copies.items():
+            _check_flat("copies", n, t, units[n].shard_numel, None)
+    if "opt_state" in changes:
+        trainable = {n: u for n, u in units.items() if u.trainable}
+        _check_units("opt_state", state.opt_state, trainable, required=False)
+        for n, s in state.opt_state.items():
+            u = trainable[n]
+            if not isinstance(s, spec.opt.state_type):  # the optimizer's (AdamW's: AdamWState)
+                _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an "
+                                   f"fs.optim.{spec.opt.state_type.__name__} is needed.")
+            c = s.count
+            if not (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and tuple(c.shape) == (len(u.trainable),)):
+                _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "
+                                   f"count per trainable parameter of the unit; got {_what(c)}.")
+            for row in ("exp_avg", "exp_avg_sq"):
+                m = getattr(s, row)
+                if isinstance(m, Stored):
+                    if m.numel != u.opt_numel(rank):
+                        _fail("opt_state", f"opt_state[{n!r}].{row} holds {m.numel} elements in its store, where "
+                                           f"this rank's shard has {u.opt_numel(rank)} with optimizer state.")
+                    continue
+                if not isinstance(m, torch.Tensor) or tuple(m.shape) != (u.opt_numel(rank),):
+                    _fail("opt_state", f"opt_state[{n!r}].{row} is {_what(m)}, where this rank's shard has "
+                                       f"({u.opt_numel(rank)},) elements with optimizer state.")
+                if m.dtype != u.dtype:
+                    _fail("opt_state", f"opt_state[{n!r}].{row} is {m.dtype}, but unit {n!r} keeps its moments in "
+                                       f"{u.dtype}: cast it with .to({u.dtype}).")
+    if "buffers" in changes:
+        want = {n: b for n, b in spec.template.named_buffers()}
+        for n in want:
+            if n not in state.buffers:
+                _fail("buffers", f"buffers lacks {n!r}: every buffer of the model needs its value. Change entries "
+                                 "on a copy, {**state.buffers, name: value}.")
+        for n, b in state.buffers.items():
+            if n not in want:
+                _fail("buffers", f"buffers has {n!r}, which is not a buffer of the model.")
+            if not isinstance(b, torch.Tensor) or tuple(b.shape) != tuple(want[n].shape):
+                _fail("buffers", f"buffers[{n!r}] is {_what(b)}, where the model's has shape {tuple(want[n].shape)}.")

@@ -1,0 +1,397 @@
+"""fs.compose: build ``step(state, batch) -> (new_state, metrics)`` from a loss function and transforms.
+
+The data flow of one step, as the code below reads:
+
+    check   ranks agree on the step, model, optimizer, transforms and batch structure   (one tiny all-reduce)
+    forward gather each unit, bind it, compute, free it                     (policy.gather)
+    backward re-gather units autograd needs; reduce each unit's gradient     (policy.gather, policy.reduce)
+    agree   mean loss, which parameters got a gradient, same collectives     (one tiny all-reduce)
+    grads   transform the gradient shards                                    (policy.grads)
+    update  optimizer on the shards -> new TrainState                        (policy.update)
+    commit  did any rank fail? every rank returns, or every rank raises     (one tiny all-reduce)
+
+``Step.__call__`` wraps that flow (``Step._step``) in what keeps ranks together (fshard/dist/_agreement.py): a rank that
+raises tells the others at their next check, and the step ends with a commit vote.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+import torch.nn as nn
+
+from ..transforms._accumulate import Accumulator
+from ..protocol._stages import Grads
+from ..dist._agreement import agree, check_ranks, foreign, small_hash, step_error
+from ..dist._collectives import Comm
+from ._eval import evaluate, train_mode
+from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, exclusive, spec_of
+from ..errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
+                      UnboundParameterError)
+from ..state._flat import ROOT
+from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
+from ._dry_run import plan
+from ..run._read_ahead import Reader
+from ..run._recompute import with_buffers
+from ..run._dispatch import call_bound
+from ..state._train_state import TrainState
+from ..state._stored import StoredParam
+from ..protocol._transform import fold
+from ..run._run import StepRun
+
+
+class _Caller(nn.Module):
+    """Runs loss_fn(template, batch) inside one functional_call that binds the root unit and the buffers."""
+
+    def __init__(self, template: nn.Module, loss_fn):
+        super().__init__()
+        self.m, self.loss_fn = template, loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.m, batch)
+
+
+class Step:
+    """A composed step. Call it as ``new_state, metrics = step(state, batch)``.
+
+    The input state is never modified unless ``donate=True``: then the update runs in place on its tensors
+    (no copies, less memory traffic) and the donated state refuses further use (``state.donation``).
+
+    A step function may hold threads (``fs.offload_state``): ``step.close()``, or ``with fs.compose(...) as
+    step:``, ends them; a closed step refuses further calls.
+    """
+
+    def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
+                 timeline: bool = False, check_collectives: bool | None = None):
+        if not callable(loss_fn):
+            raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
+                                    f"{loss_fn!r}.")
+        self.loss_fn, self.transforms = loss_fn, tuple(transforms)
+        self.donate, self.trace, self.mesh, self.timeline = donate, trace, mesh, bool(timeline)
+        self.check_collectives = None if check_collectives is None else bool(check_collectives)
+        self._checked = False  # a step has completed (until then every collective is checked first)
+        self._busy = threading.Lock()  # held while a step or eval pass runs (_exclusive)
+        self.policy = fold(self.transforms)
+        self._chain = small_hash([t.fingerprint() for t in self.transforms])  # ranks compare it (check_ranks)
+        self._streams: dict = {}
+        self._closed = False
+        self._observed = None  # (forward order, backward order, active) of the last step past its agreement
+        self._reader = Reader()  # reads parameter shards held in a store ahead of their gathers
+
+    def _gather_stream(self, device: torch.device):
+        """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def plan(self, state: TrainState, batch, max_memory: int | None = None) -> Plan:
+        """What ``step(state, batch)`` will hold and move on this rank, before it runs: an ``fs.Plan`` (``print``
+        it). No collective and no compute: the step's policies run on a simulated step (fshard/step/_dry_run.py) of
+        ``step.init(state)`` (which casts the parameter copies a state lacks, with ``param_copies``); after the
+        step, its metrics carry the same figures, measured. ``max_memory`` (bytes): raise ``MemoryBudgetError``,
+        which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
+        spec_of(state)  # the checks of a step's call
+        check_usable(self, state)
+        p = plan(self, self.init(state), batch, self._observed)
+        return p if max_memory is None else p.check(max_memory)
+
+    def init(self, state: TrainState) -> TrainState:
+        """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
+        where the state holds none (a state from ``fs.init``), else the state's own, carried on; and with the
+        parameter copies the gather policy asks for (``GatherPolicy.param_copies``: each unit's shard cast once to
+        ``param_dtype``, into ``state.copies``; dropped when it asks for none). A step does this itself; call it to
+        checkpoint or print a state as its first step will see it. Returns ``state`` itself when nothing changes."""
+        entries, owners, changed = dict(state.transform_state), {}, False
+        for t in self.transforms:
+            old = entries.get(t.name)
+            new = t.init_state(state.spec, old)
+            if new is None:
+                continue
+            if t.name in owners:
+                raise TransformConflictError(f"fs.compose: {owners[t.name]!r} and {t!r} both keep state under "
+                                             f"{t.name!r} in state.transform_state; pass one of them.")
+            owners[t.name] = t
+            if new is not old:
+                entries[t.name], changed = new, True
+        copies = _copies(state, self.policy.gather)
+        if copies is not state.copies:
+            changed = True
+        return state.replace(transform_state=entries, copies=copies) if changed else state
+
+    @property
+    def schedule(self):
+        """The order this step's gather policy follows (an ``fs.Schedule`` with gather_ahead, once a step has
+        recorded it), or None."""
+        return self.policy.gather.schedule
+
+    def close(self) -> None:
+        """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong
+        to the caller (close them with ``store.close()``)."""
+        if not self._closed:
+            self._closed = True
+            self._reader.close()
+            self.policy.close()
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"fs.compose({getattr(self.loss_fn, '__name__', self.loss_fn)}, {', '.join(map(repr, self.transforms))})"
+
+    def __call__(self, state: TrainState, batch):
+        t0 = time.perf_counter()
+        spec = spec_of(state)  # (no TrainState or a dead mesh: no other rank can be told, this one raises alone)
+        comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
+                    timeline=self.timeline, verify=self._verify(spec.mesh), context=f"step {int(state.step)}")
+        runs, ok = [], False
+        with exclusive(self, spec):
+            try:
+                check_usable(self, state)
+                new, metrics = self._step(comm, runs, state, batch, t0)
+                comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
+                ok = self._checked = True
+                return new, metrics
+            except BaseException as e:
+                told = comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
+                if not foreign(e):  # fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
+                    raise
+                raise step_error(comm, e, told) from e  # one error family on every rank (no local: no cycle)
+            finally:
+                if not ok:
+                    comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
+                if runs:  # work begun during backward that no update took (the step failed, or skipped the update)
+                    self.policy.update.abort(runs[-1])
+                for run in runs:
+                    run._close()  # free this step's buffers now, also when it raised
+
+    def _step(self, comm: Comm, runs: list, state: TrainState, batch, t0: float):
+        """The data flow of one step (the module docstring), into ``runs`` (closed by the caller)."""
+        spec, accum = state.spec, 0
+        state = self.init(state)
+        check_ranks(comm, state, batch, self._chain)  # first: a batch wrong on one rank fails on all of them
+        micro = self.policy.batches(batch)
+        acc, scratch = Accumulator(len(micro)), {}
+        buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+        loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
+        t1 = time.perf_counter()
+        losses = []
+        with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
+            for i, mb in enumerate(micro):
+                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
+                                    donate=self.donate, reader=self._reader))
+                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
+                losses.append(mb_loss)
+                accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
+        loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
+        t2 = time.perf_counter()
+        run = runs[-1]
+        loss, active = self._agree(comm, run, acc, loss)
+        acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
+        self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
+        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
+                                                  active=active, transform_state=state.transform_state))
+        t3 = time.perf_counter()
+        comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
+        if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
+            new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state, buffers=buffers)
+            update_metrics = {}
+        else:
+            if self.donate:
+                state.donation.take(int(state.step))  # from here on the input's tensors change in place
+            params, opt_state, update_metrics, copies = checked_update(
+                self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
+            new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
+                             transform_state=grads.transform_state, copies=copies)
+        t4 = time.perf_counter()
+        comm.span("update", "skipped" if grads.skip else "update", t3, t4)
+        m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
+                          t0, t1, t2, t3, t4)
+        loaded = sum(r._loaded_bytes for r in runs)  # parameter shards gathers read from a store
+        return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip), "mem/activation_bytes": acts,
+                     "io/read_bytes": m.get("io/read_bytes", 0) + loaded, "io/param_read_bytes": loaded,
+                     "io/write_bytes": m.get("io/write_bytes", 0)}  # 0 without a store
+
+    def eval(self, state: TrainState, batch) -> tuple[float, dict]:
+        """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
+        included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
+        reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
+        over ranks as a step's ``metrics["loss"]`` (fshard/step/_eval.py)."""
+        return evaluate(self, state, batch)
+
+    def _verify(self, mesh) -> bool:
+        """Check every collective across ranks before it is issued (fshard/dist/_agreement.py)? ``check_collectives``
+        if given; by default always on a CPU mesh, and until a step has completed on others (the check's
+        all-reduce reads its result on the host: on CUDA a device sync per collective)."""
+        if self.check_collectives is not None:
+            return self.check_collectives or not self._checked
+        return mesh.device.type == "cpu" or not self._checked
+
+    def _forward_backward(self, run: StepRun, buffers, batch, k: int, loss_scale: float):
+        with run._active():
+            tf = time.perf_counter()
+            self.policy.gather.start(run)
+            loss = self._forward(run, buffers, batch)
+            tb = time.perf_counter()
+            run.phase = "backward"
+            leaves = [u.shard for u in run.units.values() if u._flat is not None and u.trainable]
+            if leaves and not loss.requires_grad:
+                raise LossError(
+                    "loss_fn returned a loss with no path to any trainable parameter (loss.requires_grad is False), "
+                    "so the step would train nothing: it ran under torch.no_grad(), or detached the loss (.item(), "
+                    ".detach()), or computed it from the batch alone. Return the differentiable loss; to evaluate, "
+                    "use step.eval(state, batch). Nothing was updated.")
+            if loss.requires_grad and leaves:
+                # gradients land in the units (reduce policy); k micro-batches: the average, as loss / k would
+                out = loss if k == 1 else loss / k
+                if loss_scale != 1.0:  # as torch.amp.GradScaler.scale: times a 1-element fp32 tensor
+                    out = out * torch.full((1,), loss_scale, dtype=torch.float32, device=loss.device)
+                _backward(run, buffers, out)
+            run._end_backward()
+            gather_metrics = self.policy.gather.finish(run)
+        if run._comm.spans is not None:
+            run._comm.span("compute", "forward", tf, tb)
+            run._comm.span("compute", "backward", tb, time.perf_counter())
+        run._release_all()
+        return loss.detach(), gather_metrics
+
+    def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
+        """loss_fn(template, batch), with the root unit and the buffers bound for the whole call (the gather policy
+        the run was made with: step.plan's meta forward runs a copy)."""
+        root, binding, gather = run.units.get(ROOT), dict(buffers), run._policy.gather
+        if root is not None:
+            gather.before_forward(run, root)
+            binding.update(root._bind([s.aliases for s in root.layout.slots]))
+        with _meta_reads(
+                "a parameter was used while its unit was not gathered (outside a step, the template's tensors are "
+                "on the meta device). fshard binds a unit's parameters only while the unit module itself is called: "
+                "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
+                "it sees no data. Call the unit module, or choose units with fs.init(..., units=[...]) so that each "
+                "parameter is used inside a call of its unit."):
+            loss = call_bound(_Caller(run.spec.template, self.loss_fn),
+                              {"m." + k: v for k, v in binding.items()}, (batch,))
+        if root is not None:
+            gather.after_forward(run, root)
+        check_loss(loss)
+        check_empty(loss, batch, run.spec.mesh.rank)
+        check_template(run.spec)
+        return loss
+
+    def _agree(self, comm: Comm, run: StepRun, acc: Accumulator, loss: float):
+        """Sum the loss and the got-a-gradient marks over ranks, and check every rank issued the same collectives."""
+        got = [float(g) for name, u in run.units.items() for g in acc.got.get(name, u._got)]
+        sums, (same_seq,) = agree(comm, [loss] + got, [comm.seq_hash])
+        if not same_seq:
+            raise comm.unanimous(RankDivergenceError(
+                "ranks issued different collectives in this step (different units, order or sizes), so gathered "
+                "parameters or reduced gradients may be mixed up. The state was not updated. Every rank must run "
+                "the same units in the same order in forward and backward; make control flow independent of the "
+                f"rank's data. This rank ran units in the order {run.order}."))
+        active, i = {}, 1
+        for name, u in run.units.items():
+            active[name] = [s > 0 for s in sums[i:i + len(u._got)]]
+            i += len(u._got)
+            if any(active[name]) and u.grad is None:
+                raise RankDivergenceError(f"unit {name!r} got a gradient on another rank but not on this one, so it "
+                                          "was never reduced here; make the forward the same on every rank.")
+        return sums[0] / comm.mesh.world_size, active
+
+    def _metrics(self, comm, runs, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
+        gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
+        reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
+        m = {"loss": loss, "step": int(new.step), "skipped_total": int(new.skipped),
+             "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
+             "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
+             "time/reduce": reduce, "time/reduce_exposed": r_exposed,
+             "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
+             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
+             "time/control": comm.seconds.get("control", 0.0),
+             "mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
+             "mem/peak_gathered_bytes_forward": max(r._phase_peak["forward"] for r in runs),
+             "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
+             "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+             "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
+                                            for u in new.spec.units if u.trainable})), **grad_metrics}
+        if comm.trace is not None:
+            m["trace/collectives"] = tuple(comm.trace)
+        if comm.spans is not None:
+            m["trace/timeline"] = comm.timeline(t0)
+        return m
+
+
+def _measured(comm, runs, state, new, accum: int, skipped: bool) -> dict:
+    """The figures of ``step.plan``, measured in this step."""
+    f = {"mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs), "mem/accum_bytes": accum,
+         "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes, "comm/control_bytes": comm.bytes.get("control", 0),
+         "mem/grad_shard_bytes": sum(g.nbytes for g in runs[-1]._grad_shards().values()),
+         "mem/grad_shard_peak_bytes": runs[-1]._grad_peak, "mem/param_read_bytes": max(r._read_peak for r in runs),
+         "mem/new_state_bytes": 0 if skipped else new_state_bytes(state, new), **state_figures(state)}
+    f["mem/peak_bytes"] = peak_bytes({"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs), **f})
+    return f
+
+
+def _backward(run: StepRun, buffers, out) -> None:
+    """Backward, with the step's buffers bound: an activation checkpoint's recompute may read them. ``backward``
+    rather than ``grad(out, leaves)``, which a reentrant checkpoint refuses: the leaves (shards) get no ``.grad``,
+    since gradients end at ``_Gather.backward``, in the units."""
+    with _meta_reads(
+            "backward read a parameter whose unit was not gathered: an activation checkpoint recomputed code that "
+            "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
+            "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
+            "one (fs.init(..., units=[...]))."):
+        with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
+
+
+@contextlib.contextmanager
+def _meta_reads(what: str):
+    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise UnboundParameterError(f"{what} ({e})") from e
+
+
+def _copies(state: TrainState, gather):
+    """The parameter copies a step with this gather policy keeps: ``state.copies`` itself when it holds exactly
+    those; else each unit's shard cast once to ``param_dtype`` (round to nearest, as a gather would cast it), or
+    none when the policy gathers without copies. A shard in a store (offload_state(params=True)) has no copy: each
+    gather reads it and casts it."""
+    dtype = gather.param_dtype if gather.param_copies else None
+    if dtype is None:
+        return state.copies if not state.copies else {}
+    want = {u.name for u in state.spec.units if u.dtype != dtype and not isinstance(state.params[u.name], StoredParam)}
+    if set(state.copies) == want and all(c.dtype == dtype for c in state.copies.values()):
+        return state.copies
+    return {n: state.params[n].detach().to(dtype) for n in sorted(want)}
+
+
+def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
+            timeline: bool = False, check_collectives: bool | None = None) -> Step:
+    """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
+
+    donate: update the input state's tensors in place instead of copies (the input state is then unusable).
+    trace: add ``metrics["trace/collectives"]``, the collectives this rank issued, in order.
+    mesh: if given, the state must have been made on this mesh.
+    timeline: add ``metrics["trace/timeline"]``, this rank's spans ``(lane, label, start_s, end_s)`` since the
+      step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
+      with ``fs.timeline(metrics, path)``.
+    check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
+      one and that none has failed (fshard/dist/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
+      one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
+      process or the others would wait for the timeout. None (the default): on CPU meshes at every step (the
+      example's step: 0.98x blocking, 1.04x with gather_ahead + bucket_reduce, benchmarks/RESULTS.md); on CUDA
+      until a step has completed (each check reads its result on the host). True: every step; False: until a step
+      has completed. Whatever the setting, a step ends with one such check (its commit), so it returns on every
+      rank or raises on every rank.
+    """
+    return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline,
+                check_collectives=check_collectives)

@@ -1,0 +1,293 @@
+"""fs.bucket_reduce: reduce gradients in flat buckets, launched asynchronously while backward goes on.
+
+The plan is made once, in the first step's backward, from the layout and that step's forward order, so every
+rank has the same one: each unit with trainable parameters is cut at parameter boundaries into segments; segments
+are packed, in the order backward completes units (the reverse of their first use in forward; the root and
+units forward never called last), into buckets of about ``bucket_mb``. A segment of a unit covers
+pieces of several ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another
+(rank-major). One SUM reduce per rank then leaves each rank the sum of exactly its own pieces, whatever the
+bucket's boundaries, so a bucket may end inside a unit ("one bucket per parameter") or span the whole model.
+With ``per_unit=True`` each unit is one bucket (FSDP2's per-module reduce-scatter): this rank's section of it is
+exactly the unit's gradient shard, handed over as it is, a tensor an update during backward can free.
+
+Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
+the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
+arrives, its segments are scaled into their buckets; a bucket whose units have all arrived is launched, in plan
+order, so ranks issue the same collectives in the same order even when their units finish at different times.
+Buckets still waiting at the end of backward (a unit unused on this rank) are zero-filled and launched then.
+The step waits for all of them before the update.
+
+Landing: at each arrival, the flights that have already completed (checked without blocking, in launch order) are
+landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
+on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
+
+Memory: a bucket's buffer is one tensor per rank section, not one flat tensor. Only this rank's section holds a
+result; the others are the scratch its reduces read from, freed as the bucket lands. So what outlives backward
+is this rank's sections, which the gradient shards are views of (1/N of the gradients), not whole buckets (with
+one flat buffer per bucket, a shard view kept every bucket alive until the update: a whole model's gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..protocol._stages import ReducePolicy
+from ..errors import ArgumentError, ArgumentTypeError
+from ..state._flat import ROOT
+from ..protocol._transform import Transform
+
+
+@dataclass(frozen=True)
+class _Piece:
+    unit: str
+    lo: int        # range in the unit's flat buffer
+    hi: int
+    at: int        # offset in the bucket buffer
+    rank: int      # the rank whose shard holds [lo, hi)
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    index: int
+    units: frozenset
+    pieces: tuple      # _Piece, rank-major
+    sections: tuple    # (offset, numel) per rank
+    numel: int
+    dtype: torch.dtype  # its units' dtype: a bucket never mixes dtypes
+
+
+def backward_order(units, forward_order) -> list:
+    """Units in the order backward completes their gradients: the reverse of their first use in forward (a unit
+    used twice completes after its first use's backward); units forward did not call, and the root (its
+    parameters are used around all the others), last."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(forward_order):
+        first.setdefault(name, i)
+    by_name = {u.name: u for u in units}
+    used = sorted(first, key=first.get, reverse=True)
+    rest = [u.name for u in units if u.name not in first]
+    return [by_name[n] for n in used + [n for n in rest if n != ROOT] + [n for n in rest if n == ROOT]]
+
+
+def plan_buckets(units, world_size: int, bucket_bytes: int, per_unit: bool = False) -> list[_Bucket]:
+    """Bucket plan over the units with trainable parameters, taken in the given (backward) order; ``per_unit``:
+    each unit is one bucket, whatever its size."""
+    segments = []  # (unit layout, lo, hi)
+    for u in units:
+        if not u.trainable:
+            continue
+        cuts = sorted({s.offset for s in u.slots if s.requires_grad} | {0})[1:] + [u.numel]
+        lo = 0
+        for c in cuts:
+            if c > lo:
+                segments.append((u, lo, c))
+                lo = c
+    groups, cur, size = [], [], 0
+    for seg in segments:
+        nbytes = (seg[2] - seg[1]) * seg[0].dtype.itemsize
+        if cur and ((seg[0] is not cur[0][0] if per_unit else size + nbytes > bucket_bytes)
+                    or seg[0].dtype != cur[0][0].dtype):
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(seg)
+        size += nbytes
+    if cur:
+        groups.append(cur)
+    buckets = []
+    for i, group in enumerate(groups):
+        pieces, sections, at = [], [], 0
+        for r in range(world_size):
+            start = at
+            for u, lo, hi in group:
+                s = u.shard_numel
+                a, b = max(lo, r * s), min(hi, (r + 1) * s)
+                if a < b:
+                    pieces.append(_Piece(u.name, a, b, at, r))
+                    at += b - a
+            sections.append((start, at - start))
+        buckets.append(_Bucket(i, frozenset(u.name for u, _, _ in group), tuple(pieces), tuple(sections), at,
+                               group[0][0].dtype))
+    return buckets
+
+
+class _Plan:
+    """The buckets, plus what each gradient arrival and the final scatter need, precomputed once."""
+
+    def __init__(self, buckets: list[_Bucket], rank: int):
+        self.buckets = buckets
+        self.by_unit: dict[str, list] = {}  # unit -> [(bucket, its pieces of that unit)]
+        self.mine: dict[str, list] = {}  # unit -> [(bucket index, offset, numel)] of this rank's pieces, in order
+        for b in buckets:
+            for name in sorted(b.units):
+                self.by_unit.setdefault(name, []).append((b, [p for p in b.pieces if p.unit == name]))
+            for p in b.pieces:
+                if p.rank == rank:  # offset in this rank's section
+                    self.mine.setdefault(p.unit, []).append((b.index, p.at - b.sections[rank][0], p.hi - p.lo))
+        # units in the order their shards become complete: by the last bucket holding a piece of theirs
+        self.complete_order = sorted(self.mine, key=lambda n: self.mine[n][-1][0])
+
+
+class _Pending:
+    """One step's buckets: buffers, which units each still waits for, and the flights launched."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+        self.buffers: dict[int, list] = {}  # bucket index -> one tensor per rank section (None once freed)
+        self.waiting = {b.index: set(b.units) for b in plan.buckets}
+        self.next = 0  # the first bucket not launched yet
+        self.flights = []  # flights[i] reduces bucket i
+        self.landed = 0  # flights waited for, in launch order
+        self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
+
+
+class BucketReduce(ReducePolicy):
+    """The reduce policy of ``fs.bucket_reduce``. The plan lives here (made once per layout); one step's buckets
+    live in ``step.scratch(self)``. It widens a narrower gradient as it copies each piece into its bucket (the
+    buckets are in the units' own dtype, or ``reduce_dtype``): ``widens``."""
+
+    widens = True
+
+    def __init__(self, bucket_bytes: int, reduce_dtype, op: str, per_unit: bool = False):
+        self.bucket_bytes, self.reduce_dtype, self.op, self.per_unit = bucket_bytes, reduce_dtype, op, per_unit
+        self._plan = None  # (key, plan), made on the first step from the layout
+
+    def _plan_for(self, run):
+        # Made once per layout, in the first step's backward, when that step's forward order is known. Ranks run
+        # the same forward (or the collective-sequence check fails the step), so they make the same plan.
+        mesh = run.comm.mesh
+        key = (run.spec.fingerprint, mesh.world_size)
+        if self._plan is None or self._plan[0] != key:
+            order = backward_order(run.spec.units, run.order)
+            self._plan = (key, _Plan(plan_buckets(order, mesh.world_size, self.bucket_bytes, self.per_unit),
+                                     mesh.rank))
+        return self._plan[1]
+
+    def _state(self, run) -> _Pending:
+        scratch = run.scratch(self)
+        if "pending" not in scratch:
+            scratch["pending"] = _Pending(self._plan_for(run))
+        return scratch["pending"]
+
+    def reduce(self, run, unit, grad: torch.Tensor) -> None:
+        st = self._state(run)
+        name = unit.name
+        n = run.comm.mesh.world_size
+        scale = 1.0 / n if (self.op == "avg" and n > 1) else None
+        for b, pieces in st.plan.by_unit.get(name, ()):
+            sections = self._buffer(st, b, grad.device)
+            for p in pieces:
+                dst, src = _spot(sections, b, p), grad[p.lo:p.hi]
+                if scale is None:
+                    dst.copy_(src)
+                elif dst.dtype == src.dtype:
+                    torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
+                else:
+                    dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
+            st.waiting[b.index].discard(name)
+        self._launch_ready(run, st, force=False)
+        # (On CUDA a wait orders the compute stream after the whole comm stream, prefetched gathers included, so
+        # flights land only at the end there.)
+        while (run.comm.mesh.device.type == "cpu" and st.landed < len(st.flights)
+               and st.flights[st.landed].done()):
+            self._land(run, st)
+        self._scatter(run, st)
+
+    def finish(self, run) -> None:
+        st = self._state(run)
+        self._launch_ready(run, st, force=True)
+        while st.landed < len(st.flights):
+            self._land(run, st)
+        self._scatter(run, st)
+        del run.scratch(self)["pending"]
+
+    def _land(self, run, st: _Pending) -> None:
+        """Wait for the next flight in launch order; free the sections of its bucket that other ranks own."""
+        st.flights[st.landed].wait()
+        sections, rank = st.buffers[st.landed], run.comm.mesh.rank
+        sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
+        st.landed += 1
+
+    def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> list:
+        if b.index not in st.buffers:
+            dtype, make = self.reduce_dtype or b.dtype, torch.empty if fill is None else torch.zeros
+            st.buffers[b.index] = [make(k, dtype=dtype, device=device) for _, k in b.sections]
+        return st.buffers[b.index]
+
+    def _launch_ready(self, run, st: _Pending, force: bool) -> None:
+        while st.next < len(st.plan.buckets):
+            b = st.plan.buckets[st.next]
+            if st.waiting[b.index] and not force:
+                return
+            if b.index in st.buffers:
+                for p in b.pieces:  # pieces of units that never arrived hold zeros
+                    if p.unit in st.waiting[b.index]:
+                        _spot(st.buffers[b.index], b, p).zero_()
+            sections = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
+            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}"))
+            st.next += 1
+
+    def _scatter(self, run, st: _Pending) -> None:
+        """Give each unit whose buckets have all landed its reduced gradient shard: a view where its pieces sit
+        together in one bucket (a unit's pieces in a bucket are consecutive in each rank's section; with
+        ``per_unit`` the view is the whole section, a tensor of its own), a concatenation where they span several.
+        (The segments cover each unit's whole flat buffer, so the pieces cover its whole shard.)"""
+        order = st.plan.complete_order
+        while st.given < len(order) and st.plan.mine[order[st.given]][-1][0] < st.landed:
+            name = order[st.given]
+            st.given += 1
+            spots = st.plan.mine[name]
+            rank = run.comm.mesh.rank
+            if len({i for i, _, _ in spots}) == 1:
+                i, at, _ = spots[0]
+                section = st.buffers[i][rank]
+                n = sum(k for _, _, k in spots)
+                g = section if at == 0 and n == section.numel() else section[at:at + n]
+            else:
+                g = torch.cat([st.buffers[i][rank][at:at + k] for i, at, k in spots])
+            unit = run.units[name]
+            run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
+
+
+def _spot(sections: list, b: _Bucket, p: _Piece) -> torch.Tensor:
+    """Where piece ``p`` sits: its rank's section of bucket ``b``."""
+    at = p.at - b.sections[p.rank][0]
+    return sections[p.rank][at:at + p.hi - p.lo]
+
+
+class bucket_reduce(Transform):
+    """Reduce gradients in flat buckets of about ``bucket_mb`` MiB, each launched asynchronously as soon as
+    backward has produced all of it, and waited for before the update.
+
+    reduce_dtype: reduce in this dtype (e.g. torch.float32 for bf16 gradients); by default the gradients' own.
+    op: "avg" (scale by 1/N, then sum: DDP's order, bitwise at 2 ranks) or "sum".
+    per_unit: each unit's gradient is one bucket, whatever ``bucket_mb`` says (FSDP2 reduce-scatters each module's
+      gradients the same way): each unit's gradient shard is then a tensor of its own, which an update begun during
+      backward frees once it has consumed it (fs.offload_state(store, params=True) with donate=True), where shards
+      that are views of a shared bucket stay until the update.
+    """
+
+    name = "bucket_reduce"
+    stages = {"reduce": "set"}
+
+    def __init__(self, bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None, op: str = "avg",
+                 per_unit: bool = False):
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ArgumentError(f"fs.bucket_reduce: bucket_mb must be a number > 0, got {bucket_mb!r}.")
+        if op not in ("avg", "sum"):
+            raise ArgumentError(f"fs.bucket_reduce: op must be 'avg' or 'sum', got {op!r}.")
+        if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype)
+                                         or not reduce_dtype.is_floating_point):
+            raise ArgumentTypeError(
+                f"fs.bucket_reduce: reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}.")
+        if not isinstance(per_unit, bool):
+            raise ArgumentTypeError(f"fs.bucket_reduce: per_unit must be True or False, got {per_unit!r}.")
+        self.bucket_mb, self.reduce_dtype, self.op, self.per_unit = bucket_mb, reduce_dtype, op, per_unit
+
+    def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
+        return BucketReduce(int(self.bucket_mb * 2**20), self.reduce_dtype, self.op, self.per_unit)
+
+    def __repr__(self) -> str:
+        if self.per_unit:
+            return f"fs.bucket_reduce(per_unit=True, op={self.op!r})"
+        return f"fs.bucket_reduce(bucket_mb={self.bucket_mb}, op={self.op!r})"

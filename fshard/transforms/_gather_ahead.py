@@ -1,0 +1,257 @@
+"""fs.gather_ahead: gather the next units while the current one computes, in forward and in backward.
+
+The schedule is a value, not a trace cache: ``Schedule(forward, backward)`` lists the units in the order the step
+acquires them. A step walks it with a cursor; at each position it starts the gathers of the next ``depth`` units
+(async, in the backend's threads or on a CUDA side stream) and waits only on the unit about to compute.
+
+What counts as a position (an "event"): in forward, the root unit at the start and each call of a unit module; in
+backward, the first time backward is about to use a unit (a gradient reaches an output of its call, autograd reads
+one of its saved tensors, or a checkpoint recomputes its call) after that unit's previous backward use finished (or
+after forward); a routed group's members are events at its container's call. The same rule runs when recording
+and when replaying, and it does not depend on which units happen to be gathered, so a schedule recorded in one
+step replays exactly in the next one with the same model order.
+
+The schedule never changes a result, only when gathers are issued: every gather is of the unit whose name the
+position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If
+the model's order changes, the first event that does not match stops all prefetching for the rest of the step
+(in-flight gathers are completed and freed). Then either the step finishes blocking and the observed order
+becomes the schedule (``on_change="replan"``, with a warning), or the step raises ``ScheduleError`` right there,
+inside forward or backward (``on_change="error"``), before any update, with the state untouched.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..protocol._stages import GatherPolicy
+from ..errors import ArgumentError, ArgumentTypeError, ScheduleError
+from ..protocol._transform import Transform
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The order in which a step acquires units: ``forward`` then ``backward`` (unit names; a unit used twice
+    appears twice). Inspect it as ``step.schedule``; pass one to ``fs.gather_ahead(schedule=...)`` to override."""
+
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+
+    def __post_init__(self):
+        for f in ("forward", "backward"):
+            v = getattr(self, f)
+            if isinstance(v, str) or not all(isinstance(n, str) for n in v):
+                raise ArgumentTypeError(f"Schedule.{f} must be a sequence of unit names, got {v!r}.")
+            object.__setattr__(self, f, tuple(v))
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        return self.forward + self.backward
+
+    def __repr__(self) -> str:
+        return f"Schedule(forward={list(self.forward)}, backward={list(self.backward)})"
+
+
+class _Walk:
+    """One step's progress through the schedule."""
+
+    def __init__(self, schedule: Schedule | None, training: bool = True):
+        # an eval pass (forward only) walks the forward half; prefetching backward's units would gather for nothing
+        self.plan = () if schedule is None else schedule.events if training else schedule.forward
+        self.on_plan = schedule is not None  # False once an event did not match: blocking from then on
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+        self.active: set[str] = set()  # units with a backward use under way
+        self.uses: dict[str, int] = {}  # forward uses per unit, for reshard_after_forward=False
+        self.done_uses: dict[str, int] = {}
+        self.prefetched = 0
+
+    @property
+    def cursor(self) -> int:
+        return len(self.forward) + len(self.backward)
+
+
+class GatherAhead(GatherPolicy):
+    """The gather policy of ``fs.gather_ahead`` (see the module docstring). Per step, its walk and counts live in
+    ``step.scratch(self)``; the schedule, which never changes a result, lives here."""
+
+    def __init__(self, depth: int, schedule: Schedule | None, reshard_after_forward, on_change: str):
+        self.depth, self.schedule = depth, schedule
+        self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
+        self.replans = 0
+        self._checked = None  # (schedule, unit names) last validated
+
+    # --- the gather protocol -------------------------------------------------------------------------------------
+
+    def start(self, run) -> None:
+        run.scratch(self)["walk"] = _Walk(self.schedule, run.training)
+        self._check_names(run)
+
+    def before_forward(self, run, unit) -> None:
+        w = run.scratch(self)["walk"]
+        w.uses[unit.name] = w.uses.get(unit.name, 0) + 1
+        self._event(run, w.forward, unit)
+
+    def after_forward(self, run, unit) -> None:
+        if not self._keep(run, unit, forward=True):
+            unit.release()
+
+    def before_backward(self, run, unit) -> None:
+        w = run.scratch(self)["walk"]
+        name = unit.name
+        if run.phase != "backward":  # a saved tensor read during forward (e.g. by a custom autograd.Function)
+            return unit.acquire()
+        if name in w.active:  # the same backward use, still under way
+            return unit.acquire()
+        w.active.add(name)
+        self._event(run, w.backward, unit)
+
+    def after_backward(self, run, unit) -> None:
+        w = run.scratch(self)["walk"]
+        name = unit.name
+        w.active.discard(name)
+        w.done_uses[name] = w.done_uses.get(name, 0) + 1
+        if not self._keep(run, unit, forward=False):
+            unit.release()
+
+    def finish(self, run) -> dict:
+        """After each micro-batch's backward (an eval pass: after its forward): settle the schedule and report the
+        step's counts so far (the step then releases what is left)."""
+        scratch = run.scratch(self)
+        w = scratch["walk"]
+        observed = Schedule(tuple(w.forward), tuple(w.backward))
+        if run.training:  # an eval pass neither records nor changes the schedule
+            if self.schedule is None:
+                self.schedule = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
+            elif observed != self.schedule:
+                self._changed(run, observed)  # raises with on_change="error"
+                self.schedule = observed
+                scratch["replanned"] = scratch.get("replanned", 0) + 1
+        scratch["prefetched"] = scratch.get("prefetched", 0) + w.prefetched
+        return {"gather/depth": self.depth, "gather/prefetched": scratch["prefetched"],
+                "gather/replanned": scratch.get("replanned", 0)}
+
+    # --- the walk ------------------------------------------------------------------------------------------------
+
+    def _event(self, run, phase: list[str], unit) -> None:
+        w = run.scratch(self)["walk"]
+        k = w.cursor
+        phase.append(unit.name)
+        if w.on_plan and (k >= len(w.plan) or w.plan[k] != unit.name):
+            self._stop(run)
+            if self.on_change == "error" and run.training:  # eval-only control flow may differ: blocking there
+                self._changed(run, None, at=k, got=unit.name)
+        if w.on_plan:
+            for name in self._window(w, k + 1):
+                u = run.units[name]
+                if not u.alive:
+                    u.launch()
+                    w.prefetched += 1
+        unit.acquire()
+
+    def _window(self, w: _Walk, start: int) -> list[str]:
+        """The distinct units of the next ``depth`` positions from ``start``."""
+        seen: list[str] = []
+        for name in w.plan[start:start + self.depth]:
+            if name not in seen:
+                seen.append(name)
+        return seen
+
+    def _keep(self, run, unit, forward: bool) -> bool:
+        """Keep a unit gathered instead of freeing it: it is needed again within the window, or it is not to be
+        resharded after forward (until its last backward use)."""
+        w, name = run.scratch(self)["walk"], unit.name
+        if run.training and not self._reshard(name) and (forward or w.done_uses.get(name, 0) < w.uses.get(name, 0)):
+            return True
+        return w.on_plan and name in self._window(w, w.cursor)
+
+    def _stop(self, run) -> None:
+        """Leave the plan: complete every gather in flight and free what nobody is using."""
+        w = run.scratch(self)["walk"]
+        w.on_plan = False
+        current = set(w.active)
+        for u in run.units.values():
+            if u.in_flight and u.name not in current:
+                u.release()
+
+    def _changed(self, run, observed: Schedule | None, at: int | None = None, got: str | None = None) -> None:
+        old = self.schedule
+        if self.on_change == "error":
+            where = (f"at position {at} the step acquired {got!r} where the schedule has "
+                     f"{old.events[at]!r}" if at is not None and at < len(old.events) else
+                     f"the step acquired {got!r} after the schedule's last position" if at is not None else
+                     f"the step acquired units in the order {observed!r}")
+            raise ScheduleError(
+                f"the model's unit order differs from the gather_ahead schedule: {where}. The schedule was "
+                f"{old!r}. Nothing was updated. If the order legitimately changes between steps, use "
+                "fs.gather_ahead(on_change='replan') (the default), which finishes such a step without prefetch "
+                "and adopts the new order; or pass the right order with fs.gather_ahead(schedule=fs.Schedule(...)).")
+        self.replans += 1
+        if self.replans == 1:
+            warnings.warn(f"fshard gather_ahead: the model's unit order changed; the step ran without prefetch "
+                          f"from the first difference and the schedule is now {observed!r} (was {old!r}). Further "
+                          "changes are counted in metrics['gather/replanned'] without a warning.", stacklevel=4)
+
+    def _reshard(self, name: str) -> bool:
+        r = self.reshard_after_forward
+        if isinstance(r, bool):
+            return r
+        if isinstance(r, Mapping):
+            return bool(r.get(name, True))
+        return bool(r(name))
+
+    def _check_names(self, run) -> None:
+        key = (self.schedule, tuple(run.units))
+        if self._checked == key:
+            return
+        known = set(run.units)
+        names = set(self.schedule.events) if self.schedule is not None else set()
+        if isinstance(self.reshard_after_forward, Mapping):
+            names |= set(self.reshard_after_forward)
+        unknown = sorted(names - known)
+        if unknown:
+            raise ArgumentError(f"fs.gather_ahead: unknown unit names {unknown}; this state's units are "
+                                f"{sorted(known)}.")
+        self._checked = key
+
+
+class gather_ahead(Transform):
+    """Prefetch the all-gathers of the next ``depth`` units while the current one computes.
+
+    depth: how many units ahead to gather (0: none; the schedule is still recorded and checked).
+    schedule: an ``fs.Schedule``; by default the first step records it, without prefetch.
+    reshard_after_forward: True (free each unit after its forward), False (keep every unit gathered from forward to
+        backward: one all-gather per unit instead of two, for more memory), or a mapping / callable from unit name
+        to bool, per unit.
+    on_change: what a step does when the model's order differs from the schedule: "replan" (finish the step
+        without prefetch, adopt the new order, warn once) or "error" (raise ``fs.errors.ScheduleError``).
+
+    Live memory: at most depth + 1 gathered units besides the root unit in forward (the current one and the
+    prefetched ones), one more in backward; ``metrics["mem/peak_gathered_bytes"]`` measures it.
+    """
+
+    name = "gather_ahead"
+    stages = {"gather": "set"}
+
+    def __init__(self, depth: int = 2, schedule: Schedule | None = None,
+                 reshard_after_forward: bool | Mapping[str, bool] | Callable[[str], bool] = True,
+                 on_change: str = "replan"):
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ArgumentError(f"fs.gather_ahead: depth must be an int >= 0 (units gathered ahead), got {depth!r}.")
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ArgumentTypeError(f"fs.gather_ahead: schedule must be an fs.Schedule (or None to record one), got "
+                                    f"{type(schedule).__name__}.")
+        if on_change not in ("replan", "error"):
+            raise ArgumentError(f"fs.gather_ahead: on_change must be 'replan' or 'error', got {on_change!r}.")
+        if not isinstance(reshard_after_forward, (bool, Mapping)) and not callable(reshard_after_forward):
+            raise ArgumentTypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name "
+                                    f"to bool, or a callable, got {type(reshard_after_forward).__name__}.")
+        self.depth, self.schedule = depth, schedule
+        self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
+
+    def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
+        # Each composed step gets its own policy, so two steps built from one transform keep their own schedule.
+        return GatherAhead(self.depth, self.schedule, self.reshard_after_forward, self.on_change)
+
+    def __repr__(self) -> str:
+        return f"fs.gather_ahead(depth={self.depth})"

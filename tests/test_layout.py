@@ -1,0 +1,155 @@
+"""fshard's package layout (design/ARCHITECTURE.md, "Package layout"; issue #39): no import cycle among its modules,
+module-level and function-level imports alike; each package imports only the packages below it, as the table says;
+at most 12 modules in a folder. The import graph is read from the source (ast), as
+../shared/tools/import_cycles.py reads it, so an import inside a function or under TYPE_CHECKING counts too."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import fshard as fs
+
+FSHARD = pathlib.Path(fs.__file__).parent
+
+# package -> the packages it may import (besides itself and errors.py): design/ARCHITECTURE.md's table. "fshard" is
+# the top level (fshard/__init__.py, fshard/_malloc.py), which may import everything.
+MAY_IMPORT = {
+    "ops": set(),
+    "store": set(),
+    "state": {"store"},
+    "dist": set(),
+    "optim": {"ops", "state"},
+    "protocol": {"dist", "ops", "state"},
+    "transforms": {"ops", "protocol", "state"},
+    "run": {"dist", "protocol", "state"},
+    "step": {"dist", "protocol", "run", "state", "transforms"},
+    "offload": {"optim", "protocol", "state", "store"},
+    "model": {"dist", "offload", "run", "state", "store"},
+    "checkpoint": {"dist", "offload", "optim", "state", "store", "transforms"},
+    "testing": {"state"},
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, a package by its __init__.py's name."""
+    out = {}
+    for path in sorted(FSHARD.rglob("*.py")):
+        rel = path.relative_to(FSHARD.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        out[name] = path
+    return out
+
+
+def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the fshard modules it imports anywhere in its body (a package's __init__ it sits in excluded: Python
+    runs that first in any case)."""
+    edges = {m: set() for m in mods}
+    for m, path in mods.items():
+        base = m if path.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parts = base.split(".")
+                t = (".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                     if node.level else node.module or "")
+                names = [t] + [f"{t}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for t in names:
+                if t in mods and t != m and not (m.startswith(t + ".") and mods[t].name == "__init__.py"):
+                    edges[m].add(t)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]], mods) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index, low, on, stack, out, n = {}, {}, set(), [], [], 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = n
+        n += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = n
+                    n += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if sum(mods[x].name != "__init__.py" for x in comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def _package(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    return "fshard" if part == "" or part.startswith("_") else part
+
+
+def test_no_import_cycle_among_fshard_modules():
+    mods = _modules()
+    assert _cycles(_imports(mods), mods) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The check above can fail: two modules importing each other (one inside a function) are a cycle."""
+    mods = {"fshard.a": pathlib.Path("a.py"), "fshard.b": pathlib.Path("b.py"), "fshard.c": pathlib.Path("c.py")}
+    assert _cycles({"fshard.a": {"fshard.b"}, "fshard.b": {"fshard.a"}, "fshard.c": {"fshard.a"}}, mods) == [
+        ["fshard.a", "fshard.b"]]
+    assert _cycles({"fshard.a": {"fshard.b"}, "fshard.b": set(), "fshard.c": {"fshard.a"}}, mods) == []
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    mods = _modules()
+    assert {_package(m) for m in mods} - {"fshard", "errors"} == set(MAY_IMPORT)
+    bad = []
+    for m, targets in _imports(mods).items():
+        p = _package(m)
+        if p in ("fshard", "errors"):
+            continue
+        for t in targets:
+            q = _package(t)
+            if q not in (p, "errors") and q not in MAY_IMPORT[p]:
+                bad.append(f"{m} imports {t}")
+    assert bad == []
+    assert _package("fshard.errors") == "errors" and not _imports(mods)["fshard.errors"]  # the bottom: imports none
+
+
+def test_at_most_12_modules_in_a_folder():
+    count = {}
+    for path in FSHARD.rglob("*.py"):
+        if path.name != "__init__.py":
+            count[path.parent.relative_to(FSHARD.parent)] = count.get(path.parent.relative_to(FSHARD.parent), 0) + 1
+    assert {str(d): n for d, n in count.items() if n > 12} == {}
+
+
+def test_a_small_public_face():
+    """At most 40 names in ``fs.__all__``; every error type in ``fs.errors``, each an FshardError, and the top-level
+    errors are the same objects."""
+    assert len(fs.__all__) <= 40, len(fs.__all__)
+    errors = {n: v for n, v in vars(fs.errors).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    assert all(issubclass(v, fs.FshardError) for v in errors.values()), errors
+    assert {"OffloadError", "StoreError", "BuildError", "TorchVersionError"} <= set(errors)
+    assert all(getattr(fs, n) is errors[n] for n in fs.__all__ if n.endswith("Error"))
+    assert fs.store.StoreError is fs.errors.StoreError
