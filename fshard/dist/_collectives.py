@@ -142,8 +142,8 @@ class Comm:
         (which it answers by aborting the process)."""
         if not force:
             self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
-        if not (self.verify or force) or self.mesh.group is None or self.dry or self.closed:
-            return
+        if not (self.verify or force) or self.mesh.world_size == 1 or self.dry or self.closed:
+            return  # (one rank, with or without a process group, has no other rank to disagree with)
         exchange(self, entry)
 
     def vote(self, tag: str) -> None:
@@ -200,8 +200,9 @@ class Comm:
             shard.record_stream(self.stream)
         if self.dry:
             works = []
-        elif g is None:
-            out.copy_(shard)
+        elif n == 1:  # one rank: a local copy (casting, where the shard is not in the compute dtype), none at all
+            if not _same(out, shard):  # where the gathered buffer is the shard itself (UnitRun._whole)
+                out.copy_(shard)
             works = []
         elif self.impl == "all_gather":
             works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
@@ -269,8 +270,9 @@ class Comm:
         t0 = time.perf_counter()
         if self.dry:
             works = []
-        elif self.mesh.group is None:
-            out.copy_(full)
+        elif self.mesh.world_size == 1:  # one rank: the sum is the gradient; a copy only into another buffer
+            if not _same(out, full):
+                out.copy_(full)
             works = []
         else:
             works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
@@ -287,7 +289,7 @@ class Comm:
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
         t0 = time.perf_counter()
         g = self.mesh.group
-        works = [] if g is None or self.dry else [
+        works = [] if g is None or self.dry or self.mesh.world_size == 1 else [
             dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True) for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
@@ -298,7 +300,7 @@ class Comm:
         if self.trace is not None:
             self.trace.append(entry)
         t0 = time.perf_counter()
-        if self.mesh.group is not None:
+        if self.mesh.group is not None and self.mesh.world_size > 1:  # (the sum over one rank is its own value)
             self.bytes["control"] += t.nbytes
             if not self.dry:
                 wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self,
@@ -308,6 +310,12 @@ class Comm:
         if self.spans is not None:
             self.spans.append(("control", tag, t0, t1))
         return t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory, element for element (so a copy between them is a no-op)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
 
 
 class CollectivesView(Collectives):

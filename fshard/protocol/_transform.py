@@ -86,7 +86,9 @@ class BlockingReduce(ReducePolicy):
         full = grad.contiguous()  # the unit's gradient is the step's own (autograd made it for this unit alone):
         if n > 1:                 # scaled in place, not into a second unit-sized buffer
             full.mul_(1.0 / n)
-        out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+            out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+        else:  # one rank: the shard is the whole unit, and its reduced gradient the gradient itself (no copy)
+            out = full
         step.comm.reduce_scatter(out, full, unit.name).wait()
         step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
 

@@ -40,6 +40,7 @@ class StepRun(StepView):
         self._grouped = {n for _, members in state.spec.groups for n in members}
         self.units = {u.name: UnitRun(self, u, state.params[u.name], state.copies.get(u.name))
                       for u in self.spec.units}
+        _gather_in_place(self.units.values())
         self._reduced: list[UnitRun] = []  # units given to the reduce policy, to check each was handed back
         self._live: dict[int, UnitRun] = {}
         self._live_bytes = self._peak_bytes = 0
@@ -211,10 +212,24 @@ class StepRun(StepView):
         self._launches.drop()  # (left only by a failure: no gather may be issued after it)
         for unit in self.units.values():
             unit.release()
-            unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = None
+            unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = unit._whole = None
             unit._anchor = unit._stash = None
         self._group_calls.clear()
         self._activations.clear()
         self.units.clear()
         self._live.clear()
         self._reduced.clear()
+
+
+def _gather_in_place(units) -> None:
+    """At world size 1 each unit's gathered buffer is its shard itself (or the state's copy of it in the compute
+    dtype), not a copy: ``UnitRun._whole``. Not where two units' sources share a storage: the saved-tensor hook
+    tells a unit's tensors by their storage, so each gathered buffer must have one of its own."""
+    by_storage: dict[int, list] = {}
+    for unit in units:
+        src = unit._source()
+        if src is not None:
+            by_storage.setdefault(_storage_id(src), []).append((unit, src))
+    for found in by_storage.values():
+        if len(found) == 1:
+            found[0][0]._whole = found[0][1]

@@ -81,6 +81,9 @@ class UnitRun(UnitView):
         self._copy = copy  # the state's low-precision copy of the shard (TrainState.copies), gathered in its place
         self.alive = False
         self._buf: torch.Tensor | None = None   # the gathered buffer (storage freed and refilled in place)
+        # at world size 1 the buffer is the shard (or its copy) itself where no cast is needed: never freed, and its
+        # "gather" copies nothing (StepRun decides, since two units must not share a storage: _whole)
+        self._whole: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None  # the same storage as autograd's output of _Gather (first use on)
         self._pending = None  # the Flight of a gather into ``_buf`` that nobody has waited on yet
         self._read = None  # the Future of the reader's read of a stored shard, until its gather is issued
@@ -108,17 +111,30 @@ class UnitRun(UnitView):
     def _alias(self) -> torch.Tensor:
         """A new tensor object on the gathered buffer's storage (its own version counter)."""
         return torch.empty(0, dtype=self._buf.dtype, device=self._buf.device).set_(
-            self._buf.untyped_storage(), 0, (self.layout.numel,))
+            self._buf.untyped_storage(), self._buf.storage_offset(), (self.layout.numel,))
+
+    def _source(self) -> torch.Tensor | None:
+        """What this unit's gathered buffer can be without a gather, at world size 1: the shard (or the state's
+        copy in the compute dtype) itself, where it needs no cast. None where a gather must write a buffer."""
+        if self.layout.world_size != 1 or self._stored is not None:
+            return None
+        dtype = self._run.param_dtype or self.layout.dtype
+        src = self._copy if self._copy is not None and self._copy.dtype == dtype else self.shard.detach()
+        ok = src.dtype == dtype and src.is_contiguous() and src.numel() == self.layout.numel
+        return src if ok else None
 
     def launch(self) -> None:
         if self.alive:
             return
         run, comm, dtype = self._run, self._run._comm, self._run.param_dtype or self.layout.dtype
-        with comm.gather_scope():
-            if self._buf is None:
-                self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
-            else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
-                self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
+        if self._whole is not None:  # the shard is the whole unit: the buffer is the shard, never freed
+            self._buf = self._whole
+        else:
+            with comm.gather_scope():
+                if self._buf is None:
+                    self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
+                else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
+                    self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
         if self._stored is not None:  # read ahead on the reader thread, freed once the gather has copied it
             self._held = self._stored.numel * dtype.itemsize  # the shard read, in the compute dtype
             run._read_bytes += self._held
@@ -152,7 +168,9 @@ class UnitRun(UnitView):
                     shard = read.result().to(self.shard.device, non_blocking=True)
         else:
             shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
-        if shard.dtype != dtype:  # mixed precision: each gather casts the master shard (timed on a timeline)
+        if shard.dtype != dtype and self.layout.world_size > 1:
+            # mixed precision: each gather casts the master shard (timed on a timeline); at world size 1 the gather
+            # is a local copy, which casts as it copies (one pass, not a cast and then a copy)
             t0 = time.perf_counter()
             shard = shard.to(dtype)
             if comm.spans is not None:
@@ -204,8 +222,9 @@ class UnitRun(UnitView):
             if self._pending is not None:  # a gather still writing into this buffer must finish first
                 self._gathered()
             self._run._on_alive(self, -1)
-            self._run._comm.before_free()
-            self._buf.untyped_storage().resize_(0)
+            if self._whole is None:  # (a buffer that is the shard itself is the state's: never freed)
+                self._run._comm.before_free()
+                self._buf.untyped_storage().resize_(0)
             self.alive = False
 
     def _bind(self, names) -> dict[str, torch.Tensor]:

@@ -21,6 +21,9 @@ Landing: at each arrival, the flights that have already completed (checked witho
 landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
 on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
 
+At world size 1 there is nothing to sum: each unit's gradient (cast to the bucket's dtype where that differs) is
+handed over as its shard as soon as it arrives, without a bucket or a copy (design/ARCHITECTURE.md, "One rank").
+
 Memory: a bucket's buffer is one tensor per rank section, not one flat tensor. Only this rank's section holds a
 result; the others are the scratch its reduces read from, freed as the bucket lands. So what outlives backward
 is this rank's sections, which the gradient shards are views of (1/N of the gradients), not whole buckets (with
@@ -170,9 +173,11 @@ class BucketReduce(ReducePolicy):
         return scratch["pending"]
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
+        n = run.comm.mesh.world_size
+        if n == 1:
+            return self._whole(run, unit, grad)
         st = self._state(run)
         name = unit.name
-        n = run.comm.mesh.world_size
         scale = 1.0 / n if (self.op == "avg" and n > 1) else None
         for b, pieces in st.plan.by_unit.get(name, ()):
             sections = self._buffer(st, b, grad.device)
@@ -193,7 +198,18 @@ class BucketReduce(ReducePolicy):
             self._land(run, st)
         self._scatter(run, st)
 
+    def _whole(self, run, unit, grad: torch.Tensor) -> None:
+        """One rank: nothing to sum, and a bucket would only be a copy of the gradient. The unit's gradient, in the
+        bucket's dtype (the cast its copy into a bucket would make), is its shard, handed over as it arrives (the
+        blocking reduce's hand-over: a unit that got no gradient gets no shard)."""
+        dtype = self.reduce_dtype or unit.layout.dtype
+        g = grad if grad.dtype == dtype else grad.to(dtype)
+        run.comm.reduce_scatter(g, g, unit.name).wait()  # (no copy: recorded, as the blocking reduce's)
+        run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
+
     def finish(self, run) -> None:
+        if run.comm.mesh.world_size == 1:  # (every unit was handed over as it arrived)
+            return
         st = self._state(run)
         self._launch_ready(run, st, force=True)
         while st.landed < len(st.flights):

@@ -1,0 +1,174 @@
+"""World size 1 moves nothing (issue #42): the gathered buffer is the shard itself, the reduced gradient is the
+gradient itself, and with donate=True the update is in place. Counted with a dispatch mode (every aten op of a step,
+backward included), and held bitwise against what the same step computes where the copies are still made (two
+units whose shards share a storage keep their own gathered buffers)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models import Awkward, awkward_batches, awkward_loss
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class _Count(TorchDispatchMode):
+    """Calls and bytes written per aten op."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        t = args[0] if name == "copy_" else out
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if isinstance(t, torch.Tensor):
+            self.bytes[name] = self.bytes.get(name, 0) + t.numel() * t.element_size()
+        return out
+
+
+def _gpt():
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    cfg = GPTConfig.tiny(n_layers=3)
+    torch.manual_seed(0)
+    return GPT(cfg), loss_fn, list(synthetic_batches(cfg, 2, 4, seed=3))
+
+
+def _torch_counts(model, loss_fn, batches):
+    """The plain loop's ops for one step (after warm-up steps): the model's own copies and clones."""
+    opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, b).backward()
+        opt.step()
+    for b in batches[:-1]:
+        step(b)
+    with _Count() as c:
+        step(batches[-1])
+    return c
+
+
+@pytest.mark.parametrize("transforms", ["blocking", "ahead+buckets"])
+def test_a_donated_step_at_world_size_1_copies_nothing(transforms):
+    import fshard as fs
+    model, loss_fn, batches = _gpt()
+    theirs = _torch_counts(copy.deepcopy(model), loss_fn, batches)
+    state = fs.init(model, fs.Mesh.local(), fs.adamw(**HP))
+    ts = (fs.gather_ahead(2), fs.bucket_reduce(0.001)) if transforms != "blocking" else ()
+    with fs.compose(loss_fn, *ts, donate=True) as step:
+        for b in batches[:-1]:
+            state, _ = step(state, b)
+        with _Count() as c:
+            state, m = step(state, batches[-1])
+    units = [u for u in state.spec.units if u.trainable]
+    # no gather copies, no reduce-scatter copy, no bucket, no clone of the state
+    assert c.calls.get("copy_", 0) == 0, c.calls
+    assert c.calls.get("clone", 0) == theirs.calls.get("clone", 0), (c.calls, theirs.calls)
+    # what remains: autograd's one concatenation per unit of its parameters' gradients (benchmarks/RESULTS.md)
+    assert c.calls.get("cat", 0) == len(units), c.calls
+    assert c.bytes["cat"] == sum(u.nbytes for u in units)
+    # the figures still describe the step's gathers and reductions (logical: nothing moved)
+    assert m["comm/gather_bytes"] > 0 and m["comm/reduce_bytes"] > 0 and m["mem/peak_gathered_bytes"] > 0
+
+
+def test_mixed_precision_at_world_size_1_casts_once_per_gather():
+    """Without copies, a one-rank gather casts the shard into the unit's buffer in one pass: a copy_ that casts,
+    no cast and then a copy. With copies, the buffer is the state's bf16 copy: nothing."""
+    import fshard as fs
+    model, loss_fn, batches = _gpt()
+    counts = {}
+    for copies in (True, False):
+        state = fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP))
+        with fs.compose(loss_fn, fs.mixed_precision(param_copies=copies), donate=True) as step:
+            state, _ = step(state, batches[0])
+            with _Count() as c:
+                state, m = step(state, batches[1])
+        counts[copies] = c
+        units = [u for u in state.spec.units if u.trainable]
+        # each unit's gradient cast to fp32 once for the update (reduce_dtype), nothing else cast
+        grads = sum(u.numel * 4 for u in units)
+        assert c.bytes.get("_to_copy", 0) == grads, (copies, c.bytes)
+    assert counts[True].calls.get("copy_", 0) == 0
+    gathers = counts[False].calls.get("copy_", 0)
+    assert gathers >= len(state.spec.units), counts[False].calls  # one casting copy per gather, forward and backward
+
+
+def _bits(state):
+    import fshard as fs
+    return {n: t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            for n, t in fs.full_params(state).items()}
+
+
+def _run(state, loss_fn, batches, ts=(), donate=False):
+    import fshard as fs
+    losses = []
+    with fs.compose(loss_fn, *ts, donate=donate) as step:
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+    return losses, _bits(state)
+
+
+def _shared_storage(state):
+    """The same state with every unit's shard a view of one tensor: the units cannot use their shards as their
+    gathered buffers (the saved-tensor hook tells units by storage), so they gather copies."""
+    flat = torch.cat([state.params[u.name] for u in state.spec.units])
+    params, at = {}, 0
+    for u in state.spec.units:
+        params[u.name] = flat[at:at + u.numel]
+        at += u.numel
+    return state.replace(params=params)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_shards_sharing_a_storage_gather_copies_and_train_the_same(donate):
+    import fshard as fs
+    for model, loss_fn, batches in (_gpt(), (Awkward(), awkward_loss, list(awkward_batches(2, 4)))):
+        for ts in ((), (fs.gather_ahead(1), fs.bucket_reduce(1e-4)), (fs.mixed_precision(param_copies=False),)):
+            state = fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP, impl="torch"))
+            shared = _shared_storage(fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP, impl="torch")))
+            a = _run(state, loss_fn, batches, ts, donate)
+            b = _run(shared, loss_fn, batches, ts, donate)
+            assert a == b, f"{type(model).__name__} {ts}: sharing a storage changed the results"
+    shared = _shared_storage(fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP)))
+    with fs.compose(loss_fn, donate=donate) as step, _Count() as c:
+        step(shared, batches[0])
+    assert c.calls.get("copy_", 0) >= len(shared.spec.units), c.calls  # each unit gathered into a buffer of its own
+
+
+def test_a_step_at_world_size_1_leaves_its_input_intact():
+    """Forward binds views of the input's own shards: the step still never writes them without donate."""
+    import fshard as fs
+    for ts in ((), (fs.gather_ahead(2), fs.bucket_reduce(1e-4)), (fs.mixed_precision(),)):
+        state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw(**HP))
+        before = _bits(state)
+        batches = list(awkward_batches(2, 3))
+        first = _run(state, awkward_loss, batches, ts)
+        assert _bits(state) == before, f"{ts}: the input state changed"
+        assert _run(state, awkward_loss, batches, ts) == first, f"{ts}: a second run from the input differs"
+
+
+def test_bucket_reduce_at_world_size_1_is_the_blocking_step():
+    """Without buckets at one rank: the blocking step's results, for every bucket size, and with a reduce dtype
+    narrower than the units' (the gradient rounded as its copy into a bf16 bucket rounded it)."""
+    import fshard as fs
+    batches = list(awkward_batches(2, 4))
+    torch.manual_seed(0)
+    model = Awkward()
+    runs = {}
+    for key, ts in {"blocking": (), "per_param": (fs.bucket_reduce(1e-6),), "whole": (fs.bucket_reduce(1e4),),
+                    "per_unit": (fs.bucket_reduce(per_unit=True),),
+                    "bf16": (fs.bucket_reduce(1e4, reduce_dtype=torch.bfloat16),)}.items():
+        state = fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP))
+        runs[key] = _run(state, awkward_loss, batches, ts)
+    for key in ("per_param", "whole", "per_unit"):
+        assert runs[key] == runs["blocking"], key
+    assert runs["bf16"][0][0] == runs["blocking"][0][0]  # the first loss comes before any update
+    assert runs["bf16"] != runs["blocking"]  # the bf16 rounding of the gradients is there
