@@ -153,3 +153,13 @@ def test_a_small_public_face():
     assert {"OffloadError", "StoreError", "BuildError", "TorchVersionError"} <= set(errors)
     assert all(getattr(fs, n) is errors[n] for n in fs.__all__ if n.endswith("Error"))
     assert fs.store.StoreError is fs.errors.StoreError
+
+
+def test_pyproject_ships_every_package():
+    """A package missing from pyproject's list would be left out of the wheel: fshard imported from an install fails."""
+    import re
+    text = (FSHARD.parent / "pyproject.toml").read_text()
+    start = text.index("packages = [")
+    listed = set(re.findall(r'"(fshard[\w.]*)"', text[start:text.index("]", start)]))
+    found = {".".join(p.parent.relative_to(FSHARD.parent).parts) for p in FSHARD.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
