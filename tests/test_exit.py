@@ -17,7 +17,7 @@ failed on every run before the fix. Then the exit itself: 2 runs of each script,
 was 3 runs in 20, 4 in 9 and 1 in 12: repeating blind runs is no test of a fix whose mechanism is checked above).
 
 Each run is a pair of ranks forked from one process that imported torch and fshard once (tests/_exit_runs.py; the
-three scripts' runs in one such process, shared by their tests): a fresh interpreter per rank cost 10-30 s of
+three scripts' runs in one such process): a fresh interpreter per rank cost 10-30 s of
 imports on a loaded 2-core machine; a forked rank runs the same code from ``train_gpt.main`` on, and leaves the
 same way (``sys.exit`` at top level: atexit, then finalization). A busy loop runs beside them (the load under which
 the abort was seen)."""
@@ -35,8 +35,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = 2  # of each script
 
 
-@pytest.fixture(scope="module")
-def exits() -> str:
+def _exits() -> str:
     """The three scripts' runs, in one process (tests/_exit_runs.py) beside a busy loop: its whole output."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the load
     try:
@@ -54,29 +53,24 @@ def exits() -> str:
 
 def _runs(out: str, mode: str) -> None:
     lines = [line for line in out.splitlines() if line.startswith(f"{mode} run ")]
-    assert len(lines) == RUNS, out[-5000:]
+    assert len(lines) == RUNS, (mode, out[-5000:])
     bad = [line for line in lines if line.split(": ", 1)[1] != "rank 0 exit 0, rank 1 exit 0"]
     assert not bad, (bad, out[-5000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 6 runs: 3.5 s of CPU each (both ranks); 13 s of wall time under heavy load
+def test_the_example_and_scripts_that_catch_an_fshard_error_exit_with_code_0_under_load():
+    """One process for the three scripts (one import of torch and fshard; one test, so that pytest-xdist never
+    runs them twice on two workers): the example; a script that catches an fshard error, then destroys the group;
+    and the same with its state and step kept (module globals), so the group and gloo's threads live into
+    finalization: the failed step's last collectives (the check, the exchange of descriptors) let their tensors go
+    only once gloo's thread has (``Mesh.hold``); before that, this script aborted in about 1 run in 12 (the
+    backtrace in the design)."""
+    out = _exits()
+    for mode in ("example", "fails", "kept"):
+        _runs(out, mode)
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-5000:]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)  # the three scripts' 6 runs: 3.5 s of CPU each (both ranks); 13 s of wall time loaded
-def test_the_example_exits_with_code_0_under_load(exits):
-    _runs(exits, "example")
-
-
-@pytest.mark.slow
-def test_a_script_that_catches_an_fshard_error_then_destroys_the_group_exits_with_code_0(exits):
-    _runs(exits, "fails")
-
-
-@pytest.mark.slow
-def test_a_failed_step_whose_group_outlives_destroy_process_group_exits_with_code_0(exits):
-    """The state and step kept (module globals): the group and gloo's threads live into finalization. The failed
-    step's last collectives (the check, the exchange of descriptors) let their tensors go only once gloo's thread has
-    (``released``): before that, this script aborted in about 1 run in 12 (the backtrace in the design)."""
-    _runs(exits, "kept")
 
 
 def test_released_waits_until_no_one_else_holds_the_tensor():
