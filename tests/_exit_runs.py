@@ -1,8 +1,8 @@
 """Process pairs that train and exit, for tests/test_exit.py (issue #38).
 
-    python tests/_exit_runs.py MODE RUNS       MODE: example | fails | kept
+    python tests/_exit_runs.py MODE RUNS [MODE RUNS ...]       MODE: example | fails | kept
 
-Imports torch, fshard and examples/train_gpt.py once, then, RUNS times, forks two ranks (so that a run costs its
+Imports torch, fshard and examples/train_gpt.py once, then, RUNS times for each MODE in turn, forks two ranks (so that a run costs its
 work, not a 10-30 s import on a loaded machine) that rendezvous over gloo on a fresh port, as torchrun's workers
 would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and leave through the interpreter's own exit (``sys.exit``
 propagates to this file's top level: atexit hooks, then interpreter finalization, where the abort of issue #38
@@ -22,7 +22,7 @@ gloo and store threads are gone (the group was destroyed then, not left to inter
 naming them if not. The failing script is checked by its exit codes and output only: there rank 0 (the side that
 raises RankFailedError) still kept its group alive in about 1 run in 8 (design/ARCHITECTURE.md, "Exit and
 teardown": what is known of it), and exited 0. Prints one line per run:
-``run I: rank 0 STATUS, rank 1 STATUS`` (exit code or signal), for the test to read.
+``MODE run I: rank 0 STATUS, rank 1 STATUS`` (exit code or signal), for the test to read.
 """
 from __future__ import annotations
 
@@ -125,14 +125,14 @@ def _status(status: int) -> str:
 
 
 if __name__ == "__main__":
-    mode, runs = sys.argv[1], int(sys.argv[2])
     fs.ops.native_available()  # the native kernels loaded (or built) once, here, not by every rank
-    for i in range(runs):
-        port, pids = _port(), []
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:
-                sys.exit(_rank(mode, rank, port))  # up to the top level: the interpreter's own exit
-            pids.append(pid)
-        print(f"run {i}: " + ", ".join(f"rank {r} {_status(os.waitpid(p, 0)[1])}" for r, p in enumerate(pids)),
-              flush=True)
+    for mode, runs in zip(sys.argv[1::2], sys.argv[2::2]):
+        for i in range(int(runs)):
+            port, pids = _port(), []
+            for rank in range(2):
+                pid = os.fork()
+                if pid == 0:
+                    sys.exit(_rank(mode, rank, port))  # up to the top level: the interpreter's own exit
+                pids.append(pid)
+            print(f"{mode} run {i}: " + ", ".join(f"rank {r} {_status(os.waitpid(p, 0)[1])}"
+                                                  for r, p in enumerate(pids)), flush=True)

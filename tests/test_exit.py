@@ -8,13 +8,19 @@ go of a finished all-gather whose tensors the caller had dropped, freed their Py
 was ended by ``pthread_exit``, and that inside the work's destructor is ``std::terminate`` (the backtrace:
 design/ARCHITECTURE.md, "Exit and teardown").
 
-Each run is a pair of ranks forked from one process that imported torch and fshard once (tests/_exit_runs.py): a
-fresh interpreter per rank cost 10-30 s of imports on a loaded 2-core machine, 20 torchrun launches of the example
-7-10 minutes, over the suite's budget; a forked rank runs the same code from ``train_gpt.main`` on, and leaves the
+The fix is checked directly: a gloo mesh keeps the last small collectives' tensors (``Mesh.hold``) and its
+finalizer waits until gloo has let go of them (``_release_held``), and in a failed step on 2 ranks the check's and
+the exchange's tensors are held, let go by gloo, and waited for when the mesh dies. Each rank of the example also
+checks the teardown order itself, where the abort was a matter of timing: no ``fs.Mesh`` is left once the run's
+objects are dropped, and gloo's and the store's threads are gone once ``destroy_process_group()`` returns, which
+failed on every run before the fix. Then the exit itself: 2 runs of each script, every rank exiting 0 (the abort
+was 3 runs in 20, 4 in 9 and 1 in 12: repeating blind runs is no test of a fix whose mechanism is checked above).
+
+Each run is a pair of ranks forked from one process that imported torch and fshard once (tests/_exit_runs.py; the
+three scripts' runs in one such process): a fresh interpreter per rank cost 10-30 s of
+imports on a loaded 2-core machine; a forked rank runs the same code from ``train_gpt.main`` on, and leaves the
 same way (``sys.exit`` at top level: atexit, then finalization). A busy loop runs beside them (the load under which
-the abort was seen). Each rank of the example also checks the teardown order itself, where the abort was a matter
-of timing: no ``fs.Mesh`` is left once the run's objects are dropped, and gloo's and the store's threads are gone
-once ``destroy_process_group()`` returns, which failed on every run before the fix."""
+the abort was seen)."""
 from __future__ import annotations
 
 import os
@@ -26,44 +32,45 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _runs(mode: str, n: int, timeout_s: float) -> str:
+RUNS = 2  # of each script
+
+
+def _exits() -> str:
+    """The three scripts' runs, in one process (tests/_exit_runs.py) beside a busy loop: its whole output."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the load
     try:
-        proc = subprocess.run([sys.executable, os.path.join(_HERE, "_exit_runs.py"), mode, str(n)],
-                              capture_output=True, text=True, timeout=timeout_s,
+        proc = subprocess.run([sys.executable, os.path.join(_HERE, "_exit_runs.py"),
+                               "example", str(RUNS), "fails", str(RUNS), "kept", str(RUNS)],
+                              capture_output=True, text=True, timeout=540,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     finally:
         busy.kill()
         busy.wait()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("run ")]
-    assert len(lines) == n, out[-5000:]
-    bad = [line for line in lines if line.split(": ", 1)[1] != "rank 0 exit 0, rank 1 exit 0"]
-    assert not bad, (bad, out[-5000:])
-    assert "terminate called" not in out and "Fatal Python error" not in out, out[-5000:]
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)  # 20 runs: 3.5 s of CPU each (both ranks); 13 s of wall time under heavy load
-def test_the_example_exits_with_code_0_in_20_runs_under_load():
-    _runs("example", 20, 840)
+def _runs(out: str, mode: str) -> None:
+    lines = [line for line in out.splitlines() if line.startswith(f"{mode} run ")]
+    assert len(lines) == RUNS, (mode, out[-5000:])
+    bad = [line for line in lines if line.split(": ", 1)[1] != "rank 0 exit 0, rank 1 exit 0"]
+    assert not bad, (bad, out[-5000:])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_script_that_catches_an_fshard_error_then_destroys_the_group_exits_with_code_0():
-    _runs("fails", 8, 540)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_failed_step_whose_group_outlives_destroy_process_group_exits_with_code_0():
-    """The state and step kept (module globals): the group and gloo's threads live into finalization. The failed
-    step's last collectives (the check, the exchange of descriptors) let their tensors go only once gloo's thread has
-    (``released``): before that, this script aborted in about 1 run in 12 (the backtrace in the design)."""
-    _runs("kept", 8, 540)
+@pytest.mark.timeout(600)  # 6 runs: 3.5 s of CPU each (both ranks); 13 s of wall time under heavy load
+def test_the_example_and_scripts_that_catch_an_fshard_error_exit_with_code_0_under_load():
+    """One process for the three scripts (one import of torch and fshard; one test, so that pytest-xdist never
+    runs them twice on two workers): the example; a script that catches an fshard error, then destroys the group;
+    and the same with its state and step kept (module globals), so the group and gloo's threads live into
+    finalization: the failed step's last collectives (the check, the exchange of descriptors) let their tensors go
+    only once gloo's thread has (``Mesh.hold``); before that, this script aborted in about 1 run in 12 (the
+    backtrace in the design)."""
+    out = _exits()
+    for mode in ("example", "fails", "kept"):
+        _runs(out, mode)
+    assert "terminate called" not in out and "Fatal Python error" not in out, out[-5000:]
 
 
 def test_released_waits_until_no_one_else_holds_the_tensor():
@@ -98,3 +105,88 @@ def test_the_background_group_and_thread_are_closed_by_their_owner_at_exit():
     _close_background(weakref.ref(mesh))
     assert mesh._background == [] and pool._shutdown and all(not t.is_alive() for t in pool._threads)
     _close_background(weakref.ref(mesh))  # twice (the hook, after an explicit close): nothing left to do
+
+
+def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_let_go():
+    """``Mesh.hold``: on gloo the mesh keeps the last ``_HELD`` tensors (no other backend: nothing kept); when the
+    mesh dies its finalizer waits until no one else (gloo's thread, here a view on a timer's thread) holds them, so
+    that they are freed on the thread that drops the mesh, never on gloo's."""
+    import threading
+    import time
+    import weakref
+
+    import torch
+
+    import fshard as fs
+    from fshard._mesh import _HELD
+    for backend in ("local", "nccl"):
+        mesh = fs.Mesh(0, 2, backend, torch.device("cpu"))
+        mesh.hold(torch.zeros(1))
+        assert len(mesh._held) == 0, backend
+    mesh = fs.Mesh(0, 2, "gloo", torch.device("cpu"))
+    ts = [torch.full((2,), float(i)) for i in range(_HELD + 4)]
+    mesh.hold(*ts[:3])
+    mesh.hold(*ts[3:])
+    assert [float(t[0]) for t in mesh._held] == list(range(4, _HELD + 4))  # the last _HELD, in order
+    del ts
+    t = torch.zeros(8)
+    freed = weakref.ref(t)
+    other = [t.view(-1)]  # a second holder of t's TensorImpl, as a gloo work is
+    mesh.hold(t)
+    del t
+    threading.Timer(0.2, other.clear).start()
+    t0 = time.monotonic()
+    del mesh  # its finalizer: waits for the view's holder to let go
+    assert time.monotonic() - t0 >= 0.15 and other == [] and freed() is None
+
+
+def _failed_step_holds(_):
+    """A step that fails on rank 1, caught on both: what the mesh held, and what its finalizer was given."""
+    import gc
+
+    import torch
+
+    import fshard as fs
+    from fshard import _mesh
+    from fshard._agreement import _DESC_BYTES
+    finalized, real = [], _mesh._release_held
+
+    def spy(held):  # the finalizer's function (looked up when hold() registers it): after its wait, only ours
+        real(held)
+        finalized.append((len(held), all(t._use_count() == 1 for t in held)))
+
+    _mesh._release_held = spy
+    mesh = fs.Mesh.from_env()
+    state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]), mesh, fs.adamw())
+
+    def loss_fn(m, x):
+        if mesh.rank == 1:
+            raise ValueError("boom")
+        return m(x).square().mean()
+
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.001)) as step:
+        try:
+            step(state, torch.randn(4, 16))
+            raise AssertionError("the step did not fail")
+        except fs.FshardError as e:
+            error = type(e).__name__
+    held = list(mesh._held)
+    descriptors = [bytes(t.tolist()).rstrip(b"\0").decode() for t in held
+                   if t.dtype == torch.uint8 and t.numel() == _DESC_BYTES]
+    let_go = _mesh.released(*held)  # gloo lets go of them (bounded wait)
+    del held, state, step, mesh
+    gc.collect()
+    return error, descriptors, let_go, finalized
+
+
+def test_a_failed_steps_last_collectives_are_held_until_gloo_lets_go_and_the_mesh_waits_for_them():
+    """The failure path's collectives (the check, the all-gather of descriptors) keep their tensors on the mesh:
+    after the failed step the mesh holds the descriptors of both ranks, gloo lets go of every held tensor, and the
+    mesh's finalizer runs when the run's objects are dropped, with them."""
+    from _dist import run_ranks
+    for rank, (error, descriptors, let_go, finalized) in enumerate(run_ranks(_failed_step_holds, 2, None)):
+        assert error == ("RankFailedError" if rank == 0 else "StepError"), (rank, error)
+        # this rank's descriptor, and the gathered descriptors of both ranks: rank 1's names its failure
+        assert any(d.startswith("failed") and "boom" in d for d in descriptors), (rank, descriptors)
+        assert len(descriptors) >= 3 and let_go, (rank, descriptors, let_go)
+        assert len(finalized) == 1 and finalized[0][0] >= 4 and finalized[0][1], (rank, finalized)
