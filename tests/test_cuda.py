@@ -336,3 +336,52 @@ def test_the_store_pool_pins_every_buffer_it_maps_again():
             del buf
             gc.collect()
     assert (torch.ones(4, device="cuda") + 1).sum().item() == 8.0  # no error left behind for the next CUDA call
+
+
+# --- one rank moves nothing (issue #42) ---
+
+def _one_rank_counts(mesh):
+    """Aten ops of one donated step (the H100 benchmark's transforms), counted with a dispatch mode: calls of
+    copy_ (gathers, reductions, bucket copies), cat, and the bytes of casts; with the units' sizes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fshard as fs
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.cast_bytes = {}, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name == "_to_copy" and out.dtype != args[0].dtype:  # a cast (not a read to the host)
+                self.cast_bytes += out.numel() * out.element_size()
+            return out
+
+    model, loss_fn, batches = _model("gpt")
+    # impl="torch": its update writes each unit's bf16 copy with one copy_ (the native kernel writes it in its pass)
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.002), fs.mixed_precision(),
+                    donate=True) as step:
+        for b in batches[:2]:
+            state, _ = step(state, b)
+        with Count() as c:
+            state, _ = step(state, batches[2])
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+    trainable = [u for u in state.spec.units if u.trainable]
+    return c.calls, c.cast_bytes, len(trainable), sum(u.numel * 4 for u in trainable)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_one_rank_makes_no_copy_on_the_gpu(mesh):
+    """At world size 1 (no process group, or a one-rank NCCL group) a step gathers nothing (the buffers are the
+    state's bf16 copies), reduces nothing (each unit's gradient is its shard) and fills no bucket: the only copy_
+    of a step is the update's write of each unit's bf16 copy; autograd's one cat per unit and one cast of each
+    unit's gradient to fp32 remain."""
+    calls, cast_bytes, units, fp32_grad_bytes = _on_mesh(mesh, _one_rank_counts)
+    assert calls.get("copy_", 0) == units, calls
+    assert calls.get("cat", 0) == units, calls
+    assert cast_bytes == fp32_grad_bytes, (cast_bytes, fp32_grad_bytes)

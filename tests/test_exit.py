@@ -118,7 +118,7 @@ def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_
     import torch
 
     import fshard as fs
-    from fshard._mesh import _HELD
+    from fshard.dist._mesh import _HELD
     for backend in ("local", "nccl"):
         mesh = fs.Mesh(0, 2, backend, torch.device("cpu"))
         mesh.hold(torch.zeros(1))
@@ -148,7 +148,7 @@ def _failed_step_holds(_):
 
     import fshard as fs
     from fshard import _mesh
-    from fshard._agreement import _DESC_BYTES
+    from fshard.dist._agreement import _DESC_BYTES
     finalized, real = [], _mesh._release_held
 
     def spy(held):  # the finalizer's function (looked up when hold() registers it): after its wait, only ours

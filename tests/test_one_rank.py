@@ -1,7 +1,8 @@
 """World size 1 moves nothing (issue #42): the gathered buffer is the shard itself, the reduced gradient is the
 gradient itself, and with donate=True the update is in place. Counted with a dispatch mode (every aten op of a step,
 backward included), and held bitwise against what the same step computes where the copies are still made (two
-units whose shards share a storage keep their own gathered buffers)."""
+units whose shards share a storage keep their own gathered buffers), and with a process group of one rank: no
+collective at all, the results of Mesh.local()."""
 from __future__ import annotations
 
 import copy
@@ -172,3 +173,46 @@ def test_bucket_reduce_at_world_size_1_is_the_blocking_step():
         assert runs[key] == runs["blocking"], key
     assert runs["bf16"][0][0] == runs["blocking"][0][0]  # the first loss comes before any update
     assert runs["bf16"] != runs["blocking"]  # the bf16 rounding of the gradients is there
+
+
+def _one_rank_group():
+    """In a process with a one-rank gloo group: the torch.distributed calls each step makes (none expected), and the
+    results against Mesh.local()'s, for the blocking step and for gather_ahead + bucket_reduce."""
+    import torch.distributed as dist
+
+    import fshard as fs
+    dist.init_process_group("gloo")
+    mesh = fs.Mesh.from_env()
+    assert mesh.group is not None and mesh.world_size == 1
+    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "all_gather")
+    calls, saved = [], {n: getattr(dist, n) for n in names}
+
+    def counted(n, f):
+        def call(*args, **kwargs):
+            calls.append(n)
+            return f(*args, **kwargs)
+        return call
+    model, loss_fn, batches = _gpt()
+    out = {}
+    for key, ts in {"blocking": lambda: (), "ahead+buckets": lambda: (fs.gather_ahead(2), fs.bucket_reduce(1e-3)),
+                    "bf16": lambda: (fs.mixed_precision(param_copies=False),)}.items():
+        runs = {}
+        for where, m in (("group", mesh), ("local", fs.Mesh.local())):
+            state = fs.init(copy.deepcopy(model), m, fs.adamw(**HP))
+            for n in names:
+                setattr(dist, n, counted(n, saved[n]))
+            try:
+                runs[where] = _run(state, loss_fn, batches, ts(), donate=True)
+            finally:
+                for n in names:
+                    setattr(dist, n, saved[n])
+        out[key] = (runs["group"] == runs["local"], list(calls))
+        calls.clear()
+    return out
+
+
+def test_a_one_rank_process_group_issues_no_collective():
+    from _dist import run_ranks
+    for key, (same, calls) in run_ranks(_one_rank_group, 1)[0].items():
+        assert same, f"{key}: a one-rank gloo group trained differently from Mesh.local()"
+        assert calls == [], f"{key}: a one-rank step issued {calls}"

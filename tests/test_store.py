@@ -670,7 +670,7 @@ def test_read_into_casts_in_one_pass_and_a_forwarding_wrapper_keeps_its_own_get(
     """CPUStore.read_into copies an item into a tensor of another dtype (a stored parameter read for a bf16
     gather); StoredParam.load uses it only where the store's class has it, so a wrapper that counts its gets
     through __getattr__ still sees every read."""
-    from fshard._stored import StoredParam, put_param
+    from fshard.state._stored import StoredParam, put_param
     store = fs.CPUStore(pin=False)
     p = torch.randn(37)
     sp = put_param(store, "p", p, 30, 16, [])

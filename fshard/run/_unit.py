@@ -8,7 +8,8 @@ frees the buffer's storage (``resize_(0)``, as FSDP does). Autograd still needs 
 saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
 handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
 which hands it to the reduce policy and frees the buffer again. Activation checkpointing (a recompute in backward)
-is covered by fshard/run/_recompute.py's hooks.
+is covered by fshard/run/_recompute.py's hooks. At world size 1 the buffer is the shard itself (``_whole``): the same
+calls, with nothing copied and nothing freed (design/ARCHITECTURE.md, "One rank: nothing moves").
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ landed, and every unit whose pieces all sit in landed buckets gets its gradient 
 on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
 
 At world size 1 there is nothing to sum: each unit's gradient (cast to the bucket's dtype where that differs) is
-handed over as its shard as soon as it arrives, without a bucket or a copy (design/ARCHITECTURE.md, "One rank").
+handed over as its shard as soon as it arrives, without a bucket or a copy (design/ARCHITECTURE.md, "One rank"); a
+unit no gradient reached gets a zero shard at the end of backward, as at N > 1.
 
 Memory: a bucket's buffer is one tensor per rank section, not one flat tensor. Only this rank's section holds a
 result; the others are the scratch its reduces read from, freed as the bucket lands. So what outlives backward
@@ -200,16 +201,23 @@ class BucketReduce(ReducePolicy):
 
     def _whole(self, run, unit, grad: torch.Tensor) -> None:
         """One rank: nothing to sum, and a bucket would only be a copy of the gradient. The unit's gradient, in the
-        bucket's dtype (the cast its copy into a bucket would make), is its shard, handed over as it arrives (the
-        blocking reduce's hand-over: a unit that got no gradient gets no shard)."""
+        bucket's dtype (the cast its copy into a bucket would make), is its shard, handed over as it arrives."""
         dtype = self.reduce_dtype or unit.layout.dtype
         g = grad if grad.dtype == dtype else grad.to(dtype)
         run.comm.reduce_scatter(g, g, unit.name).wait()  # (no copy: recorded, as the blocking reduce's)
         run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
 
+    def _unreached(self, run) -> None:
+        """One rank, end of backward: as at N > 1, where its buckets reduce zeros for it, a unit with trainable
+        parameters that no gradient reached gets a zero shard (in backward's order)."""
+        for layout in backward_order(run.spec.units, run.order):
+            unit = run.units[layout.name]
+            if layout.trainable and unit.grad is None:
+                run.grad_ready(unit, torch.zeros(layout.shard_numel, dtype=layout.dtype, device=run.comm.mesh.device))
+
     def finish(self, run) -> None:
-        if run.comm.mesh.world_size == 1:  # (every unit was handed over as it arrived)
-            return
+        if run.comm.mesh.world_size == 1:  # (every unit reached was handed over as it arrived)
+            return self._unreached(run)
         st = self._state(run)
         self._launch_ready(run, st, force=True)
         while st.landed < len(st.flights):
