@@ -147,7 +147,7 @@ def _failed_step_holds(_):
     import torch
 
     import fshard as fs
-    from fshard import _mesh
+    from fshard.dist import _mesh
     from fshard.dist._agreement import _DESC_BYTES
     finalized, real = [], _mesh._release_held
 
