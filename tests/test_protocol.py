@@ -66,7 +66,7 @@ def test_wrappers_compose_and_a_setter_after_a_wrapper_is_an_error():
     fs.compose(awkward_loss, _SetGrads(), fs.clip_by_global_norm(1.0))  # set first, then wrap: fine
     with pytest.raises(fs.errors.TransformConflictError,
                        match=r"sets the grads stage, which fs.clip_by_global_norm\(1.0\) "
-                             r"\(passed before it\) wraps.*Pass fs.set_grads\(\) before"):
+                             r"\(passed before it\) wraps.*Pass set_grads\(\) before"):
         fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), _SetGrads())
 
 
@@ -250,6 +250,50 @@ def test_grads_are_frozen():
     normed = g.replace(sq_norm=3.0)
     assert normed.replace(scale=2.0).sq_norm == 3.0  # the norm is of the shards, before any scale
     assert normed.replace(shards={"a": torch.zeros(3)}).sq_norm is None  # new shards: the cached norm is stale
+
+
+def test_a_transform_is_its_fields_and_is_frozen():
+    """Its fields are its fingerprint (written alike on every rank) and its default repr; a repr of its own cannot
+    hide them from the rank check; once made it is frozen (issue #39)."""
+    class scaled(fs.Transform):
+        def __init__(self, factor, device=torch.device("cpu"), on=None):
+            self.factor, self.device, self.on = factor, device, on
+
+    class quiet(scaled):
+        def __repr__(self):
+            return "quiet()"
+
+    @dataclasses.dataclass(frozen=True)
+    class dc(fs.Transform):
+        factor: float = 1.0
+
+    a = scaled(0.5, on=lambda name: True)
+    assert repr(a).startswith("scaled(factor=0.5, device=device('cpu'), on=test_protocol.") and a.name == "scaled"
+    assert repr(a).endswith(".<lambda>)") and " at 0x" not in repr(a)  # a function by its qualified name
+    assert "factor=0.5" in a.fingerprint() and " at 0x" not in a.fingerprint()
+    assert scaled(0.5, torch.device("cuda", 1)).fingerprint() == scaled(0.5, torch.device("cuda", 0)).fingerprint()
+    assert scaled(0.5).fingerprint() != scaled(0.25).fingerprint()
+    assert quiet(0.5).fingerprint() != quiet(0.25).fingerprint() and repr(quiet(0.5)) == "quiet()"
+    assert quiet(0.5).fingerprint() != scaled(0.5).fingerprint()  # the class counts too
+    assert dc(2.0).fingerprint() != dc(3.0).fingerprint() and "factor=2.0" in dc(2.0).fingerprint()
+    with pytest.raises(fs.errors.FrozenStateError, match=r"scaled\(factor=0.5.*is frozen.*Make another one"):
+        a.factor = 1.0
+    with pytest.raises(fs.errors.FrozenStateError):
+        del a.factor
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dc(2.0).factor = 1.0
+
+    class local(scaled):
+        rank_local = ("device",)
+    assert "device" not in local(0.5).fingerprint() and "device=" in repr(local(0.5))
+    # the built-ins: short reprs for people, every field in the fingerprint
+    g = fs.gather_ahead(2, on_change="error")
+    assert repr(g) == "fs.gather_ahead(depth=2)" and "on_change='error'" in g.fingerprint()
+    assert repr(fs.skip_nonfinite()) == "fs.skip_nonfinite()"
+    assert "reduce_dtype=torch.float32" in fs.bucket_reduce(1, reduce_dtype=torch.float32).fingerprint()
+    assert copy.deepcopy(g).fingerprint() == g.fingerprint()
+    with pytest.raises(fs.errors.FrozenStateError):
+        g.depth = 3
 
 
 def test_donation_is_a_field_shared_by_states_that_share_tensors():
