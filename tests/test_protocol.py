@@ -93,6 +93,37 @@ def test_a_policy_must_follow_its_stage_protocol():
         fs.compose(awkward_loss, OldStyle())
 
 
+def test_a_grads_method_is_a_link_of_the_grads_chain():
+    """``Transform.grads(comm, grads)``: run in composition order among the wrappers, no inner, no close to
+    forward; changes_grads from the class (issue #39)."""
+    seen = []
+
+    class note(fs.Transform):
+        changes_grads = False
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def grads(self, comm, grads):
+            seen.append((self.tag, grads.scale))
+            return grads.with_metrics(**{f"note/{self.tag}": len(grads.shards)})
+
+    assert note.stages == {"grads": "wrap"} and fs.Transform.stages == {}
+    step = fs.compose(awkward_loss, note("a"), fs.clip_by_global_norm(1e-3), note("b"))
+    assert not step.policy.grads_unchanged
+    _, m = step(_state(), next(iter(awkward_batches(2, 1))))
+    assert [t for t, _ in seen] == ["a", "b"] and seen[0][1] == 1.0 and seen[1][1] < 1.0  # b runs after the clip
+    assert m["note/a"] == m["note/b"] > 0 and m["grad_clip_scale"] < 1.0
+    assert fs.compose(awkward_loss, note("a")).policy.grads_unchanged  # it says it changes nothing
+    with pytest.raises(fs.ArgumentTypeError, match=r"defines both grads .* and wrap_grads"):
+        class both(fs.Transform):
+            def grads(self, comm, grads):
+                return grads
+
+            def wrap_grads(self, inner):
+                return inner
+
+
 # --- every shipped reduce policy hands every unit over ----------------------------------------------------------
 
 

@@ -196,8 +196,8 @@ class Step:
         loss, active = self._agree(comm, run, acc, loss)
         acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
         self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
-        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
-                                                  active=active, transform_state=state.transform_state))
+        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale,
+                                                  spec=spec, active=active, transform_state=state.transform_state))
         t3 = time.perf_counter()
         comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
         if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
