@@ -267,7 +267,7 @@ def fold(transforms) -> Policy:
             changed[stage].append((t, how))
             if stage == "grads":
                 unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
-                unread = unread and not getattr(new, "reads_grads", True)
+                unread = unread and not new.reads_grads  # declared by GradsPolicy (checked above)
                 if new.scales_loss and scaler is not None:
                     raise TransformConflictError(
                         f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
