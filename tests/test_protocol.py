@@ -62,7 +62,7 @@ class _SetGrads(fs.Transform):
 
 def test_wrappers_compose_and_a_setter_after_a_wrapper_is_an_error():
     step = fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), fs.skip_nonfinite(), fs.clip_by_global_norm(2.0))
-    assert not step.policy.grads_unchanged and step.policy.grads.inner.inner.inner.changes_grads is False
+    assert not step.policy.grads_unchanged and step.policy.grads.before.before.before.changes_grads is False
     fs.compose(awkward_loss, _SetGrads(), fs.clip_by_global_norm(1.0))  # set first, then wrap: fine
     with pytest.raises(fs.errors.TransformConflictError,
                        match=r"sets the grads stage, which fs.clip_by_global_norm\(1.0\) "
