@@ -1,12 +1,16 @@
 """examples/custom_transform.py: a grads-stage transform written against the public protocol, at world sizes 1 and 2.
 
-Its per-unit gradient norms match a plain torch model's full gradients on the same global batch; composing it
-changes nothing else, bitwise; it composes with clip_by_global_norm and skip_nonfinite in any order; and, since it
-declares ``changes_grads = False``, offload_state still begins updates during backward."""
+The example is at most 30 lines with public names only (issue #39). Its per-unit gradient norms match a plain torch
+model's full gradients on the same global batch; composing it changes nothing else, bitwise; it composes with
+clip_by_global_norm and skip_nonfinite in any order; under fp16 loss scaling its norms are of the unscaled gradients
+(``Grads.loss_scale``); and, since it declares ``changes_grads = False``, offload_state still begins updates during
+backward."""
 from __future__ import annotations
 
+import ast
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -89,6 +93,8 @@ def _on_rank(directory):
     }
     out["compose"] = {label: (_train(mesh, without), _train(mesh, with_))
                       for label, (without, with_) in compositions.items()}
+    fp16 = (fs.mixed_precision(torch.float16, init_scale=1024.0), fs.clip_by_global_norm(1e9), ugn())
+    out["fp16"] = _train(mesh, fp16)[2]  # clip's grad_norm is of the unscaled gradients
     with fs.NVMeStore(f"{directory}/r{mesh.rank}") as store:
         ts = (fs.bucket_reduce(0.001), ugn(), fs.offload_state(store, chunk_mb=0.01, overlap_backward=True))
         out["offload"] = _train(mesh, ts, name="gpt")[2]
@@ -145,3 +151,24 @@ def test_offload_still_begins_updates_during_backward(results):
         m = r["offload"]
         assert _unit_norms(m)
         assert m["update/overlapped_units"] > 0  # changes_grads = False kept the grads stage "unchanged"
+
+
+def test_unit_norms_are_of_the_unscaled_gradients_under_fp16_loss_scaling(results):
+    for r in results:
+        m = r["fp16"]
+        assert m["loss_scale"] == 1024.0 and m["skipped"] == 0 and _unit_norms(m)
+        assert math.isclose(math.hypot(*_unit_norms(m).values()), m["grad_norm"], rel_tol=3e-7), m
+
+
+def test_the_example_is_30_lines_of_public_names():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "custom_transform.py")
+    text = open(path).read()
+    assert len(text.splitlines()) <= 30
+    tree = ast.parse(text)
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert imported == {"torch", "fshard", "GPT", "GPTConfig", "loss_fn", "synthetic_batches"}, imported
+    names = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+    assert not [a for a in names if a.startswith("_")], names  # no private attribute of anything
+    import fshard as fs
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "fs"}
+    assert used <= set(fs.__all__), used - set(fs.__all__)

@@ -62,11 +62,11 @@ class _SetGrads(fs.Transform):
 
 def test_wrappers_compose_and_a_setter_after_a_wrapper_is_an_error():
     step = fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), fs.skip_nonfinite(), fs.clip_by_global_norm(2.0))
-    assert not step.policy.grads_unchanged and step.policy.grads.inner.inner.inner.changes_grads is False
+    assert not step.policy.grads_unchanged and step.policy.grads.before.before.before.changes_grads is False
     fs.compose(awkward_loss, _SetGrads(), fs.clip_by_global_norm(1.0))  # set first, then wrap: fine
     with pytest.raises(fs.errors.TransformConflictError,
                        match=r"sets the grads stage, which fs.clip_by_global_norm\(1.0\) "
-                             r"\(passed before it\) wraps.*Pass fs.set_grads\(\) before"):
+                             r"\(passed before it\) wraps.*Pass set_grads\(\) before"):
         fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), _SetGrads())
 
 
@@ -91,6 +91,37 @@ def test_a_policy_must_follow_its_stage_protocol():
 
     with pytest.raises(fs.ArgumentTypeError, match=r"which is not a GradsPolicy: subclass fs.protocol.GradsPolicy"):
         fs.compose(awkward_loss, OldStyle())
+
+
+def test_a_grads_method_is_a_link_of_the_grads_chain():
+    """``Transform.grads(comm, grads)``: run in composition order among the wrappers, no inner, no close to
+    forward; changes_grads from the class (issue #39)."""
+    seen = []
+
+    class note(fs.Transform):
+        changes_grads = False
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def grads(self, comm, grads):
+            seen.append((self.tag, grads.scale))
+            return grads.with_metrics(**{f"note/{self.tag}": len(grads.shards)})
+
+    assert note.stages == {"grads": "wrap"} and fs.Transform.stages == {}
+    step = fs.compose(awkward_loss, note("a"), fs.clip_by_global_norm(1e-3), note("b"))
+    assert not step.policy.grads_unchanged
+    _, m = step(_state(), next(iter(awkward_batches(2, 1))))
+    assert [t for t, _ in seen] == ["a", "b"] and seen[0][1] == 1.0 and seen[1][1] < 1.0  # b runs after the clip
+    assert m["note/a"] == m["note/b"] > 0 and m["grad_clip_scale"] < 1.0
+    assert fs.compose(awkward_loss, note("a")).policy.grads_unchanged  # it says it changes nothing
+    with pytest.raises(fs.ArgumentTypeError, match=r"defines both grads .* and wrap_grads"):
+        class both(fs.Transform):
+            def grads(self, comm, grads):
+                return grads
+
+            def wrap_grads(self, inner):
+                return inner
 
 
 # --- every shipped reduce policy hands every unit over ----------------------------------------------------------
@@ -250,6 +281,50 @@ def test_grads_are_frozen():
     normed = g.replace(sq_norm=3.0)
     assert normed.replace(scale=2.0).sq_norm == 3.0  # the norm is of the shards, before any scale
     assert normed.replace(shards={"a": torch.zeros(3)}).sq_norm is None  # new shards: the cached norm is stale
+
+
+def test_a_transform_is_its_fields_and_is_frozen():
+    """Its fields are its fingerprint (written alike on every rank) and its default repr; a repr of its own cannot
+    hide them from the rank check; once made it is frozen (issue #39)."""
+    class scaled(fs.Transform):
+        def __init__(self, factor, device=torch.device("cpu"), on=None):
+            self.factor, self.device, self.on = factor, device, on
+
+    class quiet(scaled):
+        def __repr__(self):
+            return "quiet()"
+
+    @dataclasses.dataclass(frozen=True)
+    class dc(fs.Transform):
+        factor: float = 1.0
+
+    a = scaled(0.5, on=lambda name: True)
+    assert repr(a).startswith("scaled(factor=0.5, device=device('cpu'), on=test_protocol.") and a.name == "scaled"
+    assert repr(a).endswith(".<lambda>)") and " at 0x" not in repr(a)  # a function by its qualified name
+    assert "factor=0.5" in a.fingerprint() and " at 0x" not in a.fingerprint()
+    assert scaled(0.5, torch.device("cuda", 1)).fingerprint() == scaled(0.5, torch.device("cuda", 0)).fingerprint()
+    assert scaled(0.5).fingerprint() != scaled(0.25).fingerprint()
+    assert quiet(0.5).fingerprint() != quiet(0.25).fingerprint() and repr(quiet(0.5)) == "quiet()"
+    assert quiet(0.5).fingerprint() != scaled(0.5).fingerprint()  # the class counts too
+    assert dc(2.0).fingerprint() != dc(3.0).fingerprint() and "factor=2.0" in dc(2.0).fingerprint()
+    with pytest.raises(fs.errors.FrozenStateError, match=r"scaled\(factor=0.5.*is frozen.*Make another one"):
+        a.factor = 1.0
+    with pytest.raises(fs.errors.FrozenStateError):
+        del a.factor
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dc(2.0).factor = 1.0
+
+    class local(scaled):
+        rank_local = ("device",)
+    assert "device" not in local(0.5).fingerprint() and "device=" in repr(local(0.5))
+    # the built-ins: short reprs for people, every field in the fingerprint
+    g = fs.gather_ahead(2, on_change="error")
+    assert repr(g) == "fs.gather_ahead(depth=2)" and "on_change='error'" in g.fingerprint()
+    assert repr(fs.skip_nonfinite()) == "fs.skip_nonfinite()"
+    assert "reduce_dtype=torch.float32" in fs.bucket_reduce(1, reduce_dtype=torch.float32).fingerprint()
+    assert copy.deepcopy(g).fingerprint() == g.fingerprint()
+    with pytest.raises(fs.errors.FrozenStateError):
+        g.depth = 3
 
 
 def test_donation_is_a_field_shared_by_states_that_share_tensors():

@@ -35,6 +35,9 @@ Sections:
 - one error family on every rank (issue #38): one rank's loss_fn raises a ValueError once; every rank catches
   ``fs.FshardError`` (the failing rank a ``StepError`` whose ``__cause__`` is the ValueError), retries, and ends
   bitwise where a run without the failure ends.
+- a custom transform's arguments are checked across ranks (issue #39): a user's ``fs.Transform`` (a plain
+  ``__init__``, or a dataclass) composed with another argument on rank 1 is a ``RankDivergenceError`` on every rank,
+  naming this rank's arguments, before any gather, the state intact; with the same arguments the ranks train.
 
 Checkpoints (issue #37), world size 2, each within seconds, the user's files, the checkpoints and the state intact:
 
@@ -608,3 +611,70 @@ def test_ctrl_c_on_one_rank_in_a_save_is_an_fshard_error_on_the_other():
         from models import Awkward
         like = fs.init(Awkward(), fs.Mesh.local(), fs.adamw())
         assert int(fs.load(os.path.join(d, "a"), like=like).step) == 0  # the previous checkpoint
+
+
+# --- a custom transform's arguments are checked across ranks (issue #39) ---
+
+def _custom_transform_arguments(kind):
+    """Each rank composes a user's transform that scales the update; ``kind``: "same" (the same factor on every
+    rank), "differ" (rank 1's is another), "differ_dataclass" (the same with a dataclass transform). Returns the
+    error (type, message) or None, whether the input state is intact, and the losses of 2 steps."""
+    import dataclasses
+
+    from models import Awkward, awkward_batches, awkward_loss
+
+    class scaled(fs.Transform):  # the long form: a grads policy wrapping the one it was given
+        stages = {"grads": "wrap"}
+
+        def __init__(self, factor):
+            self.factor = factor
+
+        def wrap_grads(self, inner):
+            factor = self.factor
+
+            class Scaled(fs.protocol.GradsPolicy):
+                def __call__(self, comm, grads):
+                    grads = inner(comm, grads)
+                    return grads.replace(scale=grads.scale * factor)
+            return Scaled()
+
+        def __repr__(self):  # a repr that leaves the argument out no longer hides it from the rank check
+            return "scaled()"
+
+    @dataclasses.dataclass(frozen=True)
+    class scaled_dc(scaled):
+        factor: float
+
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    before = _snapshot(state)
+    factor = 0.5 if kind == "same" or mesh.rank == 0 else 0.25
+    transform = (scaled_dc if kind == "differ_dataclass" else scaled)(factor)
+    losses, error = [], None
+    with fs.compose(awkward_loss, transform) as step:
+        try:
+            for b in awkward_batches(2, 2, mesh.rank, mesh.world_size):
+                state, m = step(state, b)
+                losses.append(m["loss"])
+        except fs.FshardError as e:
+            error = (type(e).__name__, str(e))
+    intact = all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
+    return error, intact, losses, int(state.step)
+
+
+@pytest.mark.parametrize("kind", ["same", "differ", "differ_dataclass"])
+def test_a_custom_transform_with_other_arguments_on_one_rank_is_a_rank_divergence(kind):
+    outcome = spawn(_custom_transform_arguments, 2, kind, timeout_s=120, collective_timeout_s=TIMEOUT_S)
+    assert all(s == "ok" for s, _ in outcome.values()), outcome
+    results = [outcome[r][1] for r in range(2)]
+    if kind == "same":
+        for error, _, losses, steps in results:
+            assert error is None and steps == 2 and len(losses) == 2, (error, steps)
+        assert results[0][2] == results[1][2]  # the loss is averaged over ranks: the same on both
+        return
+    for r, (error, intact, losses, steps) in enumerate(results):
+        assert error is not None and error[0] == "RankDivergenceError", (r, error)
+        assert "ranks composed different transforms" in error[1], error
+        assert f"factor={0.5 if r == 0 else 0.25}" in error[1], error  # this rank's argument, named
+        assert intact and steps == 0 and losses == [], (r, intact, steps)

@@ -214,11 +214,12 @@ _CHECKS = ("batch", "step", "model", "optimizer", "transforms")  # what check_ra
 CHECKED = len(_CHECKS)  # (step.plan counts the hashes)
 
 
-def check_ranks(comm, state, batch, chain: int = 0) -> None:
+def check_ranks(comm, state, batch, chain: int = 0, transforms: tuple = ()) -> None:
     """Before any gather: do all ranks run the same step of the same model, with the same optimizer hyperparameters
-    (at this step: a schedule's learning rate too) and the same composed transforms (``chain``), on batches of the
-    same structure? A mismatch here would otherwise surface as a hang, as silently mixed shards, or as ranks that
-    train different models. Every rank raises the same error (``comm.unanimous``)."""
+    (at this step: a schedule's learning rate too) and the same composed transforms (``chain``, the hash of their
+    fingerprints ``transforms``), on batches of the same structure? A mismatch here would otherwise surface as a
+    hang, as silently mixed shards, or as ranks that train different models. Every rank raises the same error
+    (``comm.unanimous``)."""
     if comm.mesh.world_size == 1:
         return
     step = int(state.step)
@@ -249,5 +250,5 @@ def check_ranks(comm, state, batch, chain: int = 0) -> None:
             "build the optimizer (fs.adamw(...), its schedule and weight-decay mask) the same way on every rank."))
     if not ok["transforms"]:
         raise comm.unanimous(RankDivergenceError(
-            "ranks composed different transforms (fs.compose(loss_fn, ...)); compose the same ones, with the same "
-            "arguments and in the same order, on every rank."))
+            f"ranks composed different transforms (fs.compose(loss_fn, ...); this rank's: {', '.join(transforms)}); "
+            "compose the same ones, with the same arguments and in the same order, on every rank."))

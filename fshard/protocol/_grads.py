@@ -24,6 +24,8 @@ class Grads:
         The step starts it at ``1 / loss_scale`` when a grads policy scales the loss (fp16), so the shards hold the
         scaled gradients and ``shards * scale`` is always what the update applies: a policy that reads gradient
         values (a norm) multiplies by it.
+      loss_scale: the factor backward multiplied the loss by (fp16 loss scaling; 1.0 otherwise), set by the step:
+        ``shards / loss_scale`` are the gradients of the loss, whatever ``scale`` a clip has multiplied in since.
       skip: whether to skip the update; the step then returns the input state with ``skipped`` + 1, the
         ``transform_state`` below, and the buffers forward updated (BatchNorm's running statistics, as in torch,
         where a step whose optimizer is skipped has still run forward).
@@ -38,6 +40,7 @@ class Grads:
 
     shards: Mapping[str, torch.Tensor]
     scale: float = 1.0
+    loss_scale: float = 1.0
     skip: bool = False
     sq_norm: float | None = None
     spec: Any = None

@@ -1,12 +1,13 @@
 """Transforms, the blocking policies a step uses when no transform changes a stage, and ``fold``.
 
-A transform is a small named object. For each stage it returns the policy it was given, or a policy of its own;
-it declares which stages it changes and how (``Transform.stages``):
+A transform is a small named value: its fields are its repr and its cross-rank fingerprint, and it is frozen once
+made (``Transform``). For each stage it returns the policy it was given, or a policy of its own; it declares which
+stages it changes and how (``Transform.stages``):
 
 - ``"set"``: its policy takes the stage over (it may still call the policy it was given, as offload_state does
   for the units it leaves in memory). A stage is set by at most one transform.
 - ``"wrap"``: its policy calls the one it was given and changes its result (clip, skip). Wrappers compose, in
-  the order given.
+  the order given. A transform's ``grads`` method is such a wrapper, made by ``fold`` (``_GradsLink``).
 
 ``fs.compose`` folds the transforms over the blocking policies, left to right (``fold``). Two transforms that set
 the same stage, or one that sets a stage another already wraps, are a ``TransformConflictError``: the later one
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._stages import BatchesPolicy, GatherPolicy, Grads, GradsPolicy, ReducePolicy, UpdatePolicy
-from ..errors import ArgumentTypeError, TransformConflictError
+from ._fields import FROZEN, describe, fields
+from ._stages import BatchesPolicy, Collectives, GatherPolicy, Grads, GradsPolicy, ReducePolicy, UpdatePolicy
+from ..errors import ArgumentTypeError, FrozenStateError, TransformConflictError
 
 if TYPE_CHECKING:
     from ..state._train_state import ShardSpec, TrainState
@@ -31,12 +33,67 @@ PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "grads": GradsPolic
              "batches": BatchesPolicy}
 
 
-class Transform:
-    """Base class: every stage unchanged. A subclass overrides ``wrap_<stage>`` for the stages it changes and
-    declares them in ``stages`` (stage -> "set" or "wrap")."""
+class _TransformType(type):
+    """``Transform``'s metaclass: an instance is frozen once its class's ``__init__`` has returned."""
+
+    def __call__(cls, *args, **kwargs):
+        t = super().__call__(*args, **kwargs)
+        object.__setattr__(t, FROZEN, True)
+        return t
+
+
+class Transform(metaclass=_TransformType):
+    """Base class: every stage unchanged.
+
+    A transform is a value: its fields (what ``__init__`` set on it; a dataclass's fields) are its repr and its
+    cross-rank fingerprint, and it is frozen once made, so two ranks that compose it with different arguments
+    fail the step's rank check (``RankDivergenceError``) whatever its author wrote. ``rank_local`` names the fields
+    that may differ between ranks (a rank's own directory), left out of the fingerprint.
+
+    A subclass changes a stage in one of two ways:
+
+    - ``grads(self, comm, grads) -> grads``, a method: a link of the grads chain, run after the grads policies of
+      the transforms before it (it declares ``stages["grads"] = "wrap"`` by itself). ``changes_grads`` and
+      ``reads_grads`` (class attributes) say what it does to the shards (``fs.protocol.GradsPolicy``).
+    - ``wrap_<stage>(policy) -> policy``, for any stage, declared in ``stages`` (stage -> "set" or "wrap"): a
+      policy following the stage's protocol (fshard/protocol/_stages.py), which may call the one it was given.
+
+    ``name`` (default: the class's name) keys its entry in ``TrainState.transform_state`` and names it in
+    messages."""
 
     name = "transform"
     stages: Mapping[str, str] = {}
+    rank_local: tuple[str, ...] = ()
+    changes_grads: bool = True  # (of a grads link: what each means is fs.protocol.GradsPolicy's)
+    reads_grads: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
+        if cls.grads is not Transform.grads:
+            if cls.wrap_grads is not Transform.wrap_grads:
+                raise ArgumentTypeError(
+                    f"{cls.__qualname__} defines both grads (a link of the grads chain) and wrap_grads (a grads "
+                    "policy); define one of them.")
+            if "grads" not in cls.stages:
+                cls.stages = {**cls.stages, "grads": "wrap"}
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get(FROZEN):
+            raise FrozenStateError(
+                f"{self!r} is frozen: its fields are its fingerprint, which ranks compare when a step composed with "
+                f"it runs. Make another one with the {name} you want.")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get(FROZEN):
+            raise FrozenStateError(f"{self!r} is frozen; make another one without {name}.")
+        object.__delattr__(self, name)
+
+    def grads(self, comm: Collectives, grads: Grads) -> Grads:
+        """A link of the grads chain (see the class docstring): the default, unchanged, adds no link."""
+        return grads
 
     def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
         return gather
@@ -45,7 +102,7 @@ class Transform:
         return reduce
 
     def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
-        return grads
+        return grads if type(self).grads is Transform.grads else _GradsLink(self, grads)
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return update
@@ -61,13 +118,33 @@ class Transform:
         return None
 
     def fingerprint(self) -> str:
-        """What every rank must compose alike (the step's rank check compares the chain's): ``repr(self)`` by
-        default, so a transform's arguments count. A transform whose repr holds what may differ between ranks (a
-        rank's own directory) returns the rest."""
-        return repr(self)
+        """What every rank must compose alike (the step's rank check compares the chain's): the class and every
+        field but ``rank_local``, each written alike in every process (fshard/protocol/_fields.py). Not the repr,
+        which a class may shorten for people."""
+        t = type(self)
+        kept = ", ".join(f"{k}={describe(v)}" for k, v in fields(self).items() if k not in self.rank_local)
+        return f"{t.__module__}.{t.__qualname__}({kept})"
 
     def __repr__(self) -> str:
-        return f"fs.{self.name}()"
+        shown = ", ".join(f"{k}={describe(v)}" for k, v in fields(self).items() if not k.startswith("_"))
+        return f"{'fs.' if type(self).__module__.startswith('fshard.') else ''}{self.name}({shown})"
+
+
+class _GradsLink(GradsPolicy):
+    """A transform's ``grads`` method in the grads chain: the policies before it run first."""
+
+    def __init__(self, transform: Transform, before: GradsPolicy):
+        self.transform, self.before = transform, before
+        self.changes_grads, self.reads_grads = transform.changes_grads, transform.reads_grads
+
+    def __call__(self, comm, grads: Grads) -> Grads:
+        return self.transform.grads(comm, self.before(comm, grads))
+
+    def close(self) -> None:
+        self.before.close()
+
+    def __repr__(self) -> str:
+        return f"{self.transform!r}.grads"
 
 
 class BlockingGather(GatherPolicy):
@@ -192,7 +269,7 @@ def fold(transforms) -> Policy:
             changed[stage].append((t, how))
             if stage == "grads":
                 unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
-                unread = unread and not getattr(new, "reads_grads", True)
+                unread = unread and not new.reads_grads  # declared by GradsPolicy (checked above)
                 if new.scales_loss and scaler is not None:
                     raise TransformConflictError(
                         f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "

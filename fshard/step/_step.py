@@ -74,7 +74,8 @@ class Step:
         self._checked = False  # a step has completed (until then every collective is checked first)
         self._busy = threading.Lock()  # held while a step or eval pass runs (_exclusive)
         self.policy = fold(self.transforms)
-        self._chain = small_hash([t.fingerprint() for t in self.transforms])  # ranks compare it (check_ranks)
+        self._fingerprints = tuple(t.fingerprint() for t in self.transforms)  # each transform's fields
+        self._chain = small_hash(list(self._fingerprints))  # ranks compare it (check_ranks)
         self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
@@ -175,7 +176,7 @@ class Step:
         """The data flow of one step (the module docstring), into ``runs`` (closed by the caller)."""
         spec, accum = state.spec, 0
         state = self.init(state)
-        check_ranks(comm, state, batch, self._chain)  # first: a batch wrong on one rank fails on all of them
+        check_ranks(comm, state, batch, self._chain, self._fingerprints)  # first: a bad batch fails every rank
         micro = self.policy.batches(batch)
         acc, scratch = Accumulator(len(micro)), {}
         buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
@@ -195,8 +196,8 @@ class Step:
         loss, active = self._agree(comm, run, acc, loss)
         acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
         self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
-        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, spec=spec,
-                                                  active=active, transform_state=state.transform_state))
+        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale,
+                                                  spec=spec, active=active, transform_state=state.transform_state))
         t3 = time.perf_counter()
         comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
         if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ..protocol._stages import Grads, GradsPolicy
+from ..protocol._stages import Grads
 from ..errors import ArgumentError
 from ..protocol._transform import Transform
 
@@ -134,14 +134,20 @@ def _coef(max_norm: float, norm: float) -> float:
     return float(max_norm / (total + 1e-6))
 
 
-class _Clip(GradsPolicy):
-    changes_grads = True  # the scale
+class clip_by_global_norm(Transform):
+    """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as clip_grad_norm_ does).
+    Reports ``metrics["grad_norm"]`` (before clipping)."""
 
-    def __init__(self, inner: GradsPolicy, max_norm: float):
-        self.inner, self.max_norm = inner, max_norm
+    name = "clip_by_global_norm"
 
-    def __call__(self, comm, grads: Grads) -> Grads:
-        grads = self.inner(comm, grads)
+    def __init__(self, max_norm: float):
+        if not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ArgumentError(f"fs.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}.")
+        self.max_norm = float(max_norm)
+
+    def grads(self, comm, grads: Grads) -> Grads:
+        """A link of the grads chain: the norm of what the update applies so far (``shards * scale``), and the
+        factor multiplied into ``scale``."""
         if grads.spec is None:  # a Grads built without the layout (a custom caller): the float64 global sum
             grads = grads.with_sq_norm(comm)
             norm = math.sqrt(grads.sq_norm)
@@ -154,25 +160,6 @@ class _Clip(GradsPolicy):
         return grads.replace(scale=scale, metrics={
             **grads.metrics, "grad_norm": norm,
             "grad_clip_scale": min(1.0, coef) if math.isfinite(coef) else coef})
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class clip_by_global_norm(Transform):
-    """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as clip_grad_norm_ does).
-    Reports ``metrics["grad_norm"]`` (before clipping)."""
-
-    name = "clip_by_global_norm"
-    stages = {"grads": "wrap"}
-
-    def __init__(self, max_norm: float):
-        if not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ArgumentError(f"fs.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}.")
-        self.max_norm = float(max_norm)
-
-    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
-        return _Clip(grads, self.max_norm)
 
     def __repr__(self) -> str:
         return f"fs.clip_by_global_norm({self.max_norm})"

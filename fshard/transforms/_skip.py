@@ -13,33 +13,20 @@ from __future__ import annotations
 import math
 import warnings
 
-from ..protocol._stages import Grads, GradsPolicy
+from ..protocol._stages import Grads
 from ..protocol._transform import Transform
 
 
-class _Skip(GradsPolicy):
-    changes_grads = True  # skip
+class skip_nonfinite(Transform):
+    """Skip the update when any gradient is inf or NaN; every rank decides the same way (a link of the grads
+    chain: it sees the gradients as the transforms before it left them)."""
 
-    def __init__(self, inner: GradsPolicy):
-        self.inner = inner
+    name = "skip_nonfinite"
 
-    def __call__(self, comm, grads: Grads) -> Grads:
-        grads = self.inner(comm, grads).with_sq_norm(comm)
+    def grads(self, comm, grads: Grads) -> Grads:
+        grads = grads.with_sq_norm(comm)
         finite = math.isfinite(grads.sq_norm)
         if not finite:
             warnings.warn("fshard: non-finite gradients (inf or NaN); the step was skipped: no update, and "
-                          "state.skipped counted up (metrics['skipped_total']).", stacklevel=3)
+                          "state.skipped counted up (metrics['skipped_total']).", stacklevel=4)
         return grads.replace(skip=grads.skip or not finite, metrics={**grads.metrics, "skipped": int(not finite)})
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class skip_nonfinite(Transform):
-    """Skip the update when any gradient is inf or NaN; every rank decides the same way."""
-
-    name = "skip_nonfinite"
-    stages = {"grads": "wrap"}
-
-    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
-        return _Skip(grads)
