@@ -550,7 +550,7 @@ def test_import_loads_neither_the_native_ops_nor_the_test_helpers():
 # Raised on purpose but not FshardErrors, by Python's own protocols: a module's __getattr__ must raise
 # AttributeError, an iterator ends with StopIteration, and fshard.testing's checkers fail a test with
 # AssertionError, as pytest expects.
-_PROTOCOL_RAISES = {("__init__.py", "AttributeError"), ("_stream.py", "StopIteration"),
+_PROTOCOL_RAISES = {("__init__.py", "AttributeError"), ("_stream.py", "StopIteration"), ("_cpu.py", "StopIteration"),
                     ("testing.py", "AssertionError"),
                     ("_read.py", "UnpicklingError"),  # pickle's protocol; read_metadata makes it a CheckpointError
                     ("_dcp.py", "FileNotFoundError")}  # DCP's reader protocol: no rank-local metadata, its fallback
