@@ -69,9 +69,9 @@ def check_fields(state, changes) -> None:
         _check_units("opt_state", state.opt_state, trainable, required=False)
         for n, s in state.opt_state.items():
             u = trainable[n]
-            if not isinstance(s, spec.opt.state_type):  # the optimizer's (AdamW's: AdamWState)
+            if not isinstance(s, spec.optimizer.state_type):  # the optimizer's (AdamW's: AdamWState)
                 _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an "
-                                   f"fs.optim.{spec.opt.state_type.__name__} is needed.")
+                                   f"fs.optim.{spec.optimizer.state_type.__name__} is needed.")
             c = s.count
             if not (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and tuple(c.shape) == (len(u.trainable),)):
                 _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "
