@@ -53,12 +53,13 @@ def _worker(rank, world_size, port, fn, args, out, timeout_s, environ):
 
 
 def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60,
-          wait_for=None):
+          wait_for=None, fresh: bool = False):
     """fn(*args) on every rank. Returns rank -> ("ok", value) | ("error", traceback) | ("died", exitcode) |
     ("hung", None); never waits past ``timeout_s``, nor, with ``wait_for`` (ranks), past the moment those reported
-    (a test that stops a rank on purpose)."""
+    (a test that stops a rank on purpose). ``fresh``: each rank a fresh interpreter (multiprocessing's spawn), for
+    a test that measures a rank's memory as a launched process has it (a forked rank inherits the server's heap)."""
     wanted = set(range(world_size) if wait_for is None else wait_for)
-    ctx = _context()
+    ctx = mp.get_context("spawn") if fresh else _context()
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out, collective_timeout_s,
@@ -86,10 +87,12 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
     return {r: outcome.get(r, ("hung", None)) for r in range(world_size)}
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60):
+def run_ranks(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60,
+              fresh: bool = False):
     """fn(*args) on every rank (fn calls fs.Mesh.from_env()). Returns the results in rank order; raises with each
-    failing rank's traceback if any rank failed, died or hung."""
-    outcome = spawn(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    failing rank's traceback if any rank failed, died or hung. ``fresh``: as ``spawn`` takes it."""
+    outcome = spawn(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
+                    fresh=fresh)
     bad = {r: o for r, o in outcome.items() if o[0] != "ok"}
     if bad:
         raise AssertionError("\n".join(f"rank {r} {s}:\n{v}" for r, (s, v) in sorted(bad.items())))

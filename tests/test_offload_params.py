@@ -187,8 +187,8 @@ def test_with_parameters_in_the_store_a_step_holds_a_few_units_not_the_model(tmp
     """The memory claim of design/OFFLOAD.md: with params=True the state holds no parameter in memory, and init
     plus a step hold a few units' worth (the gathered unit, its gradient, the shard read for it, at most depth
     gradient shards queued behind the worker), where moments-only offload holds the parameters and more."""
-    (g_p, n, resident_p, early_p), = run_ranks(_peak_growth, 1, str(tmp_path / "p"), True)
-    (g_m, _, resident_m, early_m), = run_ranks(_peak_growth, 1, str(tmp_path / "m"), False)
+    (g_p, n, resident_p, early_p), = run_ranks(_peak_growth, 1, str(tmp_path / "p"), True, fresh=True)
+    (g_m, _, resident_m, early_m), = run_ranks(_peak_growth, 1, str(tmp_path / "m"), False, fresh=True)
     assert resident_p == 0 and resident_m == n and early_p == early_m == 24
     assert g_m >= n, (g_m, n)  # the parameters alone
     # 24 units of 4.2 MB: the plan's peak is 24 MB (a gathered unit, its gradient, the shard read for it, depth

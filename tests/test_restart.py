@@ -67,7 +67,7 @@ def _export(_):
 
 
 def test_full_state_dict_rank0_only_gathers_to_rank_0_unit_by_unit():
-    (n0, grow0, ok0), (n1, grow1, _) = run_ranks(_export, 2, None)
+    (n0, grow0, ok0), (n1, grow1, _) = run_ranks(_export, 2, None, fresh=True)
     unit = 1024 * 1024 * 4 + 4096  # one Linear's parameters, fp32
     assert ok0 and n0 == 8 and n1 == 0
     assert grow0 <= 4 * unit + 2 * unit + 8 * 2**20, grow0  # the dict, one unit's flat buffer and its clones
