@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -58,18 +59,23 @@ def _threads() -> list[str]:
 
 
 def _example(rank: int, tmp: str) -> None:
-    train_gpt.main(["--tiny", "--steps", "3", "--threads", "1", "--log-every", "0",
+    # the run directory both ranks share (the pair's parent and port name it), not the checkout's runs/gpt, whose
+    # checkpoint the example would resume from
+    run = os.path.join(tempfile.gettempdir(), f"fshard-exit-{os.getppid()}-{os.environ['MASTER_PORT']}")
+    train_gpt.main(["--tiny", "--steps", "3", "--threads", "1", "--log-every", "0", "--run-dir", run,
                     "--export", os.path.join(tmp, "export.pt")])
     dist.barrier()  # as examples/train_gpt.py's __main__
+    if rank == 0:
+        shutil.rmtree(run, ignore_errors=True)
     dist.destroy_process_group()
 
 
 _KEPT: list = []  # kept mode: what a script's module globals would hold until the interpreter's exit
 
 
-def _fails(rank: int, tmp: str, keep: bool = False) -> None:
-    torch.manual_seed(0)
-    mesh = fs.Mesh.from_env()
+def fail_a_step(mesh) -> tuple:
+    """A step of 4 units whose loss_fn raises on rank 1, caught as ``fs.FshardError`` on every rank (also used by
+    tests/test_exit.py in its ranks): returns the state, the closed step and the error's type name."""
     state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]), mesh, fs.adamw())
 
     def loss_fn(m, x):
@@ -81,8 +87,14 @@ def _fails(rank: int, tmp: str, keep: bool = False) -> None:
         try:
             step(state, torch.randn(4, 16))
             raise AssertionError("the step did not fail")
-        except fs.FshardError:
-            pass
+        except fs.FshardError as e:
+            error = type(e).__name__
+    return state, step, error
+
+
+def _fails(rank: int, tmp: str, keep: bool = False) -> None:
+    torch.manual_seed(0)
+    state, step, _ = fail_a_step(fs.Mesh.from_env())
     if keep:
         _KEPT.extend([state, step])
     dist.destroy_process_group()

@@ -307,3 +307,46 @@ def test_a_checkpoint_of_another_model_names_the_entry(tmp_path):
     smaller.up = torch.nn.Linear(8, 5, bias=False)
     with pytest.raises(fs.CheckpointError, match=r"model.up.weight .* shape \(37, 8\).* \(5, 8\)"):
         fs.load(tmp_path / "c", like=fs.init(smaller, fs.Mesh.from_env(), fs.adamw()))
+
+
+# --- checkpoints written before the package layout (issue #39) ---
+
+def test_a_byte_entry_pickled_under_the_modules_before_the_package_layout_loads():
+    """fshard pickled its transform-state classes (byte entries of a checkpoint) as fshard._mixed_precision and
+    fshard._loss_scale before issue #39 moved them into fshard/transforms/: such a checkpoint still loads, and an
+    unknown class is still refused."""
+    import io
+    import sys
+    import types
+
+    from fshard.checkpoint._read import load_bytes
+    from fshard.transforms._loss_scale import LossScaleState
+    from fshard.transforms._mixed_precision import MixedPrecisionState
+    value = MixedPrecisionState(torch.float16, torch.float32, LossScaleState.initial(1024.0))
+    saved = {c: c.__module__ for c in (MixedPrecisionState, LossScaleState)}
+    try:
+        for c, old in ((MixedPrecisionState, "fshard._mixed_precision"), (LossScaleState, "fshard._loss_scale")):
+            sys.modules[old] = types.ModuleType(old)
+            setattr(sys.modules[old], c.__name__, c)
+            c.__module__ = old
+        buf = io.BytesIO()
+        torch.save({"mixed_precision": value}, buf)
+    finally:
+        for c, m in saved.items():
+            sys.modules.pop(c.__module__, None)
+            c.__module__ = m
+    assert b"fshard._mixed_precision" in buf.getvalue() and b"fshard._loss_scale" in buf.getvalue()
+    buf.seek(0)
+    got = load_bytes(buf)["mixed_precision"]
+    assert isinstance(got, MixedPrecisionState) and got.param_dtype == torch.float16
+    assert float(got.loss_scale.scale) == 1024.0
+
+    buf = io.BytesIO()
+    torch.save(_Unknown(), buf)
+    buf.seek(0)
+    with pytest.raises(fs.CheckpointError, match="add_safe_globals"):
+        load_bytes(buf)
+
+
+class _Unknown:
+    """A class no checkpoint of fshard's holds."""

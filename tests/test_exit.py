@@ -155,21 +155,10 @@ def _failed_step_holds(_):
         real(held)
         finalized.append((len(held), all(t._use_count() == 1 for t in held)))
 
+    from _exit_runs import fail_a_step
     _mesh._release_held = spy
     mesh = fs.Mesh.from_env()
-    state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]), mesh, fs.adamw())
-
-    def loss_fn(m, x):
-        if mesh.rank == 1:
-            raise ValueError("boom")
-        return m(x).square().mean()
-
-    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.001)) as step:
-        try:
-            step(state, torch.randn(4, 16))
-            raise AssertionError("the step did not fail")
-        except fs.FshardError as e:
-            error = type(e).__name__
+    state, step, error = fail_a_step(mesh)
     held = list(mesh._held)
     descriptors = [bytes(t.tolist()).rstrip(b"\0").decode() for t in held
                    if t.dtype == torch.uint8 and t.numel() == _DESC_BYTES]

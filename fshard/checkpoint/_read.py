@@ -78,8 +78,11 @@ def load_bytes(value: io.BytesIO):
     strings and fshard's transform-state classes; any other class is a ``CheckpointError`` naming it and the fix."""
     from ..transforms._loss_scale import LossScaleState  # (here: these import the step's modules)
     from ..transforms._mixed_precision import MixedPrecisionState
+    # and under the paths fshard pickled them by before its package layout (issue #39), so those checkpoints load
+    old = [(LossScaleState, "fshard._loss_scale.LossScaleState"),
+           (MixedPrecisionState, "fshard._mixed_precision.MixedPrecisionState")]
     try:
-        with torch.serialization.safe_globals([LossScaleState, MixedPrecisionState]):
+        with torch.serialization.safe_globals([LossScaleState, MixedPrecisionState, *old]):
             return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"fs.load: a byte entry of the checkpoint names a class that loading does not run "
