@@ -137,6 +137,19 @@ class AdamW:
         """The weight decay of each trainable slot of ``layout``."""
         return [self.weight_decay if self.decay is None or s.name in self.decay else 0.0 for s in layout.trainable]
 
+    def param_groups(self, layouts, updates: int) -> list[dict]:
+        """torch.optim.AdamW's ``param_groups`` over the trainable parameters of ``layouts`` at ``updates`` applied
+        updates (a schedule's rate there): one group per weight decay, every trainable name in one (a checkpoint's
+        ``optim.param_groups``, as ``get_optimizer_state_dict`` writes them)."""
+        groups: dict = {}
+        for u in layouts:
+            for wd, s in zip(self.decays(u), u.trainable):
+                groups.setdefault(wd, []).append(s.name)
+        lr = self.lr if not callable(self.lr) else self.lr_at(updates)
+        return [{"lr": lr, "betas": self.betas, "eps": self.eps, "weight_decay": wd, "amsgrad": False,
+                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                 "decoupled_weight_decay": True, "params": names} for wd, names in groups.items()]
+
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> AdamWState | None:
         n = layout.opt_numel(rank)
         if not layout.trainable:

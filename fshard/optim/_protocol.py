@@ -127,6 +127,10 @@ class Optimizer(Protocol):
         """``plan`` then ``apply`` on a unit held in memory. Returns the new parameter shard, state and copy;
         ``donate=False`` leaves the inputs intact."""
 
+    def param_groups(self, layouts: Sequence[UnitLayout], updates: int) -> list[dict]:
+        """The torch twin's ``param_groups`` over the trainable parameters of ``layouts`` (each group its fields and
+        ``"params"``, the parameter names), at ``updates`` applied updates: a checkpoint's ``optim.param_groups``."""
+
     def fingerprint(self, count: int) -> tuple:
         """What every rank must agree on for the update that follows ``count`` updates (the step's rank check)."""
 
