@@ -70,7 +70,7 @@ def check_fields(state, changes) -> None:
         for n, s in state.opt_state.items():
             u = trainable[n]
             opt = spec.optimizer  # the rows it declares (fshard/optim/_protocol.py), checked one by one
-            if not isinstance(s, opt.state_type):  # the optimizer's (AdamW's: AdamWState)
+            if not isinstance(s, opt.state_type):  # the optimizer's own node type
                 _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an "
                                    f"fs.optim.{opt.state_type.__name__} is needed.")
             c = s.count
