@@ -108,7 +108,7 @@ class _Chunks:
 
 
 class _StoredBoxes(_Boxes):
-    """Row ``row`` (0: exp_avg, 1: exp_avg_sq) of a unit's moment chunks in a store (``items``, a ``_stored._Items``),
+    """Row ``row`` (in the optimizer's declared order) of a unit's state chunks in a store (``items``, a ``_stored._Items``),
     as boxes that each lie in one chunk; flat starts count from the unit's first moment element."""
 
     def __init__(self, shape, dtype, boxes: list, items, row: int, window: _Chunks, order: int):

@@ -20,11 +20,10 @@ from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ..offload._transform import offload_state
-from ..optim._adamw import AdamWState
-from ..offload._tiers import choose_stores
+from ..offload._tiers import choose_stores, stored_state
+from ..optim._protocol import row_names, zeros
+from ..state._stored import StoredParam, _chunks, _Items, _location, stored_items
 from ..state._train_state import TrainState
-from ..offload._tiers import _stored_state
-from ..state._stored import StoredParam, Stored, _chunks, _Items, _location
 
 __all__ = ["load"]
 
@@ -128,9 +127,10 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
 def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_state, buffers, ts_keys) -> TrainState:
     """DCP fills ``want``; the new state from it."""
     _dcp(call, f"reading {path}", "like is unchanged", dcp.load, want, storage_reader=reader, planner=_LoadPlanner())
+    count_key = like.spec.optimizer.count_key  # (None: the optimizer saves no counts)
     for u in like.spec.units:  # torch's per-parameter step, back to fshard's counts
         for k, s in enumerate(u.trainable):
-            step = want.get(f"optim.state.{s.name}.step")
+            step = want.get(f"optim.state.{s.name}.{count_key}") if count_key is not None else None
             if step is not None and u.name in opt_state:
                 opt_state[u.name].count[k] = int(step)
     warn_hparams(path, like, {**{k: v for k, v in want.items() if k.startswith("optim.param_groups.")},
@@ -175,9 +175,9 @@ def _new_params(like: TrainState, offload, targets: dict) -> dict:
 
 
 def _new_moments(like: TrainState, offload, targets: dict) -> dict:
-    """Zeroed optimizer states to load into: in memory, or new items in a store (``targets`` gets each chunk to
-    fill, in order: ``_target``)."""
-    spec, rank = like.spec, like.spec.mesh.rank
+    """Zeroed optimizer states to load into, one zero row per row the optimizer declares: in memory, or new items in a
+    store (``targets`` gets each chunk to fill, in order: ``_target``)."""
+    spec, rank, opt = like.spec, like.spec.mesh.rank, like.spec.optimizer
     chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
     tag = uuid.uuid4().hex[:8]
     out = {}
@@ -189,13 +189,14 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
         if offload is not None:
             where = (chosen[u.name], _chunks(n, offload.chunk_numel)) if u.name in chosen else None
         else:
-            where = (st.exp_avg.items.store, st.exp_avg.items.chunks) if isinstance(st.exp_avg, Stored) else None
-        if where is None:
-            out[u.name] = AdamWState(count, torch.zeros(n, dtype=u.dtype, device=spec.mesh.device),
-                                     torch.zeros(n, dtype=u.dtype, device=spec.mesh.device))
+            held = stored_items(st)
+            where = (held.store, held.chunks) if held is not None else None
+        if where is None or not opt.rows:
+            out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
             continue
-        items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1]), u.dtype)
-        out[u.name] = _stored_state(items, count, n, u.dtype, _location(where[0]))
+        dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: offload/_tiers.py's put_moments)
+        items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1], row_names(opt)), dtype)
+        out[u.name] = stored_state(st, items, count, n, dtype, _location(where[0]))
     return out
 
 

@@ -139,11 +139,12 @@ def warn_hparams(path, like, saved: dict) -> None:
     differs from ``like``'s optimizer; fs.load keeps ``like``'s (README, "Saving and resuming")."""
     spec, opt = like.spec, like.spec.optimizer
     step = saved.get("step")  # (a schedule's rate is compared at the saved step; FSDP2's checkpoints have none)
-    lr = opt.lr if not callable(opt.lr) else None if step is None else opt.lr_at(int(step))
-    mine = {}
-    for u in spec.units:
-        for k, s in enumerate(u.trainable):
-            mine[s.name] = {"lr": lr, "betas": tuple(opt.betas), "eps": opt.eps, "weight_decay": opt.decays(u)[k]}
+    mine = {}  # parameter name -> the fields of like's group of it (the optimizer's param_groups)
+    for g in opt.param_groups(spec.units, 0 if step is None else int(step)):
+        fields = {k: v for k, v in g.items() if k != "params"}
+        if callable(opt.lr) and step is None:
+            fields["lr"] = None  # a schedule's rate at an unknown step: not compared
+        mine.update((name, fields) for name in g["params"])
     differ = {}
     groups = {}
     for k, v in saved.items():
@@ -154,7 +155,7 @@ def warn_hparams(path, like, saved: dict) -> None:
         for name in g.get("params") or ():
             ours = mine.get(name)
             for field in ("lr", "betas", "eps", "weight_decay"):
-                if ours is None or field not in g or ours[field] is None:
+                if ours is None or field not in g or ours.get(field) is None:
                     continue
                 a, b = _plain(g[field]), _plain(ours[field])
                 if not _close(a, b):

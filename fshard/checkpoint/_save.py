@@ -4,10 +4,11 @@ The checkpoint is a DCP directory that FSDP2 and plain torch can read, in the la
 
 - ``"model"``: keyed like ``model.state_dict()`` (every name of a tied parameter, persistent buffers). Each rank
   writes only its shard of each parameter, as boxes with true offsets (fshard/checkpoint/_dcp.py), so DCP reshards.
-- ``"optim"``: ``get_optimizer_state_dict``'s layout, keyed by parameter name: ``state[name]`` holds ``step`` (a
-  0-dim fp32 tensor, as torch's AdamW keeps it), ``exp_avg`` and ``exp_avg_sq`` (boxes as above); parameters that
-  were never updated have no entry, as in torch. ``param_groups`` lists the hyperparameters, one group per weight
-  decay. Moments in a store (fs.offload_state) stream through it chunk by chunk, on save and on load.
+- ``"optim"``: ``get_optimizer_state_dict``'s layout, keyed by parameter name: ``state[name]`` holds the count under
+  the optimizer's ``count_key`` (a 0-dim fp32 tensor, as torch's AdamW keeps ``step``) and each row the optimizer
+  declares under its name (boxes as above: AdamW's two moments); parameters that were never updated have no entry,
+  as in torch. ``param_groups`` is the optimizer's (``param_groups``: AdamW's, one group per weight decay). Rows in
+  a store (fs.offload_state) stream through it chunk by chunk, on save and on load.
 - ``"fshard"``: the step and skip counts, ``transform_state`` (the loss scale, ...), non-persistent buffers, and a
   description of the layout for the error messages.
 
@@ -38,7 +39,8 @@ from ._dcp import _Chunks, _SavePlanner, slot_boxes
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError
 from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
-from ..state._stored import Stored, StoredParam
+from ..optim._protocol import row_names
+from ..state._stored import Stored, StoredParam, stored_items
 
 __all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/checkpoint/_load.py
 
@@ -67,25 +69,22 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
             persistent.add(buffer_of[id(t)])
             model[key] = buffers[buffer_of[id(t)]]
-    optim, groups = {}, {}
-    opt = spec.optimizer
+    optim, opt = {}, spec.optimizer
+    names = row_names(opt)  # the rows it declares, saved under their names (fshard/optim/_protocol.py)
     for order, u in enumerate(spec.units):
         st = opt_state.get(u.name)
         if st is None:
             continue
         rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if isinstance(m, Stored) else
-                                       dict(flat=m))) for r, m in enumerate((st.exp_avg, st.exp_avg_sq))]
+                                       dict(flat=m))) for r, m in enumerate(st.rows)]
         for k, s in enumerate(u.trainable):
-            groups.setdefault(opt.decays(u)[k], []).append(s.name)  # every trainable name, as torch's groups
             if not for_load and int(st.count[k]) == 0:
                 continue  # never updated: torch keeps no state for it
-            optim[s.name] = {"step": torch.tensor(float(st.count[k]), dtype=torch.float32),
-                             "exp_avg": slot_boxes(u, s, rank, **rows[0]),
-                             "exp_avg_sq": slot_boxes(u, s, rank, **rows[1])}
-    param_groups = [{"lr": opt.lr if not callable(opt.lr) else opt.lr_at(int(state.step)), "betas": opt.betas,
-                     "eps": opt.eps, "weight_decay": wd, "amsgrad": False, "maximize": False, "foreach": None,
-                     "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-                     "params": names} for wd, names in groups.items()]
+            entry = {} if opt.count_key is None else {
+                opt.count_key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
+            entry.update((name, slot_boxes(u, s, rank, **row)) for name, row in zip(names, rows, strict=True))
+            optim[s.name] = entry
+    param_groups = opt.param_groups(spec.units, int(state.step))
     extra = {n: b for n, b in buffers.items() if n not in persistent}
     return {"model": model, "optim": {"state": optim, "param_groups": param_groups},
             "fshard": {"step": state.step, "skipped": state.skipped, "buffers": extra,
@@ -122,8 +121,7 @@ def _cause(e: BaseException) -> str:
 
 
 def _stores(state: TrainState) -> list:
-    return [st.exp_avg.items.store for st in state.opt_state.values() if isinstance(getattr(st, "exp_avg", None),
-                                                                                      Stored)]
+    return [items.store for st in state.opt_state.values() if (items := stored_items(st)) is not None]
 
 
 def save(path, state: TrainState, *, keep_last: int | None = None, blocking: bool = True):

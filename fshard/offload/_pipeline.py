@@ -18,7 +18,7 @@ from ._staging import HostStaging
 
 class Streamed(NamedTuple):
     """One unit's update through the store: its parameter shard (a tensor, written in place, or a ``StoredParam``),
-    gradient shard, the optimizer's runs, its stored optimizer state, the key the new moments are written under, its
+    gradient shard, the optimizer's runs, its stored optimizer state, the key its new rows are written under, its
     low-precision copy (or None), and the key a stored parameter's head is written under (None for a tensor)."""
 
     param: Any
@@ -37,7 +37,8 @@ def param_key(key: str) -> str:
 
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
-    items and, for parameters in the store, a second one over their head items in lockstep (item i of both covers
+    items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
+    store, a second one over their head items in lockstep (item i of both covers
     the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
     holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
     (``StoredParam.load``, on the step's reader thread) go between this stream's items instead of waiting for the
@@ -46,9 +47,10 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after
     which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
     which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits)."""
-    keys = [k for w in work for k in w.state.exp_avg.items.item_keys()]
+    items = [w.state.rows[0].items for w in work]  # (a stored unit's rows share their items)
+    keys = [k for it in items for k in it.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
-    where = [(i, c) for i, w in enumerate(work) for c in range(len(w.state.exp_avg.items.chunks))]
+    where = [(i, c) for i, it in enumerate(items) for c in range(len(it.chunks))]
     last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
     staging = HostStaging(work, ready)
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
@@ -70,13 +72,13 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
                 item = next(its[0])  # waits for read(i); reads i+1 .. i+depth are in flight
                 pitem = next(its[1]) if w.pkey is not None else None
             t_wait += time.perf_counter() - t0
-            lo, hi = w.state.exp_avg.items.chunks[c]
-            mv = item.tensor
+            lo, hi = items[i].chunks[c]
+            rows = item.tensor
             p, plo = (w.param, 0) if pitem is None else (pitem.tensor[0], lo)  # a stored head chunk starts at lo
             for a, b, step, lr, wd in w.segs:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    _apply(opt, p, w.grad, mv[0], mv[1], a, b, lo, (step, scale, lr, wd), w.copy, plo)
+                    _apply(opt, p, w.grad, rows, a, b, lo, (step, scale, lr, wd), w.copy, plo)
             t0 = time.perf_counter()
             done = [(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else [])
             for s, it_, k in done:
@@ -112,12 +114,12 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     return up
 
 
-def _apply(opt, p, g, m, v, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> None:
-    """One AdamW pass over shard elements [a, b) whose moments sit at [a - lo, b - lo) of the chunk rows and
+def _apply(opt, p, g, rows, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> None:
+    """One optimizer pass over shard elements [a, b) whose state sits at [a - lo, b - lo) of each chunk row and
     parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay); ``copy``: the shard's
     low-precision copy, written in the same pass. Every tensor is on the host (``HostStaging`` put it there)."""
     step, scale, lr, wd = run
-    opt.apply(p[a - plo:b - plo], g[a:b], m[a - lo:b - lo], v[a - lo:b - lo], step, scale, lr=lr,
+    opt.apply(p[a - plo:b - plo], g[a:b], *(r[a - lo:b - lo] for r in rows), step, scale, lr=lr,
               weight_decay=wd, copy=None if copy is None else copy[a:b])
 
 

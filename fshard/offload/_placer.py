@@ -19,9 +19,10 @@ from ..state._stored import put_param
 from ..store._protocol import locked
 
 
-def placer(offload, layouts, mesh):
-    """``place(layout, param, moments) -> (param, moments)``: for a unit ``offload`` keeps in its store, the same
-    zero moments as chunk items in the store (``Stored`` leaves), and with ``offload_state(params=True)`` its
+def placer(offload, layouts, mesh, names: tuple[str, ...]):
+    """``place(layout, param, state) -> (param, state)``: for a unit ``offload`` keeps in its store, the same
+    zero optimizer rows (named ``names``, as the optimizer declares them) as chunk items in the store (``Stored``
+    leaves), and with ``offload_state(params=True)`` its
     parameter shard too (a ``StoredParam``); the others as they are. None without ``offload``."""
     if offload is None:
         return None
@@ -29,7 +30,7 @@ def placer(offload, layouts, mesh):
         raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
                                 f"with, not {type(offload).__name__}.")
     chunk, tag = offload.chunk_numel, uuid.uuid4().hex[:8]
-    # the units AdamW makes moments for (AdamW.init: the trainable ones)
+    # the units the optimizer makes state for (its init: the trainable ones)
     tiers = choose_tiers([u for u in layouts if u.trainable], mesh.rank, offload.fractions)
 
     def place(u, param, s):
@@ -39,7 +40,7 @@ def placer(offload, layouts, mesh):
         created = []
         try:
             with locked(store):
-                s = put_moments(store, f"{u.name}@init-{tag}", s, chunk, created)
+                s = put_moments(store, f"{u.name}@init-{tag}", s, names, chunk, created)
                 if offload.params:
                     param = put_param(store, param_key(f"{u.name}@init-{tag}"), param, u.opt_numel(mesh.rank),
                                       chunk, created)

@@ -1,10 +1,11 @@
 """fs.offload_state: keep optimizer moments (and, with ``params=True``, parameter shards) in a store (CPU memory or
 NVMe) and stream them through the update.
 
-The moments of the chosen units live in ``store`` as chunk items: item ``(key, i)`` holds rows
-``[exp_avg; exp_avg_sq]`` of elements ``chunks[i]`` of the unit's optimizer range; they are ``Stored`` leaves in
-the state (parameters: ``StoredParam``, fshard/state/_stored.py). The update streams every active offloaded chunk,
-read(i+1) || update(i) || write(i-1) with a bounded number of buffers, through the same AdamW kernel on the same
+The optimizer state of the chosen units lives in ``store`` as chunk items: item ``(key, i)`` holds the rows the
+optimizer declares (AdamW's two moments), stacked, over elements ``chunks[i]`` of the unit's
+optimizer range; they are ``Stored`` leaves in the state (parameters: ``StoredParam``, fshard/state/_stored.py). The
+update streams every active offloaded chunk, read(i+1) || update(i) || write(i-1) with a bounded number of buffers,
+through the same optimizer kernel on the same
 elements as without offload (bitwise: chunk boundaries are multiples of 16 elements, so vector lanes see every
 element in the same position).
 

@@ -15,9 +15,9 @@ from ..protocol._stages import UpdatePolicy
 from ._pipeline import (Streamed, _Early, _lower_priority, _quiet_delete, _settle, owns_storage, param_key,
                      stream_update)
 from ..errors import FshardError, OffloadError
-from ..optim._adamw import AdamWState
-from ._tiers import _stored_state, choose_stores, put_moments
-from ..state._stored import (READS_IN_FLIGHT, Stored, StoredParam, _disk_need, _Items, _location,
+from ..optim._protocol import row_names, state_bytes
+from ._tiers import choose_stores, put_moments, stored_state
+from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location,
                       put_param)
 from ..store import StoreError
 from ..store._protocol import locked
@@ -48,8 +48,9 @@ class OffloadUpdate(UpdatePolicy):
         thread's stream has produced it (fshard/offload/_staging.py), and ``__call__`` waits for the parameters' way back."""
         name, early = unit.name, step.scratch(self)
         s = step.state.opt_state.get(name)
+        items = stored_items(s)
         if (not self.overlaps(step.spec.mesh.device) or not step.grads_unchanged or unit.grad is None
-                or not isinstance(getattr(s, "exp_avg", None), Stored) or unit.shard.device.type not in ("cpu", "cuda")
+                or items is None or unit.shard.device.type not in ("cpu", "cuda")
                 or not unit.got_all() or name in early):
             return
         opt = step.spec.optimizer
@@ -73,8 +74,8 @@ class OffloadUpdate(UpdatePolicy):
         # A bucket's view on a GPU: its buffer is written again on this stream while the copy down (on its own
         # stream) would still read it, so the update reads a copy made here, in stream order.
         data = unit.grad.clone() if cuda and not owns_storage(unit.grad) else None
-        early[name] = _Early(self, s.exp_avg.items.store, opt, name, p, c, unit.grad, s, segs, count,
-                             s.exp_avg.key if in_place else self._key(name), step.record,
+        early[name] = _Early(self, items.store, opt, name, p, c, unit.grad, s, segs, count,
+                             items.key if in_place else self._key(name), step.record,
                              free_grad=(step, unit) if stored and step.grads_unread else None,
                              in_place=in_place, cloned=cuda and not stored and not in_place,
                              ready=torch.cuda.current_stream(unit.grad.device).record_event() if cuda else None,
@@ -119,7 +120,8 @@ class OffloadUpdate(UpdatePolicy):
             s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
                 continue
-            stored, moments = isinstance(s.exp_avg, Stored), 2 * s.exp_avg.nbytes
+            items = stored_items(s)
+            stored, moments = items is not None, state_bytes(s)  # (every row the optimizer declares)
             copy = state.copies.get(u.name)
             # on the device a unit holds its moments, and with params=True its shard, its copy (param_copies) and
             # its gradient shard until the update (in a store, an update during backward frees that)
@@ -139,13 +141,14 @@ class OffloadUpdate(UpdatePolicy):
             moved = self.params and not sp and u.name in chosen  # parameters this step puts in the store
             f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
             clone = not donate  # (with donate, an update begun during backward writes in place too)
-            store = s.exp_avg.items.store if stored else chosen.get(u.name)
+            store = items.store if stored else chosen.get(u.name)
             if store is not None:
                 peak[id(store)] += ((moments + head) * (2 if stored and on and clone else 1)
                                     + (p.nbytes - head if sp else 0) + (p.nbytes if moved else 0))
                 if stored and on and not clone:
                     in_place[id(store)] = max(in_place[id(store)],
-                                              min(moments + head, (2 + sp) * self.chunk * s.exp_avg.dtype.itemsize))
+                                              min(moments + head, (len(s.rows) + sp) * self.chunk
+                                                  * s.rows[0].dtype.itemsize))
             if not on:
                 continue
             f["mem/new_state_bytes"] += (p.nbytes + (0 if copy is None else copy.nbytes)
@@ -160,7 +163,8 @@ class OffloadUpdate(UpdatePolicy):
         if freed:  # backward waits while depth of them are queued behind the worker, the new one beside them
             f["mem/grad_shard_peak_bytes"] = kept + (self.depth + 1) * max(freed)
         blk = lambda n: -(-(n + 4096) // 4096) * 4096  # noqa: E731 - an item's pool buffer: a block of phase
-        items = [2 * self.chunk * 4] + ([self.chunk * 4] if self.params else [])  # moments' (and parameters') items
+        rows = len(spec.optimizer.rows)
+        items = [rows * self.chunk * 4] + ([self.chunk * 4] if self.params else [])  # the rows' (and parameters') items
         # the streams' pool buffers: depth reads, the item worked on, depth writes; and a gather's reads
         f["store/buffer_bytes"] = ((2 * self.depth + 1) * sum(blk(n) for n in items)
                                    + (READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0))
@@ -220,7 +224,7 @@ class OffloadUpdate(UpdatePolicy):
             with locked(store):
                 store.collect()
         chosen = self._choose(spec, state)
-        stored = {n for n, s in state.opt_state.items() if isinstance(getattr(s, "exp_avg", None), Stored)}
+        stored = {n for n, s in state.opt_state.items() if stored_items(s) is not None}
         # Moments in memory: the wrapped update (the chosen units then move to the store). Stored ones: streamed.
         in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
         m["update/overlapped_units"] = len(taken)
@@ -230,26 +234,27 @@ class OffloadUpdate(UpdatePolicy):
             copies = dict(copies)
             m.update(inner_metrics)
             for name in sorted(chosen.keys() - stored):
-                opt_state[name] = self._put(chosen[name], name, opt_state[name], created, m, step.record)
+                opt_state[name] = self._put(chosen[name], name, opt_state[name], row_names(spec.optimizer), created,
+                                            m, step.record)
             streamed = []
             for u in spec.units:
                 if u.name not in stored:
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
+                held, first = stored_items(s), s.rows[0]  # (first: the numel, dtype and location of every row)
                 if u.name in taken:  # updated during backward, into a new version
                     params[u.name], copy, work = taken[u.name]
                     if copy is not None:
                         copies[u.name] = copy
-                    items = (s.exp_avg.items if work.key == s.exp_avg.key else  # (in place: the input's items)
-                             _Items(work.store, work.key, s.exp_avg.items.chunks))
-                    opt_state[u.name] = _stored_state(items, work.count, s.exp_avg.numel, s.exp_avg.dtype,
-                                                      s.exp_avg.location)
+                    items = (held if work.key == held.key else  # (in place: the input's items)
+                             _Items(work.store, work.key, held.chunks, held.rows))
+                    opt_state[u.name] = stored_state(s, items, work.count, first.numel, first.dtype, first.location)
                     continue
                 count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on, int(state.step))
                 if not segs:  # nothing to update: the same items serve the new state
-                    opt_state[u.name] = AdamWState(count, s.exp_avg, s.exp_avg_sq)
+                    opt_state[u.name] = s.with_rows(count, s.rows)
                     continue
-                key = s.exp_avg.key if donate else self._key(u.name)
+                key = held.key if donate else self._key(u.name)
                 p = state.params[u.name]
                 if isinstance(p, StoredParam):  # its head is streamed beside the moments, into a new version
                     c, pkey = None, None if p.head is None else p.head.key if donate else param_key(key)
@@ -263,9 +268,8 @@ class OffloadUpdate(UpdatePolicy):
                 if c is not None:
                     copies[u.name] = c
                 streamed.append(Streamed(p, grads.shards[u.name], segs, s, key, c, pkey))
-                items = s.exp_avg.items if donate else _Items(s.exp_avg.items.store, key, s.exp_avg.items.chunks)
-                opt_state[u.name] = _stored_state(items, count, s.exp_avg.numel, s.exp_avg.dtype,
-                                                  s.exp_avg.location)
+                items = held if donate else _Items(held.store, key, held.chunks, held.rows)
+                opt_state[u.name] = stored_state(s, items, count, first.numel, first.dtype, first.location)
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record)
             if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
@@ -308,19 +312,19 @@ class OffloadUpdate(UpdatePolicy):
         ``wait_up``: as ``stream_update`` takes them."""
         ups = []
         for store in self.stores:
-            mine = [w for w in work if w.state.exp_avg.items.store is store]
+            mine = [w for w in work if stored_items(w.state).store is store]
             if mine:
                 up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up)
                 if up is not None:
                     ups.append(up)
         return ups
 
-    def _put(self, store, name: str, s: AdamWState, created, m, record) -> AdamWState:
-        """Move a unit's in-memory moments into ``store`` as chunk items."""
+    def _put(self, store, name: str, s, names: tuple[str, ...], created, m, record):
+        """Move a unit's in-memory optimizer rows (named ``names``) into ``store`` as chunk items."""
         t0 = time.perf_counter()
         with locked(store):
-            stored = put_moments(store, self._key(name), s, self.chunk, created)
-        m["io/write_bytes"] += 2 * s.exp_avg.nbytes
+            stored = put_moments(store, self._key(name), s, names, self.chunk, created)
+        m["io/write_bytes"] += state_bytes(s)
         record("store", f"write {name}", t0, time.perf_counter())
         return stored
 

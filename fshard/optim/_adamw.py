@@ -1,9 +1,8 @@
-"""fs.adamw: AdamW over flat shards, with the arithmetic of torch.optim.AdamW.
-
-An optimizer is a small frozen object with ``init`` (make the state of one unit's shard) and ``update`` (apply one
-step to a shard, given which parameters got a gradient). ``update`` is ``plan`` (which runs of the shard move, at
-which step count) followed by ``apply`` on each run; an update policy that streams the state in pieces
-(``fs.offload_state``) calls those two itself. It works on the trainable prefix of a unit's shard; a
+"""fs.adamw: AdamW over flat shards, with the arithmetic of torch.optim.AdamW: one implementation of the optimizer
+protocol (``_protocol.py``). It declares two rows, ``exp_avg`` and ``exp_avg_sq`` (in the parameters' dtype, as
+torch keeps them), and saves its counts as torch's ``step``; its state node, ``AdamWState``, names them as fields.
+``update`` is ``plan`` (which runs of the shard move, at which step count) followed by ``apply`` on each run; an
+update policy that streams the rows in pieces (``fs.offload_state``) calls those two itself. It works on the trainable prefix of a unit's shard; a
 parameter with no gradient this step is skipped exactly as torch.optim.AdamW skips a parameter whose .grad is None:
 no weight decay, no moment update and no step count.
 """
@@ -19,9 +18,10 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import register_node
-from ..errors import ArgumentError, ArgumentTypeError
+from ._protocol import Row
 
 _IMPLS = ("auto", "torch", "fused", "native")
 
@@ -30,11 +30,20 @@ _IMPLS = ("auto", "torch", "fused", "native")
 @dataclass(frozen=True)
 class AdamWState:
     """AdamW state of one unit's shard. ``count[i]`` is the step count of the unit's i-th trainable parameter
-    (torch keeps one per parameter too); the moments cover the trainable prefix of this rank's shard."""
+    (torch keeps one per parameter too); the moments cover the trainable prefix of this rank's shard. ``rows`` and
+    ``with_rows`` are the protocol's view of it (``UnitOptState``): the moments in AdamW's declared order."""
 
     count: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+
+    @property
+    def rows(self) -> tuple:
+        return self.exp_avg, self.exp_avg_sq
+
+    def with_rows(self, count: torch.Tensor, rows) -> "AdamWState":
+        m, v = rows
+        return AdamWState(count, m, v)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,10 @@ class AdamW:
     impl: str = "auto"
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
-    # the type of one unit's state, which state.replace checks opt_state's entries against (fshard/state/_check.py)
+    # the protocol's declarations (_protocol.Optimizer): the rows, the checkpoint key of the counts, and the type
+    # of one unit's state, which state.replace checks opt_state's entries against (fshard/state/_check.py)
+    rows: ClassVar[tuple[Row, ...]] = (Row("exp_avg"), Row("exp_avg_sq"))
+    count_key: ClassVar[str | None] = "step"
     state_type: ClassVar[type] = AdamWState
 
     def __post_init__(self):
@@ -124,6 +136,19 @@ class AdamW:
     def decays(self, layout: UnitLayout) -> list[float]:
         """The weight decay of each trainable slot of ``layout``."""
         return [self.weight_decay if self.decay is None or s.name in self.decay else 0.0 for s in layout.trainable]
+
+    def param_groups(self, layouts, updates: int) -> list[dict]:
+        """torch.optim.AdamW's ``param_groups`` over the trainable parameters of ``layouts`` at ``updates`` applied
+        updates (a schedule's rate there): one group per weight decay, every trainable name in one (a checkpoint's
+        ``optim.param_groups``, as ``get_optimizer_state_dict`` writes them)."""
+        groups: dict = {}
+        for u in layouts:
+            for wd, s in zip(self.decays(u), u.trainable):
+                groups.setdefault(wd, []).append(s.name)
+        lr = self.lr if not callable(self.lr) else self.lr_at(updates)
+        return [{"lr": lr, "betas": self.betas, "eps": self.eps, "weight_decay": wd, "amsgrad": False,
+                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                 "decoupled_weight_decay": True, "params": names} for wd, names in groups.items()]
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> AdamWState | None:
         n = layout.opt_numel(rank)

@@ -69,26 +69,27 @@ def check_fields(state, changes) -> None:
         _check_units("opt_state", state.opt_state, trainable, required=False)
         for n, s in state.opt_state.items():
             u = trainable[n]
-            if not isinstance(s, spec.optimizer.state_type):  # the optimizer's (AdamW's: AdamWState)
+            opt = spec.optimizer  # the rows it declares (fshard/optim/_protocol.py), checked one by one
+            if not isinstance(s, opt.state_type):  # the optimizer's own node type
                 _fail("opt_state", f"opt_state[{n!r}] is {_what(s)}, where an "
-                                   f"fs.optim.{spec.optimizer.state_type.__name__} is needed.")
+                                   f"fs.optim.{opt.state_type.__name__} is needed.")
             c = s.count
             if not (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and tuple(c.shape) == (len(u.trainable),)):
                 _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "
                                    f"count per trainable parameter of the unit; got {_what(c)}.")
-            for row in ("exp_avg", "exp_avg_sq"):
-                m = getattr(s, row)
+            for row, m in zip(opt.rows, s.rows, strict=True):
                 if isinstance(m, Stored):
                     if m.numel != u.opt_numel(rank):
-                        _fail("opt_state", f"opt_state[{n!r}].{row} holds {m.numel} elements in its store, where "
-                                           f"this rank's shard has {u.opt_numel(rank)} with optimizer state.")
+                        _fail("opt_state", f"opt_state[{n!r}].{row.name} holds {m.numel} elements in its store, "
+                                           f"where this rank's shard has {u.opt_numel(rank)} with optimizer state.")
                     continue
                 if not isinstance(m, torch.Tensor) or tuple(m.shape) != (u.opt_numel(rank),):
-                    _fail("opt_state", f"opt_state[{n!r}].{row} is {_what(m)}, where this rank's shard has "
+                    _fail("opt_state", f"opt_state[{n!r}].{row.name} is {_what(m)}, where this rank's shard has "
                                        f"({u.opt_numel(rank)},) elements with optimizer state.")
-                if m.dtype != u.dtype:
-                    _fail("opt_state", f"opt_state[{n!r}].{row} is {m.dtype}, but unit {n!r} keeps its moments in "
-                                       f"{u.dtype}: cast it with .to({u.dtype}).")
+                want = row.dtype_for(u.dtype)
+                if m.dtype != want:
+                    _fail("opt_state", f"opt_state[{n!r}].{row.name} is {m.dtype}, but unit {n!r} keeps it in "
+                                       f"{want}: cast it with .to({want}).")
     if "buffers" in changes:
         want = {n: b for n, b in spec.template.named_buffers()}
         for n in want:

@@ -1,4 +1,4 @@
-"""The state leaves of offload_state: ``Stored``, one row of a unit's moment chunks held in a store; ``StoredParam``, a
+"""The state leaves of offload_state: ``Stored``, one row of a unit's optimizer-state chunks held in a store; ``StoredParam``, a
 unit's parameter shard held in a store (``offload_state(params=True)``); and what a store needs on disk
 (``_disk_need``, for the message of a full disk).
 
@@ -17,16 +17,17 @@ import torch
 
 from ..store._protocol import locked
 
-_ROWS = ("exp_avg", "exp_avg_sq")
 READS_IN_FLIGHT = 4  # chunk reads a parameter shard's load keeps in flight
 
 
 class _Items:
-    """The chunk items of one version of one unit's moments. When the last Stored leaf referring to them is
-    collected, their keys go to ``store.delete_later``: the store deletes them at its next operation (the finalizer
-    may run in any thread, in the middle of another store operation)."""
+    """The chunk items of one version of one unit's optimizer rows (item i: the rows, stacked in the optimizer's
+    declared order, over elements ``chunks[i]``; ``rows``: their names), or of a parameter shard (``("param",)``).
+    When the last Stored leaf referring to them is collected, their keys go to ``store.delete_later``: the store
+    deletes them at its next operation (the finalizer may run in any thread, in the middle of another store
+    operation)."""
 
-    def __init__(self, store, key: str, chunks, rows: tuple = _ROWS):
+    def __init__(self, store, key: str, chunks, rows: tuple[str, ...]):
         self.store, self.key, self.chunks, self.rows = store, key, tuple(chunks), rows
         weakref.finalize(self, store.delete_later, [(key, i) for i in range(len(self.chunks))])
 
@@ -56,7 +57,7 @@ class _Flat:
 
 @dataclass(frozen=True, eq=False)
 class Stored(_Flat):
-    """A state leaf whose data is in a store: one row of a unit's moment chunks."""
+    """A state leaf whose data is in a store: row ``row`` (in the optimizer's declared order) of a unit's chunks."""
 
     items: _Items = field(repr=False)
     row: int
@@ -182,6 +183,13 @@ def put_param(store, key: str, p: torch.Tensor, opt_numel: int, chunk: int, crea
     return StoredParam(parts[0], parts[1], p.numel(), opt_numel, p.dtype, _location(store))
 
 
+def stored_items(s) -> _Items | None:
+    """The chunk items that hold unit state ``s``'s rows in a store (all its rows share them), or None: ``s`` is in
+    memory, or absent, or its optimizer keeps no rows."""
+    rows = () if s is None else s.rows
+    return rows[0].items if rows and isinstance(rows[0], Stored) else None
+
+
 def resident(t):
     """A parameter leaf as a tensor: a ``StoredParam`` read back, a tensor as it is."""
     return t.load() if isinstance(t, StoredParam) else t
@@ -194,7 +202,7 @@ def _location(store) -> str:
 
 def _disk_need(store, state, chosen) -> str:
     """What the store needs at its peak on this rank, what its directory has free, and the options that lower it."""
-    moments = sum(2 * s.exp_avg.nbytes for n, s in state.opt_state.items() if n in chosen)  # both moments
+    moments = sum(r.nbytes for n, s in state.opt_state.items() if n in chosen for r in s.rows)  # every row
     free = ""
     if store.directory is not None:
         try:

@@ -1,0 +1,176 @@
+"""The optimizer protocol: what an optimizer declares, and what the rest of fshard asks of it.
+
+An optimizer over flat shards declares the **rows** of its per-parameter state (names and dtypes: AdamW's
+``exp_avg`` and ``exp_avg_sq``; SGD with momentum would declare one row, plain SGD none) and the key under which
+its per-parameter step counts are saved (torch's ``step``; None where its torch twin keeps none). Every row covers
+the trainable prefix of a unit's shard on this rank, element for element, so whoever moves state (the checkpoint,
+``fs.offload_state``, the state checks, the step's plan) iterates over the declared rows and never names one.
+
+The state of one unit's shard is a frozen pytree node with a ``count`` (an int64 step count per trainable
+parameter of the unit) and the declared rows in their order (``rows``), each a tensor or a leaf held in a store
+(``fs.state.Stored``); ``with_rows`` makes the same kind of node with other leaves. AdamW's node is ``AdamWState``,
+whose fields name its rows; an optimizer without a node of its own uses ``OptState``.
+
+An update is ``plan`` (which runs of the shard move, with which step count, learning rate and weight decay)
+followed by ``apply`` on each run, on flat slices of the same length: the parameter, its gradient and the rows in
+the declared order. ``update`` does both for a unit held in memory; a policy that streams rows in pieces
+(``fs.offload_state``) calls the two itself.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..state._flat import UnitLayout
+from ..state._train_state import FrozenMap, register_node
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of an optimizer's per-parameter state.
+
+    Attributes:
+      name: its name, also its key in a checkpoint's ``optim.state.<param>.<name>`` (as torch's optimizer names it).
+      dtype: its dtype; None: the unit's parameter dtype (AdamW's moments follow the parameters, as torch's do).
+    """
+
+    name: str
+    dtype: torch.dtype | None = None
+
+    def dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The row's dtype in a unit whose parameters are ``param_dtype``."""
+        return param_dtype if self.dtype is None else self.dtype
+
+
+@runtime_checkable
+class UnitOptState(Protocol):
+    """The optimizer state of one unit's shard (a frozen pytree node).
+
+    Attributes:
+      count: int64 tensor of shape ``(len(layout.trainable),)``, the updates applied to each trainable parameter.
+      rows: the declared rows in their order, each a 1-D tensor of ``layout.opt_numel(rank)`` elements or a leaf
+        held in a store (``Stored``).
+    """
+
+    count: torch.Tensor
+
+    @property
+    def rows(self) -> tuple: ...
+
+    def with_rows(self, count: torch.Tensor, rows: Sequence) -> "UnitOptState":
+        """The same kind of node holding ``count`` and ``rows`` (in the declared order)."""
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """An optimizer over flat shards (``fs.adamw`` is one). A frozen object; its fields are its hyperparameters.
+
+    Attributes:
+      rows: the per-parameter state rows it keeps, in order (``Row``); the checkpoint, offload, the state checks and
+        the plan iterate over them.
+      count_key: the checkpoint key of each parameter's step count (``"step"``, as torch's AdamW saves it); None
+        where the torch twin keeps no count (the counts are still kept: plans read them).
+      state_type: the type of one unit's state (``UnitOptState``), which ``state.replace`` checks entries against.
+    """
+
+    rows: tuple[Row, ...]
+    count_key: str | None
+    state_type: type
+
+    def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> UnitOptState | None:
+        """The initial state of one unit's shard.
+
+        Args:
+          layout: the unit's layout.
+          rank: this rank.
+          shard: this rank's shard of the unit (its dtype and device are the rows' unless a row says otherwise).
+
+        Returns:
+          The state (zero counts, the rows' initial values), or None for a unit with no trainable parameter.
+        """
+
+    def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor, active: list[bool],
+             updates: int = 0) -> tuple[torch.Tensor, list[tuple[int, int, int, float, float]]]:
+        """Which runs of the shard one update moves.
+
+        Args:
+          layout, rank: the unit and this rank.
+          count: the state's per-parameter step counts.
+          active: ``active[i]``: trainable parameter i got a gradient (on some rank); the others stay as they are.
+          updates: the updates applied so far (``state.step``), which a learning-rate schedule reads.
+
+        Returns:
+          The new counts, and the ``(lo, hi, step, lr, weight_decay)`` runs: elements ``[lo, hi)`` of the
+          optimizer range move with step count ``step`` (after the update), ``lr`` and ``weight_decay``.
+        """
+
+    def apply(self, p: torch.Tensor, g: torch.Tensor, *rows_step_scale: Any, lr: float | None = None,
+              weight_decay: float | None = None, copy: torch.Tensor | None = None) -> None:
+        """One step, in place, on one run: ``apply(p, g, *rows, step, grad_scale, lr=, weight_decay=, copy=)``.
+
+        Args:
+          p: the run's parameters (updated in place).
+          g: their gradient, multiplied by ``grad_scale`` first (clipping).
+          rows: one slice per declared row, in order (updated in place).
+          step: the run's step count after the update (from ``plan``).
+          grad_scale: the factor for ``g``.
+          lr, weight_decay: the run's (from ``plan``).
+          copy: a low-precision tensor of the same length that receives the new ``p`` (``TrainState.copies``).
+        """
+
+    def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state: UnitOptState,
+               active: list[bool], donate: bool, grad_scale: float = 1.0, updates: int = 0,
+               copy: torch.Tensor | None = None) -> tuple[torch.Tensor, UnitOptState, torch.Tensor | None]:
+        """``plan`` then ``apply`` on a unit held in memory. Returns the new parameter shard, state and copy;
+        ``donate=False`` leaves the inputs intact."""
+
+    def param_groups(self, layouts: Sequence[UnitLayout], updates: int) -> list[dict]:
+        """The torch twin's ``param_groups`` over the trainable parameters of ``layouts`` (each group its fields and
+        ``"params"``, the parameter names), at ``updates`` applied updates: a checkpoint's ``optim.param_groups``."""
+
+    def fingerprint(self, count: int) -> tuple:
+        """What every rank must agree on for the update that follows ``count`` updates (the step's rank check)."""
+
+    def bind(self, model: torch.nn.Module) -> "Optimizer":
+        """This optimizer with its per-parameter choices (a weight-decay mask) evaluated on ``model``."""
+
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        """The implementation that runs on ``device`` for state of ``dtype`` (the step's ``optim/impl`` metric)."""
+
+
+@register_node
+@dataclass(frozen=True)
+class OptState:
+    """The state of one unit's shard for an optimizer without a node type of its own: the counts, and the rows by
+    name in the declared order (a ``FrozenMap``, so a leaf's pytree path names its row)."""
+
+    count: torch.Tensor
+    named: FrozenMap
+
+    @property
+    def rows(self) -> tuple:
+        return tuple(self.named.values())
+
+    def with_rows(self, count: torch.Tensor, rows: Sequence) -> "OptState":
+        return OptState(count, FrozenMap(dict(zip(self.named, rows, strict=True))))
+
+
+def row_names(opt: Optimizer) -> tuple[str, ...]:
+    """The names of ``opt``'s rows, in order."""
+    return tuple(r.name for r in opt.rows)
+
+
+def zeros(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One zero tensor per declared row over this rank's optimizer range (a unit of parameter dtype ``dtype``)."""
+    n = layout.opt_numel(rank)
+    return [torch.zeros(n, dtype=r.dtype_for(dtype), device=device) for r in opt.rows]
+
+
+def state_bytes(s: UnitOptState) -> int:
+    """The bytes of a unit's rows (held in memory or in a store), not counting the counts."""
+    return sum(r.nbytes for r in s.rows)
+
