@@ -163,3 +163,11 @@ def test_pyproject_ships_every_package():
     listed = set(re.findall(r'"(fshard[\w.]*)"', text[start:text.index("]", start)]))
     found = {".".join(p.parent.relative_to(FSHARD.parent).parts) for p in FSHARD.rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def test_adamw_moments_named_only_in_the_optimizer_package():
+    """Checkpoint, offload, state checks and the step iterate over the optimizer's declared rows
+    (fshard/optim/_protocol.py); only the optimizer package and the native kernels name AdamW's moments."""
+    named = sorted(str(p.relative_to(FSHARD)) for p in FSHARD.rglob("*.py")
+                   if "exp_avg" in p.read_text() and p.relative_to(FSHARD).parts[0] not in ("optim", "ops"))
+    assert named == []

@@ -186,8 +186,8 @@ class DeviceUpdate(UpdatePolicy):
         copies = dict(state.copies)
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
-                if not isinstance(opt_state[u.name].exp_avg, torch.Tensor) or not isinstance(params[u.name],
-                                                                                             torch.Tensor):
+                if not all(isinstance(r, torch.Tensor) for r in opt_state[u.name].rows) or not isinstance(
+                        params[u.name], torch.Tensor):
                     raise ArgumentTypeError(
                         f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
                         "compose this step with the same fs.offload_state(store, ...) to update it.")
@@ -200,11 +200,10 @@ class DeviceUpdate(UpdatePolicy):
 
     def plan(self, step, state, active, donate):
         """Each unit it updates (a parameter active) gets a new step-count tensor; without ``donate`` also a new
-        parameter shard, new moments and a new parameter copy (the update writes into copies)."""
+        parameter shard, new optimizer rows and a new parameter copy (the update writes into copies)."""
         def renewed(name, s):
             copy = state.copies.get(name)
-            moments = s.exp_avg.nbytes + s.exp_avg_sq.nbytes
-            return state.params[name].nbytes + moments + (0 if copy is None else copy.nbytes)
+            return state.params[name].nbytes + sum(r.nbytes for r in s.rows) + (0 if copy is None else copy.nbytes)
         return {"mem/new_state_bytes": sum(s.count.nbytes + (0 if donate else renewed(name, s))
                                            for name, s in state.opt_state.items()
                                            if s is not None and any(active.get(name, ())))}
