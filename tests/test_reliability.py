@@ -827,7 +827,7 @@ WRAPPED = {  # case -> fragments of the message: what wraps it, where, and what 
               "full_state_dict=True"],
     "fsdp2_inner": ["its submodule '0' is sharded by fully_shard (FSDP2)"],
     "compile": ["the model is a torch.compile'd module (OptimizedModule)", "Pass the plain module, compiled._orig_mod",
-                "fshard does not compile the model yet"],
+                "fs.compose(loss_fn, compile=True)"],
     "compile_inner": ["its submodule '0' is a torch.compile'd module", "compiled._orig_mod"],
     "dtensor": ["parameter '0.weight' is a DTensor", "Pass the model before it was sharded"],
 }

@@ -57,8 +57,8 @@ def _wrappers() -> list[tuple[type, str]]:
          "options=StateDictOptions(full_state_dict=True))) into that unsharded model."),
         (_loaded("torch._dynamo.eval_frame", "OptimizedModule"),
          "a torch.compile'd module (OptimizedModule), which would prefix every name with '_orig_mod.'. Pass the "
-         "plain module, compiled._orig_mod. fshard does not compile the model yet (compiling a step is an open "
-         "issue): the step runs the model eagerly."),
+         "plain module, compiled._orig_mod, and compile inside the step: fs.compose(loss_fn, compile=True) "
+         "compiles each unit's forward (and torch.compile(loss_fn) the code between units)."),
     ]
     return [(kind, fix) for kind, fix in kinds if kind is not None]
 

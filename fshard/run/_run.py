@@ -24,7 +24,7 @@ class StepRun(StepView):
     saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
-                 donate: bool = False, reader: Reader | None = None):
+                 donate: bool = False, reader: Reader | None = None, compiled=None):
         self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
         self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/run/_read_ahead.py)
         # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
@@ -49,6 +49,7 @@ class StepRun(StepView):
         self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
         self._grad_lock = threading.Lock()
         self._reader = reader  # reads the shards held in a store
+        self._compiled = compiled  # compiled(proxy) -> the unit's class forward compiled (fs.compose(compile=)), or None
         self._read_bytes = self._read_peak = 0  # parameter shards read from a store (or being read) for gathers
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
         self._phase_peak = {"forward": 0, "backward": 0}
@@ -113,7 +114,7 @@ class StepRun(StepView):
                                         "container, which every rank calls.")
             unit.acquire()
             return call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()},
-                              args, kwargs)
+                              args, kwargs, self._forward_of(route))
         recompute = self.phase == "backward"  # activation checkpointing runs the call again in backward
         if recompute:  # the unit's backward use begins; it stays gathered until that use's gradient is complete
             self._begin_backward(unit)
@@ -125,13 +126,18 @@ class StepRun(StepView):
         if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
             # a frozen unit has no gradient to end its backward use: a node on its inputs does (run/_recompute.py)
             _, args, kwargs = through(lambda: unit._use_done(None), args, kwargs)
-        out = call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs)
+        out = call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs,
+                         self._forward_of(route))
         if not recompute:
             if torch.is_grad_enabled():  # backward enters the unit where its outputs' gradients are complete
                 for t in produced(out, args, kwargs):
                     t.register_hook(self._pre_backward(unit))
             gather.after_forward(self, unit)
         return out
+
+    def _forward_of(self, route: _UnitForward):
+        """The compiled forward of the unit's class (``fs.compose(compile=)``), or None: the proxy's own call."""
+        return None if self._compiled is None else self._compiled(route.proxy)
 
     def _pre_backward(self, unit: UnitRun):
         def hook(_grad):

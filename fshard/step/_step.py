@@ -35,7 +35,7 @@ from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._dry_run import plan
 from ..run._read_ahead import Reader
 from ..run._recompute import with_buffers
-from ..run._dispatch import call_bound
+from ..run._dispatch import UnitCompiler, call_bound
 from ..state._train_state import TrainState
 from ..state._stored import StoredParam
 from ..protocol._transform import fold
@@ -64,7 +64,7 @@ class Step:
     """
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
-                 timeline: bool = False, check_collectives: bool | None = None):
+                 timeline: bool = False, check_collectives: bool | None = None, compile: bool | dict = False):
         if not callable(loss_fn):
             raise ArgumentTypeError(f"fs.compose: loss_fn must be callable as loss_fn(module, batch), got "
                                     f"{loss_fn!r}.")
@@ -80,6 +80,7 @@ class Step:
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._reader = Reader()  # reads parameter shards held in a store ahead of their gathers
+        self._compiled = None if compile is False else UnitCompiler(compile)
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -186,7 +187,7 @@ class Step:
         with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
             for i, mb in enumerate(micro):
                 runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                    donate=self.donate, reader=self._reader))
+                                    donate=self.donate, reader=self._reader, compiled=self._compiled))
                 mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                 losses.append(mb_loss)
                 accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
@@ -376,7 +377,7 @@ def _copies(state: TrainState, gather):
 
 
 def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mesh=None,
-            timeline: bool = False, check_collectives: bool | None = None) -> Step:
+            timeline: bool = False, check_collectives: bool | None = None, compile: bool | dict = False) -> Step:
     """``step = fs.compose(loss_fn, *transforms)``; ``loss_fn(module, batch)`` returns a scalar tensor.
 
     donate: update the input state's tensors in place instead of copies (the input state is then unusable).
@@ -393,6 +394,11 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
       until a step has completed (each check reads its result on the host). True: every step; False: until a step
       has completed. Whatever the setting, a step ends with one such check (its commit), so it returns on every
       rank or raises on every rank.
+    compile: ``torch.compile`` each unit's forward (True: torch.compile's defaults; a dict: its keyword arguments,
+      e.g. ``{"mode": "max-autotune"}``), as torchtitan compiles each block under FSDP2: the unit's own forward
+      with its gathered parameters as inputs, while the gathers, reductions and hooks around it run as they do
+      uncompiled. Units of one class share their compiled code. The glue between units (embeddings, the loss)
+      is the loss function's: compile it with ``torch.compile(loss_fn)`` (units stay opaque to it).
     """
     return Step(loss_fn, transforms, donate=donate, trace=trace, mesh=mesh, timeline=timeline,
-                check_collectives=check_collectives)
+                check_collectives=check_collectives, compile=compile)
