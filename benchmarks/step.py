@@ -160,12 +160,15 @@ def ddp_runner(ctx: Ctx) -> Runner:
 
 
 @register("fsdp2")
-def fsdp2_runner(ctx: Ctx, prefetch: int = 0, scaler=None, **fully_shard_kwargs) -> Runner:
+def fsdp2_runner(ctx: Ctx, prefetch: int = 0, scaler=None, compile_blocks: bool = False,
+                 **fully_shard_kwargs) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     model = ctx.fresh_model()
+    if compile_blocks:
+        _compiled_blocks(model)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
@@ -178,6 +181,23 @@ def fsdp2_runner(ctx: Ctx, prefetch: int = 0, scaler=None, **fully_shard_kwargs)
 
 
 register("fsdp2+prefetch(2)")(lambda ctx: fsdp2_runner(ctx, prefetch=2))
+
+
+def _compiled_blocks(model):
+    """Each block compiled in place (``module.compile()``), as torchtitan does before ``fully_shard``."""
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
+register("fsdp2+compile")(lambda ctx: fsdp2_runner(ctx, compile_blocks=True))  # torchtitan: compiled, then sharded
+
+
+@register("ddp+compile")
+def _ddp_compile(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _torch_runner(ctx, DDP(_compiled_blocks(ctx.fresh_model())))
 
 
 def _fsdp2_bf16(ctx):
@@ -253,6 +273,9 @@ def _ahead_buckets(keep=False, bucket_mb=25):
 
 
 register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets()))
+# torch.compile of each unit's forward (fs.compose(compile=True)): against fsdp2+compile / ddp+compile
+register("fshard+compile")(lambda ctx: fshard_runner(ctx, compile=True))
+register("fshard+ahead+buckets+compile")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), compile=True))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
 # check_collectives=False: collectives checked across ranks in a step function's first step only (the default checks
 # every step on CPU meshes; fshard/dist/_agreement.py)
