@@ -46,6 +46,11 @@ message (the fix it names), run under a timeout. Cases so far:
   nothing (a marker file stays absent); a full disk (data or manifest) removes the ``.partial`` and the previous
   checkpoint loads; a newer format, a manifest whose world size or shapes contradict the metadata, and
   ``fs.load(None)`` are refused by name; differing hyperparameters are a warning naming each, like's kept.
+- Lifetimes, the environment, the step's envelope (issue #39): a step function dropped without ``close()`` ends its
+  threads (offload_state's worker, the reader) as it dies, even with its policies still referenced; every thread's
+  priority is set by one helper (the mesh's background worker at idle priority); ``FSHARD_GATHER`` is read when a
+  mesh is made (a bad value: an ``ArgumentError`` naming it, then), not at each step; a step and an eval pass enter
+  one envelope, and ``Step.__call__`` is one short function; a bad ``FSHARD_MMAP_THRESHOLD`` warns, the import works.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -1144,3 +1149,11 @@ def test_a_step_and_an_eval_pass_run_in_one_envelope(monkeypatch):
     body = inspect.getsource(_step.Step.__call__).splitlines()
     assert len(body) <= 45, len(body)
     assert "envelope(" in body[3] and not any("except" in line or "Comm(" in line for line in body)
+
+
+def test_a_bad_mmap_threshold_in_the_environment_warns_and_import_works():
+    """FSHARD_MMAP_THRESHOLD is read at ``import fshard`` only when set; a value that is not a number is a warning
+    naming it, never a broken import."""
+    out = _python("import fshard, warnings; print('imported')", timeout=120, FSHARD_MMAP_THRESHOLD="1MiB")
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
+    assert "FSHARD_MMAP_THRESHOLD (environment)='1MiB' is not a number of bytes" in out.stderr, out.stderr[-2000:]
