@@ -47,7 +47,8 @@ message (the fix it names), run under a timeout. Cases so far:
   checkpoint loads; a newer format, a manifest whose world size or shapes contradict the metadata, and
   ``fs.load(None)`` are refused by name; differing hyperparameters are a warning naming each, like's kept.
 - Lifetimes, the environment, the step's envelope (issue #39): a step function dropped without ``close()`` ends its
-  threads (offload_state's worker, the reader) as it dies, even with its policies still referenced; every thread's
+  threads (offload_state's worker, the reader) as it dies, even with its policies still referenced, and an NVMeStore
+  dropped without ``close()`` its thread; every thread's
   priority is set by one helper (the mesh's background worker at idle priority); ``FSHARD_GATHER`` is read when a
   mesh is made (a bad value: an ``ArgumentError`` naming it, then), not at each step; a step and an eval pass enter
   one envelope, and ``Step.__call__`` is one short function; a bad ``FSHARD_MMAP_THRESHOLD`` warns, the import works.
@@ -1079,6 +1080,17 @@ def test_a_step_dropped_without_close_ends_its_threads():
     step.close()  # idempotent
     del state
     store.close()
+
+
+def test_a_store_dropped_without_close_ends_its_thread(tmp_path):
+    """NVMeStore's reader thread (started at its first use) is ended by ``close()``, or as the store dies."""
+    import gc
+    store = fs.NVMeStore(str(tmp_path / "store"))
+    assert store._pool_executor().submit(lambda: 5).result() == 5 and "fshard-store_0" in _fshard_threads()
+    kept = store._executor  # (held elsewhere, the executor alone would keep its thread)
+    del store
+    gc.collect()
+    assert _fshard_threads() == [] and kept._shutdown
 
 
 def test_fshards_threads_lower_their_priority_through_one_helper():

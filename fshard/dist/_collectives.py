@@ -13,7 +13,8 @@ least one gather was in flight. Blocking use (issue, then wait at once) makes th
 How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
 on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
 ``all_gather_into_tensor``; on NCCL, ``all_gather_into_tensor`` is the native ring. ``FSHARD_GATHER`` overrides it
-(``all_gather``, ``broadcast``, ``all_reduce``), read once when the mesh is made (``Mesh.gather_impl``). Every implementation is an exact copy of each rank's shard.
+(``all_gather``, ``broadcast``, ``all_reduce``), read once when the mesh is made (``Mesh.gather_impl``). Every
+implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
 
