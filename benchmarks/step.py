@@ -277,8 +277,8 @@ register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(
 register("fshard+compile")(lambda ctx: fshard_runner(ctx, compile=True))
 register("fshard+ahead+buckets+compile")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), compile=True))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
-# check_collectives=False: collectives checked across ranks in a step function's first step only (the default checks
-# every step on CPU meshes; fshard/dist/_agreement.py)
+# check_collectives=False: no collective checked across ranks before it is issued (the default checks every step on
+# CPU meshes; fshard/dist/_agreement.py). (Measured until issue #39 with False meaning "the first step only".)
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
 register("fshard+ahead+buckets+unchecked")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=False))

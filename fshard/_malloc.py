@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -36,5 +37,13 @@ def set_mmap_threshold(nbytes: int = 1 << 20) -> bool:
 def from_env() -> None:
     """Apply ``FSHARD_MMAP_THRESHOLD`` (bytes) if the environment sets it."""
     v = os.environ.get("FSHARD_MMAP_THRESHOLD")
-    if v and int(v) > 0:
-        set_mmap_threshold(int(v))
+    if not v:
+        return
+    try:
+        nbytes = int(v)
+    except ValueError:  # (at import: a bad value must not break ``import fshard``)
+        warnings.warn(f"FSHARD_MMAP_THRESHOLD (environment)={v!r} is not a number of bytes: ignored, the allocator is "
+                      "left as it is; set it to e.g. 1048576, or unset it.", RuntimeWarning, stacklevel=2)
+        return
+    if nbytes > 0:
+        set_mmap_threshold(nbytes)

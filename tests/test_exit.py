@@ -93,18 +93,40 @@ def test_released_waits_until_no_one_else_holds_the_tensor():
     assert released(torch.ones(2)) is True  # nothing else holds it: no wait
 
 
-def test_the_background_group_and_thread_are_closed_by_their_owner_at_exit():
-    """Mesh.background()'s executor and group: its atexit hook (_close_background) ends the thread and drops both."""
-    import weakref
+def test_the_background_worker_is_ended_by_close_and_by_its_finalizer_when_the_mesh_dies():
+    """Mesh.background(): one worker per mesh until ``mesh.close()``, which waits for its jobs and ends its thread;
+    a later call makes a new one. A mesh dropped without close(): its finalizer ends the thread as it dies (and at
+    exit, before finalization, if it lives that long). The frozen mesh has no mutable field: what changes is in its
+    ``runtime``."""
+    import dataclasses
+    import gc
+    import threading
+    import time
 
     import fshard as fs
-    from fshard.dist._mesh import _close_background
+    from fshard.dist._mesh import MeshRuntime
+
+    def alive():
+        return [t for t in threading.enumerate() if t.name.startswith("fshard-background")]
+
     mesh = fs.Mesh.local()
-    group, pool = mesh.background()
-    assert pool.submit(lambda: 7).result() == 7 and group is None  # (a local mesh has no group to destroy)
-    _close_background(weakref.ref(mesh))
-    assert mesh._background == [] and pool._shutdown and all(not t.is_alive() for t in pool._threads)
-    _close_background(weakref.ref(mesh))  # twice (the hook, after an explicit close): nothing left to do
+    mutable = [f.name for f in dataclasses.fields(mesh) if f.name != "runtime"
+               and isinstance(getattr(mesh, f.name), (list, dict, set, bytearray, MeshRuntime))]
+    assert mutable == [] and isinstance(mesh.runtime, MeshRuntime)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mesh.runtime = MeshRuntime()
+    bg = mesh.background()
+    assert mesh.background() is bg and bg.group is None  # (a local mesh has no group to destroy)
+    slow = bg.submit(lambda: time.sleep(0.2) or 7)
+    assert len(alive()) == 1
+    mesh.close()
+    assert slow.done() and slow.result() == 7 and bg.closed and alive() == []  # waited for its job, then ended
+    mesh.close()  # idempotent
+    again = mesh.background()
+    assert again is not bg and again.submit(lambda: 8).result() == 8 and len(alive()) == 1
+    del mesh, again
+    gc.collect()
+    assert alive() == []  # the finalizer joined the thread as the mesh died
 
 
 def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_let_go():
@@ -122,12 +144,12 @@ def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_
     for backend in ("local", "nccl"):
         mesh = fs.Mesh(0, 2, backend, torch.device("cpu"))
         mesh.hold(torch.zeros(1))
-        assert len(mesh._held) == 0, backend
+        assert len(mesh.runtime.held) == 0, backend
     mesh = fs.Mesh(0, 2, "gloo", torch.device("cpu"))
     ts = [torch.full((2,), float(i)) for i in range(_HELD + 4)]
     mesh.hold(*ts[:3])
     mesh.hold(*ts[3:])
-    assert [float(t[0]) for t in mesh._held] == list(range(4, _HELD + 4))  # the last _HELD, in order
+    assert [float(t[0]) for t in mesh.runtime.held] == list(range(4, _HELD + 4))  # the last _HELD, in order
     del ts
     t = torch.zeros(8)
     freed = weakref.ref(t)
@@ -159,7 +181,7 @@ def _failed_step_holds(_):
     _mesh._release_held = spy
     mesh = fs.Mesh.from_env()
     state, step, error = fail_a_step(mesh)
-    held = list(mesh._held)
+    held = list(mesh.runtime.held)
     descriptors = [bytes(t.tolist()).rstrip(b"\0").decode() for t in held
                    if t.dtype == torch.uint8 and t.numel() == _DESC_BYTES]
     let_go = _mesh.released(*held)  # gloo lets go of them (bounded wait)

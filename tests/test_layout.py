@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "transforms": {"ops", "protocol", "state"},
     "run": {"dist", "protocol", "state"},
     "step": {"dist", "protocol", "run", "state", "transforms"},
-    "offload": {"optim", "protocol", "state", "store"},
+    "offload": {"dist", "optim", "protocol", "state", "store"},
     "model": {"dist", "offload", "run", "state", "store"},
     "checkpoint": {"dist", "offload", "optim", "state", "store", "transforms"},
     "testing": {"state"},

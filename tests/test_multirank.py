@@ -87,7 +87,7 @@ def _misuse():
     except fs.RankDivergenceError as e:
         out["later"] = str(e)
     step = fs.compose(lambda m, b: m(*b), check_collectives=False)
-    step(state, (torch.randn(2, 4), False))  # checked until a step completes, then no more checks
+    step(state, (torch.randn(2, 4), False))  # no collective is checked
     try:  # later steps: the agreement after backward sees it (same sizes, so no collective failed)
         step(state, (torch.randn(2, 4), True))
     except fs.RankDivergenceError as e:

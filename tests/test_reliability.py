@@ -46,6 +46,12 @@ message (the fix it names), run under a timeout. Cases so far:
   nothing (a marker file stays absent); a full disk (data or manifest) removes the ``.partial`` and the previous
   checkpoint loads; a newer format, a manifest whose world size or shapes contradict the metadata, and
   ``fs.load(None)`` are refused by name; differing hyperparameters are a warning naming each, like's kept.
+- Lifetimes, the environment, the step's envelope (issue #39): a step function dropped without ``close()`` ends its
+  threads (offload_state's worker, the reader) as it dies, even with its policies still referenced, and an NVMeStore
+  dropped without ``close()`` its thread; every thread's
+  priority is set by one helper (the mesh's background worker at idle priority); ``FSHARD_GATHER`` is read when a
+  mesh is made (a bad value: an ``ArgumentError`` naming it, then), not at each step; a step and an eval pass enter
+  one envelope, and ``Step.__call__`` is one short function; a bad ``FSHARD_MMAP_THRESHOLD`` warns, the import works.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
 """
@@ -1040,3 +1046,126 @@ def test_load_keeps_likes_hyperparameters_and_warns_naming_each_that_differs(tmp
                                          r"like.*training continues with like's optimizer"):
         loaded = fs.load(tmp_path / "c", like=_ckpt_state(0, lr=1e-2, weight_decay=0.0))
     assert loaded.spec.optimizer.lr == 1e-2 and int(loaded.step) == 3
+
+
+# --- lifetimes, the environment, the step's envelope (issue #39) --------------------------------------------------
+
+def _fshard_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("fshard-") and t.is_alive())
+
+
+def test_a_step_dropped_without_close_ends_its_threads():
+    """Every thread a step function starts has an owner: offload_state's worker and the reader of parameter shards
+    in a store are ended by ``step.close()``, or, for a step dropped without it, by its finalizer as it dies, even
+    where something else still holds its policies (here a reference, as the frames of a kept traceback of a failed
+    step would: before, the worker then ran until exit)."""
+    import gc
+    torch.manual_seed(0)
+    store = fs.CPUStore()
+    state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw(lr=1e-2))
+    step = fs.compose(awkward_loss, fs.offload_state(store, chunk_mb=0.001, params=True, overlap_backward=True))
+    for batch in awkward_batches(2, 2):
+        state, _ = step(state, batch)
+    running = _fshard_threads()
+    assert any(n.startswith("fshard-read") for n in running) and any(n.startswith("fshard-offload")
+                                                                     for n in running), running
+    kept = step.policy
+    del step
+    gc.collect()
+    assert _fshard_threads() == [] and kept.update.worker._shutdown  # joined by the step's finalizer
+    with fs.compose(awkward_loss, fs.offload_state(store, chunk_mb=0.001, params=True)) as step:
+        state, _ = step(state, next(awkward_batches(2, 1)))  # (the state still trains: the store was left open)
+        assert _fshard_threads() != []
+    assert _fshard_threads() == [] and step._closed
+    step.close()  # idempotent
+    del state
+    store.close()
+
+
+def test_a_store_dropped_without_close_ends_its_thread(tmp_path):
+    """NVMeStore's reader thread (started at its first use) is ended by ``close()``, or as the store dies."""
+    import gc
+    store = fs.NVMeStore(str(tmp_path / "store"))
+    assert store._pool_executor().submit(lambda: 5).result() == 5 and "fshard-store_0" in _fshard_threads()
+    kept = store._executor  # (held elsewhere, the executor alone would keep its thread)
+    del store
+    gc.collect()
+    assert _fshard_threads() == [] and kept._shutdown
+
+
+def test_fshards_threads_lower_their_priority_through_one_helper():
+    """One helper in dist/ sets the priority of every thread fshard starts beside the step: the mesh's background
+    worker runs at idle priority, offload_state's worker ``worker_nice`` above the caller (Linux, per thread)."""
+    import pathlib
+    src = pathlib.Path(fs.__file__).parent
+    setters = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                     if "setpriority(" in p.read_text() or "sched_setscheduler(" in p.read_text())
+    assert setters == ["dist/_threads.py"], setters
+    if not sys.platform.startswith("linux"):
+        return
+    mesh = fs.Mesh.local()
+    assert mesh.background().submit(lambda: os.sched_getscheduler(0)).result() == os.SCHED_IDLE
+    mesh.close()
+    from fshard.dist._threads import lower_priority
+    box = {}
+
+    def niced():
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        lower_priority(3)
+        box["delta"] = os.getpriority(os.PRIO_PROCESS, 0) - before
+    t = threading.Thread(target=niced)
+    t.start()
+    t.join()
+    assert box["delta"] == min(3, 19 - os.getpriority(os.PRIO_PROCESS, 0)) and os.getpriority(os.PRIO_PROCESS, 0) < 19
+
+
+def test_fshard_gather_is_read_once_when_the_mesh_is_made(monkeypatch):
+    """FSHARD_GATHER is read when a mesh is made (a bad value: an ArgumentError naming it, then), not at each step:
+    a step's Comm takes the mesh's."""
+    from fshard.dist._collectives import Comm
+    monkeypatch.setenv("FSHARD_GATHER", "all_reduce")
+    mesh = fs.Mesh.local()
+    monkeypatch.setenv("FSHARD_GATHER", "bogus")  # changed after the mesh was made: no effect on it
+    assert mesh.gather_impl == "all_reduce" and Comm(mesh).impl == "all_reduce"
+    with pytest.raises(fs.ArgumentError, match=r"FSHARD_GATHER \(environment\)='bogus'.*unset it"):
+        fs.Mesh.local()
+    monkeypatch.delenv("FSHARD_GATHER")
+    assert Comm(fs.Mesh.local()).impl == "all_gather" and Comm(mesh).impl == "all_reduce"
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    with fs.compose(awkward_loss, trace=True) as step:
+        _, m = step(state, next(awkward_batches(2, 1)))  # (one rank: every gather is a local copy)
+    assert any(e[0] == "all_gather" for e in m["trace/collectives"])
+
+
+def test_a_step_and_an_eval_pass_run_in_one_envelope(monkeypatch):
+    """``step(state, batch)`` and ``step.eval`` enter the same envelope (fshard/step/_envelope.py), and
+    ``Step.__call__`` reads as the step's data flow in one short function."""
+    import inspect
+
+    from fshard.step import _envelope, _step
+    entered, real = [], _envelope.envelope
+
+    def spy(step, state, context, train):
+        entered.append((context.format(int(state.step)), train))
+        return real(step, state, context, train)
+    monkeypatch.setattr(_step, "envelope", spy)
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), fs.Mesh.local(), fs.adamw())
+    with fs.compose(awkward_loss) as step:
+        state, _ = step(state, next(awkward_batches(2, 1)))
+        loss, _ = step.eval(state, next(awkward_batches(2, 1)))
+        with pytest.raises(fs.errors.StepError, match="eval at step 1"):
+            step.eval(state, None)  # loss_fn's own error, in the envelope: named with where it happened
+    assert entered == [("step 0", True), ("eval at step 1", False), ("eval at step 1", False)]
+    body = inspect.getsource(_step.Step.__call__).splitlines()
+    assert len(body) <= 45, len(body)
+    assert "envelope(" in body[3] and not any("except" in line or "Comm(" in line for line in body)
+
+
+def test_a_bad_mmap_threshold_in_the_environment_warns_and_import_works():
+    """FSHARD_MMAP_THRESHOLD is read at ``import fshard`` only when set; a value that is not a number is a warning
+    naming it, never a broken import."""
+    out = _python("import fshard, warnings; print('imported')", timeout=120, FSHARD_MMAP_THRESHOLD="1MiB")
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
+    assert "FSHARD_MMAP_THRESHOLD (environment)='1MiB' is not a number of bytes" in out.stderr, out.stderr[-2000:]

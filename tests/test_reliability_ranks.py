@@ -38,6 +38,9 @@ Sections:
 - a custom transform's arguments are checked across ranks (issue #39): a user's ``fs.Transform`` (a plain
   ``__init__``, or a dataclass) composed with another argument on rank 1 is a ``RankDivergenceError`` on every rank,
   naming this rank's arguments, before any gather, the state intact; with the same arguments the ranks train.
+- ``check_collectives`` (issue #39), counted on the mesh (``mesh.checks``): False checks no collective, from the
+  first step on (one check a step: the commit vote), True and the default on a CPU mesh check each collective of
+  every step (a same-size divergence under False, found at the end of the step: tests/test_multirank.py).
 
 Checkpoints (issue #37), world size 2, each within seconds, the user's files, the checkpoints and the state intact:
 
@@ -685,3 +688,32 @@ def _failed_on_rank_1(outcome, r: int, kind: str, mine: str, theirs: str) -> str
     else:
         assert got == "RankFailedError" and theirs in text, text
     return text
+
+
+# --- check_collectives=False checks no collective (issue #39) ---
+
+def _checks_per_step(setting):
+    """Checks made on the mesh in each of 2 steps composed with ``check_collectives=setting``."""
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    counts = []
+    with fs.compose(awkward_loss, check_collectives=setting) as step:
+        for batch in awkward_batches(2, 2, rank=mesh.rank, world_size=2):
+            before = mesh.checks
+            state, _ = step(state, batch)
+            counts.append(mesh.checks - before)
+    return counts
+
+
+def test_check_collectives_false_checks_no_collective_and_the_default_checks_each():
+    """(A same-size divergence under False, found at the end of the step: tests/test_multirank.py.)"""
+    counts = {}
+    for setting in (False, None, True):
+        outcome = spawn(_checks_per_step, 2, setting, timeout_s=120, collective_timeout_s=TIMEOUT_S)
+        assert all(s == "ok" for s, _ in outcome.values()), outcome
+        counts[setting] = outcome[0][1]
+        assert outcome[1][1] == counts[setting], (setting, outcome)  # every rank counts alike
+    assert counts[False] == [1, 1], counts  # the commit vote only, from the first step on
+    assert counts[None] == counts[True] and all(c > 5 for c in counts[True]), counts  # (CPU: every collective)

@@ -151,9 +151,10 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
                     differ="Every rank must pass the same path, keep_last and blocking.")
     if blocking:
         return _write(path, state, mesh, keep_last, str(Path(given)))
-    group, pool = mesh.background()  # the save's collectives never interleave with the step's
+    background = mesh.background()  # the mesh's worker: the save's collectives never interleave with the step's
+    group = background.group
     on = mesh if group is None else Mesh(mesh.rank, mesh.world_size, "gloo", torch.device("cpu"), group, mesh.timeout)
-    handle = SaveHandle(str(Path(given)), pool.submit(_write, path, state, on, keep_last, str(Path(given))),
+    handle = SaveHandle(str(Path(given)), background.submit(_write, path, state, on, keep_last, str(Path(given))),
                         state.donation)
     state.donation.saves.append(handle)
     return handle
@@ -232,7 +233,8 @@ def _transport(e: BaseException) -> bool:
 
 class SaveHandle:
     """An asynchronous save (``fs.save(path, state, blocking=False)``), running in the mesh's background thread over
-    its background process group (``Mesh.background``), after any save started before it. ``wait()`` returns the
+    its background process group (``Mesh.background``), after any save started before it; ``mesh.close()`` waits for
+    it and ends both. ``wait()`` returns the
     checkpoint's path once it is complete and visible, or raises the save's ``CheckpointError``; call it on every
     rank before a step that donates the state."""
 

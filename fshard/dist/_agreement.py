@@ -69,7 +69,7 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     h = float(small_hash(entry)) if failure is None else 0.0
     buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
     comm.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
-    mesh.checks[0] += 1
+    mesh.runtime.checks += 1
     wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm,
                lambda: f"the check before its {describe(entry)}")
     mesh.hold(buf)  # the last check before the process exits may be this one (Mesh.hold)
@@ -177,7 +177,7 @@ def _absent_ranks(mesh) -> list[int] | None:
     """Ranks that did not report being stuck at this rank's last check within ``_REPORT_S`` (None: unknown)."""
     try:
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store; no public accessor exists
-        prefix = f"fshard/stuck/{getattr(mesh.group, 'group_name', 'g')}/{mesh.checks[0]}"
+        prefix = f"fshard/stuck/{getattr(mesh.group, 'group_name', 'g')}/{mesh.checks}"
         store.set(f"{prefix}/{mesh.rank}", "1")
         ranks = dist.get_process_group_ranks(mesh.group)
         deadline = time.monotonic() + _REPORT_S

@@ -63,7 +63,7 @@ class Call:
             return
         h = float(small_hash(value)) if failure is None else 0.0
         buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
-        mesh.checks[0] += 1  # (the same count on every rank: explain() keys its reports by it)
+        mesh.runtime.checks += 1  # (the same count on every rank: explain() keys its reports by it)
         wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], self.comm,
                    lambda: f"the other ranks at {what}")
         mesh.hold(buf)  # a script may exit right after a save, a load or their failure (Mesh.hold)

@@ -13,12 +13,12 @@ least one gather was in flight. Blocking use (issue, then wait at once) makes th
 How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
 on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
 ``all_gather_into_tensor``; on NCCL, ``all_gather_into_tensor`` is the native ring. ``FSHARD_GATHER`` overrides it
-(``all_gather``, ``broadcast``, ``all_reduce``). Every implementation is an exact copy of each rank's shard.
+(``all_gather``, ``broadcast``, ``all_reduce``), read once when the mesh is made (``Mesh.gather_impl``). Every
+implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import zlib
 from collections import defaultdict
@@ -28,19 +28,14 @@ import torch.distributed as dist
 
 from ._agreement import HASH_BITS, exchange, wait_works
 from ._protocol import Collectives
-from ..errors import ArgumentError
-from ._mesh import Mesh
-GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
-_FASTEST_GATHER = {"gloo": "broadcast"}  # measured; any other backend uses all_gather_into_tensor
+from ._mesh import _FASTEST_GATHER, Mesh
 
 
 def gather_impl(mesh: Mesh) -> str:
-    impl = os.environ.get("FSHARD_GATHER", "auto")
-    if impl == "auto":
-        return _FASTEST_GATHER.get(mesh.backend, "all_gather")
-    if impl not in GATHER_IMPLS:
-        raise ArgumentError(f"FSHARD_GATHER={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}.")
-    return impl
+    """How this mesh's gathers are done: its ``gather_impl`` (FSHARD_GATHER when the mesh was made), ``auto`` the
+    measured fastest of its backend."""
+    impl = mesh.gather_impl
+    return _FASTEST_GATHER.get(mesh.backend, "all_gather") if impl == "auto" else impl
 
 
 class Flight:

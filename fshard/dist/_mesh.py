@@ -1,7 +1,11 @@
-"""Mesh: the ranks a state is sharded over. A thin, immutable wrapper of a torch.distributed process group."""
+"""Mesh: the ranks a state is sharded over. A thin, immutable wrapper of a torch.distributed process group.
+
+The environment is read once, when a mesh is made: ``FSHARD_TIMEOUT_S`` (the collective timeout, unless
+``timeout_s`` is given) and ``FSHARD_GATHER`` (how gathers are done); a bad value is an ``ArgumentError`` naming the
+variable. What a mesh counts and owns while it is used (checks made, tensors held, its background worker) is in its
+``MeshRuntime``, so that the frozen mesh itself has no mutable field."""
 from __future__ import annotations
 
-import atexit
 import itertools
 import math
 import os
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ArgumentError, MeshMismatchError
+from ._threads import Background, registered_groups
 
 # A dead rank must make the others fail instead of hanging: collectives time out after this many seconds.
 DEFAULT_TIMEOUT_S = 300.0
@@ -39,25 +44,22 @@ def _timeout(value=None) -> float:
     return seconds
 
 
+GATHER_IMPLS = ("all_gather", "broadcast", "all_reduce")
+_FASTEST_GATHER = {"gloo": "broadcast"}  # measured (design/COLLECTIVES.md); any other backend: all_gather
+
+
+def _gather_env() -> str:
+    """$FSHARD_GATHER (``auto``, the default, or one of ``GATHER_IMPLS``), read when a mesh is made: a step's
+    ``Comm`` takes it from the mesh (``Mesh.gather_impl``), not from the environment at every step."""
+    impl = os.environ.get("FSHARD_GATHER", "auto")
+    if impl != "auto" and impl not in GATHER_IMPLS:
+        raise ArgumentError(f"FSHARD_GATHER (environment)={impl!r} is not one of auto, {', '.join(GATHER_IMPLS)}: "
+                            "it chooses how gathers are done (design/COLLECTIVES.md); unset it for the measured "
+                            "fastest of the backend.")
+    return impl
+
+
 _ids = itertools.count()
-
-
-def _registered_groups():
-    from torch.distributed.distributed_c10d import _world  # the live process groups; no public accessor exists
-    return _world.pg_map
-
-
-def _close_background(ref) -> None:
-    """At exit (atexit: before interpreter finalization, with every thread still able to take the GIL): end the
-    mesh's background thread and destroy its group, rather than leave both to finalization (design/ARCHITECTURE.md,
-    "Exit and teardown"). Every background job has ended by then (the executor's own exit hook waits for them)."""
-    mesh = ref()
-    if mesh is None or not mesh._background:
-        return
-    group, pool = mesh._background.pop()
-    pool.shutdown(wait=True)
-    if group is not None and dist.is_initialized() and group in _registered_groups():
-        dist.destroy_process_group(group)
 
 
 def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
@@ -78,19 +80,22 @@ def _release_held(held) -> None:
     released(*held)
 
 
-def _idle_priority() -> None:
-    """Run the calling thread only when a core would otherwise idle (Linux SCHED_IDLE, per thread): background work
-    at nice 5 took a quarter of each core from the step (1.35x its time, benchmarks/RESULTS.md, checkpoints); idle
-    priority fills the step's waits instead. Elsewhere, or if refused, the thread keeps its priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+class MeshRuntime:
+    """What a mesh counts and owns while it is used, kept out of its frozen identity (``Mesh.runtime``): the checks
+    made on it (``checks``: fshard/dist/_agreement.py, dist/_call.py; every rank counts alike, so transport errors
+    key their reports by it), the last small collectives' tensors (``held``: ``Mesh.hold``), and its background
+    worker (``Mesh.background``)."""
+
+    def __init__(self):
+        self.checks = 0
+        self.held: deque = deque(maxlen=_HELD)
+        self.background: Background | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class Mesh:
-    """The ranks of one process group. ``group is None`` means a single local rank without torch.distributed."""
+    """The ranks of one process group. ``group is None`` means a single local rank without torch.distributed.
+    Frozen; ``runtime`` (not compared, not shown) holds what changes while the mesh is used."""
 
     rank: int
     world_size: int
@@ -99,9 +104,8 @@ class Mesh:
     group: Any = None
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=_timeout()))
     id: int = field(default_factory=lambda: next(_ids))
-    _background: list = field(default_factory=list, repr=False, compare=False)  # see background()
-    checks: list = field(default_factory=lambda: [0], repr=False, compare=False)  # checks made (dist/_agreement.py)
-    _held: deque = field(default_factory=lambda: deque(maxlen=_HELD), repr=False, compare=False)  # see hold()
+    gather_impl: str = field(default_factory=_gather_env)  # FSHARD_GATHER, read once here (dist/_collectives.py)
+    runtime: MeshRuntime = field(default_factory=MeshRuntime, repr=False, compare=False)  # the mutable part
 
     @classmethod
     def from_env(cls, backend: str | None = None, timeout_s: float | None = None) -> "Mesh":
@@ -154,33 +158,40 @@ class Mesh:
         waits (bounded) for gloo to let go, before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
         if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
             return
-        if not self._held:  # the first: the mesh's finalizer waits for them when it dies or at exit
-            weakref.finalize(self, _release_held, self._held)
-        self._held.extend(tensors)
+        held = self.runtime.held
+        if not held:  # the first: the mesh's finalizer waits for them when it dies or at exit
+            weakref.finalize(self, _release_held, held)
+        held.extend(tensors)
 
-    def background(self):
-        """(process group, one-thread executor) for work that runs collectives beside the step's, such as
-        fs.save(..., blocking=False): a group of its own, so that the two never interleave on one group, and one
-        thread, so that such work runs in the order it was submitted, the same on every rank. Collective the first
-        time (every rank of this mesh calls it in the same order); kept for the mesh's lifetime after that, and
-        closed at exit (``_close_background``)."""
-        if not self._background:
-            from concurrent.futures import ThreadPoolExecutor
+    @property
+    def checks(self) -> int:
+        """How many checks (one tiny all-reduce each, fshard/dist/_agreement.py) were made on this mesh so far."""
+        return self.runtime.checks
 
-            group = None
-            if self.group is not None:
-                group = dist.new_group(dist.get_process_group_ranks(self.group), timeout=self.timeout,
-                                       backend="gloo", use_local_synchronization=True)
-            pool = ThreadPoolExecutor(1, thread_name_prefix="fshard-background", initializer=_idle_priority)
-            self._background.append((group, pool))
-            atexit.register(_close_background, weakref.ref(self))  # the owner tears both down at exit
-        return self._background[0]
+    def background(self) -> Background:
+        """This mesh's background worker (fshard/dist/_threads.py), for work that runs collectives beside the
+        step's, such as fs.save(..., blocking=False): one thread, so that such work runs in the order it was
+        submitted, the same on every rank, and a process group of its own, so that its collectives never interleave
+        with the step's. Made at the first call, which is collective (every rank of this mesh calls it in the same
+        order); the same one after that, until ``close()``. Ended by ``close()``, or by its finalizer when the mesh
+        dies or at exit."""
+        bg = self.runtime.background
+        if bg is None or bg.closed:
+            bg = self.runtime.background = Background(self)
+        return bg
+
+    def close(self) -> None:
+        """End this mesh's background worker (``background()``), after the work submitted to it (an
+        ``fs.save(..., blocking=False)`` still running is waited for); idempotent. The mesh stays usable: a later
+        asynchronous save starts a new worker, collectively, on every rank."""
+        if self.runtime.background is not None:
+            self.runtime.background.close()
 
     def check_alive(self) -> None:
         """Raise if this mesh's process group has been destroyed since the mesh was made."""
         if self.group is None:
             return
-        if not dist.is_initialized() or self.group not in _registered_groups():
+        if not dist.is_initialized() or self.group not in registered_groups():
             raise MeshMismatchError(
                 f"{self} no longer exists: its process group was destroyed. A state holds shards for the mesh "
                 "it was made on; build a new state on the new mesh with fs.init(model, mesh, opt), or load "

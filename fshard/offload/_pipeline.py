@@ -3,8 +3,6 @@ parameters' chunks beside the moments' where they live in the store too); ``_Ear
 backward (``overlap_backward``) in the worker thread; ``Streamed``, one unit's work item."""
 from __future__ import annotations
 
-import os
-import sys
 import time
 from concurrent.futures import wait
 from typing import Any, NamedTuple
@@ -205,14 +203,3 @@ def _quiet_delete(store, key) -> None:
         store.delete(key)
     except Exception:  # noqa: BLE001 - already gone, or the store is closed: nothing left to free
         pass
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice``. On Linux, nice is per thread, so backward's threads keep
-    their priority and win the cores; the worker, mostly waiting on the disk, fills the gaps. Elsewhere it would
-    lower the whole process, so it is left alone there; a refusal only costs speed."""
-    if nice and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
-        except OSError:
-            pass

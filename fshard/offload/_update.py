@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..protocol._stages import UpdatePolicy
-from ._pipeline import (Streamed, _Early, _lower_priority, _quiet_delete, _settle, owns_storage, param_key,
+from ._pipeline import (Streamed, _Early, _quiet_delete, _settle, owns_storage, param_key,
                      stream_update)
+from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
 from ..optim._protocol import row_names, state_bytes
 from ._tiers import choose_stores, put_moments, stored_state
@@ -37,7 +38,7 @@ class OffloadUpdate(UpdatePolicy):
         # One thread (started at the first submit): the store is used by one thread at a time, and units are
         # updated in the order their gradients arrive.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload",
-                                         initializer=_lower_priority, initargs=(worker_nice,))
+                                         initializer=lower_priority, initargs=(worker_nice,))
 
     def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result

@@ -60,6 +60,7 @@ class _PlanMesh:
     backend: str
     device: torch.device = torch.device("meta")
     group: object = None
+    gather_impl: str = "auto"  # (a dry Comm moves nothing: how it would gather changes no figure)
 
 
 def _dry_comm(mesh, device: str) -> Comm:

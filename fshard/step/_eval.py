@@ -21,9 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..transforms._accumulate import Accumulator
-from ..dist._agreement import agree, check_ranks, foreign, step_error
-from ..dist._collectives import Comm
-from ._guards import check_usable, exclusive, spec_of
+from ..dist._agreement import agree, check_ranks
 from ..errors import RankDivergenceError
 from ..run._run import StepRun
 
@@ -40,54 +38,34 @@ def train_mode(module: nn.Module, training: bool):
             m.training = flag
 
 
-def evaluate(step, state, batch) -> tuple[float, dict]:
-    """The body of ``Step.eval`` (see the module docstring)."""
-    t0 = time.perf_counter()
-    spec = spec_of(state)
-    comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
-                verify=step._verify(spec.mesh), context=f"eval at step {int(state.step)}")
-    run, ok = None, False
-    with exclusive(step, spec):
-        try:
-            check_usable(step, state)
-            state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
-            check_ranks(comm, state, batch, step._chain, step._fingerprints)  # the same rank check as a training step's
-            run = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False,
-                          reader=step._reader, compiled=step._compiled)
-            # clones: a module may still write a buffer in eval mode, and the state must not change
-            buffers = {k: b.clone() for k, b in state.buffers.items()}
-            t1 = time.perf_counter()
-            with train_mode(spec.template, False), torch.no_grad(), run._active():
-                step.policy.gather.start(run)
-                loss = step._forward(run, buffers, batch)
-                gather_metrics = step.policy.gather.finish(run)
-            run._release_all()
-            t2 = time.perf_counter()
-            (total,), (same,) = agree(comm, [float(loss)], [comm.seq_hash])
-            if not same:
-                raise comm.unanimous(RankDivergenceError(
-                    "ranks issued different gathers in this eval pass (different units, order or sizes), so gathered "
-                    "parameters may be mixed up. Every rank must run the same units in the same order; make control "
-                    f"flow independent of the rank's data. This rank ran units in the order {run.order}."))
-            gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
-            m = {"loss": total / spec.mesh.world_size, "step": int(state.step), "time/eval": time.perf_counter() - t0,
-                 "time/gather": gather, "time/gather_exposed": exposed, "time/compute": max(0.0, t2 - t1 - exposed),
-                 "mem/peak_gathered_bytes": run._peak_bytes, "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-                 **gather_metrics}
-            if comm.trace is not None:
-                m["trace/collectives"] = tuple(comm.trace)
-            if comm.spans is not None:
-                comm.span("compute", "eval forward", t1, t2)
-                m["trace/timeline"] = comm.timeline(t0)
-            ok = True
-            return m["loss"], m
-        except BaseException as e:
-            told = comm.fail(e)  # the other ranks raise RankFailedError at their next check
-            if not foreign(e):
-                raise
-            raise step_error(comm, e, told) from e
-        finally:
-            if not ok:
-                comm.drain()  # an error mid-pass: no gather may still be writing into our buffers
-            if run is not None:
-                run._close()
+def evaluate(step, env, state, batch) -> tuple[float, dict]:
+    """The body of ``Step.eval`` (see the module docstring), in the envelope ``env`` (fshard/step/_envelope.py)."""
+    comm, spec = env.comm, state.spec
+    state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
+    check_ranks(comm, state, batch, step._chain, step._fingerprints)  # the same rank check as a training step's
+    run = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False, reader=step._reader,
+                  compiled=step._compiled)
+    env.runs.append(run)
+    # clones: a module may still write a buffer in eval mode, and the state must not change
+    buffers = {k: b.clone() for k, b in state.buffers.items()}
+    t1 = time.perf_counter()
+    with train_mode(spec.template, False), torch.no_grad(), run._active():
+        step.policy.gather.start(run)
+        loss = step._forward(run, buffers, batch)
+        gather_metrics = step.policy.gather.finish(run)
+    run._release_all()
+    t2 = time.perf_counter()
+    (total,), (same,) = agree(comm, [float(loss)], [comm.seq_hash])
+    if not same:
+        raise comm.unanimous(RankDivergenceError(
+            "ranks issued different gathers in this eval pass (different units, order or sizes), so gathered "
+            "parameters may be mixed up. Every rank must run the same units in the same order; make control "
+            f"flow independent of the rank's data. This rank ran units in the order {run.order}."))
+    g = env.gather_figures()
+    m = {"loss": total / spec.mesh.world_size, "step": int(state.step), "time/eval": time.perf_counter() - env.t0,
+         "time/gather": g["time/gather"], "time/gather_exposed": g["time/gather_exposed"],
+         "time/compute": max(0.0, t2 - t1 - g["time/gather_exposed"]),
+         "mem/peak_gathered_bytes": g["mem/peak_gathered_bytes"], "comm/gather_bytes": g["comm/gather_bytes"],
+         **gather_metrics}
+    comm.span("compute", "eval forward", t1, t2)
+    return m["loss"], env.traced(m)

@@ -10,24 +10,27 @@ The data flow of one step, as the code below reads:
     update  optimizer on the shards -> new TrainState                        (policy.update)
     commit  did any rank fail? every rank returns, or every rank raises     (one tiny all-reduce)
 
-``Step.__call__`` wraps that flow (``Step._step``) in what keeps ranks together (fshard/dist/_agreement.py): a rank that
-raises tells the others at their next check, and the step ends with a commit vote.
+``Step.__call__`` reads as that flow, inside the envelope it shares with ``step.eval`` (fshard/step/_envelope.py: what
+keeps ranks together, fshard/dist/_agreement.py): a rank that raises tells the others at their next check, and the
+step ends with a commit vote.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+import weakref
 
 import torch
 import torch.nn as nn
 
 from ..transforms._accumulate import Accumulator
 from ..protocol._stages import Grads
-from ..dist._agreement import agree, check_ranks, foreign, small_hash, step_error
+from ..dist._agreement import agree, check_ranks, small_hash
 from ..dist._collectives import Comm
+from ._envelope import envelope
 from ._eval import evaluate, train_mode
-from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, exclusive, spec_of
+from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, spec_of
 from ..errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
                       UnboundParameterError)
 from ..state._flat import ROOT
@@ -59,8 +62,9 @@ class Step:
     The input state is never modified unless ``donate=True``: then the update runs in place on its tensors
     (no copies, less memory traffic) and the donated state refuses further use (``state.donation``).
 
-    A step function may hold threads (``fs.offload_state``): ``step.close()``, or ``with fs.compose(...) as
-    step:``, ends them; a closed step refuses further calls.
+    A step function may hold threads (``fs.offload_state``'s worker, the reader of parameter shards in a store):
+    ``step.close()``, or ``with fs.compose(...) as step:``, ends them; a closed step refuses further calls. A step
+    function dropped without ``close()`` ends them when it is collected (``weakref.finalize``), or at exit.
     """
 
     def __init__(self, loss_fn, transforms=(), *, donate: bool = False, trace: bool = False, mesh=None,
@@ -81,6 +85,9 @@ class Step:
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._reader = Reader()  # reads parameter shards held in a store ahead of their gathers
         self._compiled = None if compile is False else UnitCompiler(compile)
+        # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
+        # the finalizer holds what it closes, never the step.
+        self._finalizer = weakref.finalize(self, _close, self._reader, self.policy)
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -133,10 +140,8 @@ class Step:
     def close(self) -> None:
         """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong
         to the caller (close them with ``store.close()``)."""
-        if not self._closed:
-            self._closed = True
-            self._reader.close()
-            self.policy.close()
+        self._closed = True
+        self._finalizer()  # (once: a second call does nothing)
 
     def __enter__(self) -> "Step":
         return self
@@ -148,91 +153,73 @@ class Step:
         return f"fs.compose({getattr(self.loss_fn, '__name__', self.loss_fn)}, {', '.join(map(repr, self.transforms))})"
 
     def __call__(self, state: TrainState, batch):
-        t0 = time.perf_counter()
-        spec = spec_of(state)  # (no TrainState or a dead mesh: no other rank can be told, this one raises alone)
-        comm = Comm(spec.mesh, trace=self.trace, stream=self._gather_stream(spec.mesh.device),
-                    timeline=self.timeline, verify=self._verify(spec.mesh), context=f"step {int(state.step)}")
-        runs, ok = [], False
-        with exclusive(self, spec):
-            try:
-                check_usable(self, state)
-                new, metrics = self._step(comm, runs, state, batch, t0)
-                comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
-                ok = self._checked = True
-                return new, metrics
-            except BaseException as e:
-                told = comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
-                if not foreign(e):  # fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
-                    raise
-                raise step_error(comm, e, told) from e  # one error family on every rank (no local: no cycle)
-            finally:
-                if not ok:
-                    comm.drain()  # an error mid-step: no gather or reduction may still be writing into our buffers
-                if runs:  # work begun during backward that no update took (the step failed, or skipped the update)
-                    self.policy.update.abort(runs[-1])
-                for run in runs:
-                    run._close()  # free this step's buffers now, also when it raised
-
-    def _step(self, comm: Comm, runs: list, state: TrainState, batch, t0: float):
-        """The data flow of one step (the module docstring), into ``runs`` (closed by the caller)."""
-        spec, accum = state.spec, 0
-        state = self.init(state)
-        check_ranks(comm, state, batch, self._chain, self._fingerprints)  # first: a bad batch fails every rank
-        micro = self.policy.batches(batch)
-        acc, scratch = Accumulator(len(micro)), {}
-        buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
-        loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
-        t1 = time.perf_counter()
-        losses = []
-        with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
-            for i, mb in enumerate(micro):
-                runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                    donate=self.donate, reader=self._reader, compiled=self._compiled))
-                mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
-                losses.append(mb_loss)
-                accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
-        loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
-        t2 = time.perf_counter()
-        run = runs[-1]
-        loss, active = self._agree(comm, run, acc, loss)
-        acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
-        self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
-        grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale,
+        """One step: the module docstring's data flow, in the envelope a step and an eval pass share
+        (fshard/step/_envelope.py: the checks, the failure posted to the other ranks, the runs closed)."""
+        with envelope(self, state, "step {}", train=True) as env:
+            comm, runs, spec = env.comm, env.runs, state.spec
+            state = self.init(state)  # the transforms' state and the parameter copies
+            check_ranks(comm, state, batch, self._chain, self._fingerprints)  # first: a bad batch fails every rank
+            micro = self.policy.batches(batch)
+            acc, scratch, losses, accum = Accumulator(len(micro)), {}, [], 0
+            buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
+            loss_scale = self.policy.loss_scale(state)  # fp16: backward runs on loss * loss_scale
+            t1 = time.perf_counter()
+            with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
+                for i, mb in enumerate(micro):  # gather, forward, backward (which reduces each unit's gradient)
+                    runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
+                                        donate=self.donate, reader=self._reader, compiled=self._compiled))
+                    mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
+                    losses.append(mb_loss)
+                    accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
+            loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
+            t2 = time.perf_counter()
+            run = runs[-1]
+            loss, active = self._agree(comm, run, acc, loss)
+            acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
+            self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
+            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale,
                                                   spec=spec, active=active, transform_state=state.transform_state))
-        t3 = time.perf_counter()
-        comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
-        if grads.skip:  # the input state is the result, with the buffers forward updated (torch keeps them)
-            new = state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state, buffers=buffers)
-            update_metrics = {}
-        else:
-            if self.donate:
-                state.donation.take(int(state.step))  # from here on the input's tensors change in place
-            params, opt_state, update_metrics, copies = checked_update(
-                self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
-            new = TrainState(params, opt_state, state.step + 1, buffers, spec, skipped=state.skipped,
-                             transform_state=grads.transform_state, copies=copies)
-        t4 = time.perf_counter()
-        comm.span("update", "skipped" if grads.skip else "update", t3, t4)
-        m = self._metrics(comm, runs, loss, new, {**gather_metrics, **grads.metrics, **update_metrics},
-                          t0, t1, t2, t3, t4)
-        loaded = sum(r._loaded_bytes for r in runs)  # parameter shards gathers read from a store
-        return new, {**m, **_measured(comm, runs, state, new, accum, grads.skip), "mem/activation_bytes": acts,
-                     "io/read_bytes": m.get("io/read_bytes", 0) + loaded, "io/param_read_bytes": loaded,
-                     "io/write_bytes": m.get("io/write_bytes", 0)}  # 0 without a store
+            t3 = time.perf_counter()
+            new, update_metrics = self._update(run, state, grads, active, buffers)
+            t4 = time.perf_counter()
+            comm.span("update", "skipped" if grads.skip else "update", t3, t4)
+            m = self._metrics(env, loss, new, {**gather_metrics, **grads.metrics, **update_metrics}, t1, t2, t3, t4)
+            loaded = sum(r._loaded_bytes for r in runs)  # parameter shards gathers read from a store
+            m.update(_measured(comm, runs, state, new, accum, grads.skip), **{
+                "mem/activation_bytes": acts, "io/read_bytes": m.get("io/read_bytes", 0) + loaded,
+                "io/param_read_bytes": loaded, "io/write_bytes": m.get("io/write_bytes", 0)})  # 0 without a store
+            comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
+            self._checked = True
+            return new, m
+
+    def _update(self, run: StepRun, state: TrainState, grads: Grads, active, buffers):
+        """The new state and the update's metrics: the optimizer on the shards, or the input with the skip counted
+        (``grads.skip``; the buffers forward updated are kept, as torch keeps them)."""
+        run._comm.vote_next = True  # the update issues no collective: a failure from here on is posted at the vote
+        if grads.skip:
+            return state.replace(skipped=state.skipped + 1, transform_state=grads.transform_state,
+                                 buffers=buffers), {}
+        if self.donate:
+            state.donation.take(int(state.step))  # from here on the input's tensors change in place
+        params, opt_state, metrics, copies = checked_update(
+            self.policy.update, self.policy.update(run, state, grads, active, self.donate), state)
+        return TrainState(params, opt_state, state.step + 1, buffers, state.spec, skipped=state.skipped,
+                          transform_state=grads.transform_state, copies=copies), metrics
 
     def eval(self, state: TrainState, batch) -> tuple[float, dict]:
         """Forward only: ``loss_fn(module, batch)`` with the units gathered as this step gathers them (prefetch
         included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
         reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
         over ranks as a step's ``metrics["loss"]`` (fshard/step/_eval.py)."""
-        return evaluate(self, state, batch)
+        with envelope(self, state, "eval at step {}", train=False) as env:
+            return evaluate(self, env, state, batch)
 
     def _verify(self, mesh) -> bool:
         """Check every collective across ranks before it is issued (fshard/dist/_agreement.py)? ``check_collectives``
-        if given; by default always on a CPU mesh, and until a step has completed on others (the check's
-        all-reduce reads its result on the host: on CUDA a device sync per collective)."""
+        if given (True: always, False: never); by default always on a CPU mesh, and until a step has completed on
+        others (the check's all-reduce reads its result on the host: on CUDA a device sync per collective)."""
         if self.check_collectives is not None:
-            return self.check_collectives or not self._checked
+            return self.check_collectives
         return mesh.device.type == "cpu" or not self._checked
 
     def _forward_backward(self, run: StepRun, buffers, batch, k: int, loss_scale: float):
@@ -304,8 +291,10 @@ class Step:
                                           "was never reduced here; make the forward the same on every rank.")
         return sums[0] / comm.mesh.world_size, active
 
-    def _metrics(self, comm, runs, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
-        gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
+    def _metrics(self, env, loss, new, grad_metrics, t1, t2, t3, t4) -> dict:
+        comm, runs, t0 = env.comm, env.runs, env.t0
+        g = env.gather_figures()
+        gather, exposed = g["time/gather"], g["time/gather_exposed"]
         reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
         m = {"loss": loss, "step": int(new.step), "skipped_total": int(new.skipped),
              "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
@@ -314,18 +303,14 @@ class Step:
              "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
              "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
-             "mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
+             "mem/peak_gathered_bytes": g["mem/peak_gathered_bytes"],
              "mem/peak_gathered_bytes_forward": max(r._phase_peak["forward"] for r in runs),
              "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
-             "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+             "comm/gather_bytes": g["comm/gather_bytes"],
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
              "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
                                             for u in new.spec.units if u.trainable})), **grad_metrics}
-        if comm.trace is not None:
-            m["trace/collectives"] = tuple(comm.trace)
-        if comm.spans is not None:
-            m["trace/timeline"] = comm.timeline(t0)
-        return m
+        return env.traced(m)
 
 
 def _measured(comm, runs, state, new, accum: int, skipped: bool) -> dict:
@@ -362,6 +347,12 @@ def _meta_reads(what: str):
         raise UnboundParameterError(f"{what} ({e})") from e
 
 
+def _close(reader: Reader, policy) -> None:
+    """``Step.close`` and the step's finalizer: end the reader thread and every policy's threads."""
+    reader.close()
+    policy.close()
+
+
 def _copies(state: TrainState, gather):
     """The parameter copies a step with this gather policy keeps: ``state.copies`` itself when it holds exactly
     those; else each unit's shard cast once to ``param_dtype`` (round to nearest, as a gather would cast it), or
@@ -391,9 +382,13 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
       one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
       process or the others would wait for the timeout. None (the default): on CPU meshes at every step (the
       example's step: 0.98x blocking, 1.04x with gather_ahead + bucket_reduce, benchmarks/RESULTS.md); on CUDA
-      until a step has completed (each check reads its result on the host). True: every step; False: until a step
-      has completed. Whatever the setting, a step ends with one such check (its commit), so it returns on every
-      rank or raises on every rank.
+      until a step has completed (each check reads its result on the host). True: every step; False: never, so a
+      divergence is found only at the step's end and an error on one rank reaches the others only at the commit
+      vote (a rank that fails before it leaves them waiting in a collective until the timeout: ``CollectiveError``).
+      Whatever the setting, what remains are the step's own agreements: before the first gather one all-reduce that
+      compares the ranks' step, model, optimizer, transforms and batch structure; after backward one that sums the
+      loss and compares the sequences of collectives each rank issued; and the commit vote at the end (a check),
+      so a step returns on every rank or raises on every rank.
     compile: ``torch.compile`` each unit's forward (True: torch.compile's defaults; a dict: its keyword arguments,
       e.g. ``{"mode": "max-autotune"}``), as torchtitan compiles each block under FSDP2: the unit's own forward
       with its gathered parameters as inputs, while the gathers, reductions and hooks around it run as they do

@@ -375,4 +375,6 @@ class NVMeStore(DeferredDeletes):
     def _pool_executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-store")
+            # a store dropped without close() ends its thread as it dies (before the directory goes: newer first)
+            weakref.finalize(self, self._executor.shutdown, wait=True)
         return self._executor

@@ -1,0 +1,72 @@
+"""The envelope a training step and an eval pass both run in: what keeps ranks together and frees what a call made.
+
+    with envelope(step, state, "step {}", train=True) as env:    # env.comm: this call's collectives
+        ...                                                         # env.runs: its StepRuns, closed at the end
+
+On entry: the state's checks (``spec_of``: no other rank can be told if they fail), the call's ``Comm`` (with the
+step function's trace, timeline, gather stream and ``check_collectives``), one call at a time per step function and
+per model template (``exclusive``), then the checks every rank learns of (``check_usable``). If the body raises, the
+error is posted at the other ranks' next check (``Comm.fail``, fshard/dist/_agreement.py) and raised as an fshard
+error on this rank (``step_error``: one family on every rank); whatever happens, nothing is left in flight (``drain``),
+a training step's updates begun during backward that no update took are dropped (``UpdatePolicy.abort``), and every
+run is closed, freeing its buffers now rather than at a later collection.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from ..dist._agreement import foreign, step_error
+from ..dist._collectives import Comm
+from ._guards import check_usable, exclusive, spec_of
+
+
+class Envelope:
+    """One call's ``comm``, its ``runs`` (closed when the call ends) and ``t0``, when the call began."""
+
+    def __init__(self, comm: Comm, t0: float):
+        self.comm, self.runs, self.t0 = comm, [], t0
+
+    def gather_figures(self) -> dict:
+        """The gathers' figures of the call so far: busy and exposed time, bytes, the most held at once."""
+        comm = self.comm
+        return {"time/gather": comm.busy_seconds("gather"), "time/gather_exposed": comm.seconds.get("gather_exposed",
+                                                                                                    0.0),
+                "mem/peak_gathered_bytes": max(r._peak_bytes for r in self.runs),
+                "comm/gather_bytes": comm.bytes.get("all_gather", 0)}
+
+    def traced(self, metrics: dict) -> dict:
+        """``metrics`` with the collectives issued (``trace=True``) and the timeline (``timeline=True``)."""
+        if self.comm.trace is not None:
+            metrics["trace/collectives"] = tuple(self.comm.trace)
+        if self.comm.spans is not None:
+            metrics["trace/timeline"] = self.comm.timeline(self.t0)
+        return metrics
+
+
+@contextlib.contextmanager
+def envelope(step, state, context: str, train: bool):
+    """The envelope (the module docstring) of one call of ``step`` on ``state``; ``context`` names it in messages
+    (``"step {}"``: formatted with the state's step), ``train``: a training step (its update policy's ``abort``)."""
+    t0 = time.perf_counter()
+    spec = spec_of(state)
+    comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
+                verify=step._verify(spec.mesh), context=context.format(int(state.step)))
+    env, ok = Envelope(comm, t0), False
+    with exclusive(step, spec):
+        try:
+            check_usable(step, state)
+            yield env
+            ok = True
+        except BaseException as e:
+            told = comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
+            if not foreign(e):  # fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
+                raise
+            raise step_error(comm, e, told) from e  # one error family on every rank (no local: no cycle)
+        finally:
+            if not ok:
+                comm.drain()  # an error mid-call: no gather or reduction may still be writing into our buffers
+            if train and env.runs:  # work begun during backward that no update took (failed, or skipped)
+                step.policy.update.abort(env.runs[-1])
+            for run in env.runs:
+                run._close()  # free this call's buffers now, also when it raised
