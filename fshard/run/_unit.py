@@ -142,10 +142,9 @@ class UnitRun(UnitView):
             run._read_bytes += self._held
             run._read_peak = max(run._read_peak, run._read_bytes)
             run._loaded_bytes += self._stored.nbytes
-            read_ahead = getattr(run._policy.update, "read_ahead", None)  # (a policy may predate the method)
-            if read_ahead is not None and not comm.dry and not self._stored.direct(self.shard.device):
-                self._read = read_ahead(self._stored, dtype, run.record, f"read {self.name}",
-                                        pin=self.shard.device.type == "cuda")  # None: read at the gather (_issue)
+            if not comm.dry and not self._stored.direct(self.shard.device):  # None: read at the gather (_issue)
+                self._read = run._policy.update.read_ahead(self._stored, dtype, run.record, f"read {self.name}",
+                                                           pin=self.shard.device.type == "cuda")
         self.alive = True
         run._on_alive(self, +1)
         run._launches.add(self)  # gathers are issued in launch order (fshard/run/_read_ahead.py)
