@@ -20,7 +20,7 @@ from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ..optim._protocol import row_names, zeros
-from ..state._placement import Placement, placement_for, placement_of
+from ..state._placement import Placement, check_placement, placement_for, placement_of
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_state
 from ..state._train_state import TrainState
 
@@ -62,8 +62,8 @@ def load(path, like: TrainState, *, offload: Placement | None = None) -> TrainSt
 def _open(path, offload) -> tuple[Path, dict | None]:
     """fs.load's checks on this rank before anything is read: the arguments, and the manifest (None: a checkpoint
     without one, FSDP2's)."""
-    if offload is not None and not callable(getattr(offload, "placement", None)):
-        placement_for(offload, (), 0, "fs.load(..., offload=)")  # raises, naming the misuse and the fix
+    if offload is not None:
+        check_placement(offload, "fs.load(..., offload=)")
     if path is None:
         raise CheckpointError("fs.load(None, like): no checkpoint path. fs.latest(directory) returns None when the "
                               "directory holds no complete checkpoint: start from fs.init's state instead.")

@@ -41,12 +41,16 @@ class Placement(Protocol):
         model order); a unit left out stays in memory."""
 
 
-def placement_for(placement, units: Sequence[UnitLayout], rank: int, caller: str) -> dict[str, Where]:
-    """``placement.placement(units, rank)``, checked: an object without the protocol is an ``ArgumentTypeError``
-    naming the call and the fix (where the call raised deep inside before)."""
+def check_placement(placement, caller: str) -> None:
+    """An object without the protocol is an ``ArgumentTypeError`` naming the call (``caller``) and the fix."""
     if not callable(getattr(placement, "placement", None)):
         raise ArgumentTypeError(f"{caller}: pass the fs.offload_state(...) the step is composed with (or another "
                                 f"placement: an object with placement(units, rank)), not {type(placement).__name__}.")
+
+
+def placement_for(placement, units: Sequence[UnitLayout], rank: int, caller: str) -> dict[str, Where]:
+    """``placement.placement(units, rank)``, checked (``check_placement``, and every value a ``Where``)."""
+    check_placement(placement, caller)
     where = dict(placement.placement(tuple(units), rank))
     bad = [n for n, w in where.items() if not isinstance(w, Where)]
     if bad:
@@ -89,4 +93,4 @@ def place_unit(where: Where | None, u: UnitLayout, rank: int, param, s, rows: tu
         raise
 
 
-__all__ = ["Where", "Placement", "placement_for", "placement_of", "place_unit"]
+__all__ = ["Where", "Placement", "check_placement", "placement_for", "placement_of", "place_unit"]
