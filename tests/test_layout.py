@@ -24,8 +24,8 @@ MAY_IMPORT = {
     "run": {"dist", "protocol", "state"},
     "step": {"dist", "protocol", "run", "state", "transforms"},
     "offload": {"dist", "optim", "protocol", "state", "store"},
-    "model": {"dist", "offload", "run", "state", "store"},
-    "checkpoint": {"dist", "offload", "optim", "state", "store", "transforms"},
+    "model": {"dist", "run", "state", "store"},
+    "checkpoint": {"dist", "optim", "state", "store", "transforms"},
     "testing": {"state"},
 }
 
@@ -171,3 +171,46 @@ def test_adamw_moments_named_only_in_the_optimizer_package():
     named = sorted(str(p.relative_to(FSHARD)) for p in FSHARD.rglob("*.py")
                    if "exp_avg" in p.read_text() and p.relative_to(FSHARD).parts[0] not in ("optim", "ops"))
     assert named == []
+
+
+def _offload_importers(mods: dict[str, pathlib.Path]) -> list[str]:
+    """Modules outside fshard/offload/ (and fshard/__init__.py) that import anything of it."""
+    return sorted(m for m, targets in _imports(mods).items()
+                  if not (m == "fshard.offload" or m.startswith("fshard.offload.") or m == "fshard")
+                  and any(t == "fshard.offload" or t.startswith("fshard.offload.") for t in targets))
+
+
+def test_offload_is_imported_by_nothing_outside_its_package_but_the_top_level(tmp_path):
+    """Placement is a property of the state (issue #39): fs.init and fs.load take any Placement
+    (fshard/state/_placement.py), so the core never imports the transform that places units in stores."""
+    mods = _modules()
+    assert _offload_importers(mods) == []
+    # the check can fail: a module importing offload (at function level too) is named
+    fake = tmp_path / "_fake.py"
+    fake.write_text("def f():\n    from fshard.offload._transform import offload_state\n")
+    assert _offload_importers({**mods, "fshard.model._fake": fake}) == ["fshard.model._fake"]
+
+
+def _stored_type_checks(path: pathlib.Path) -> list[int]:
+    """Lines of ``path`` with an ``isinstance``/``issubclass`` call whose types name ``Stored`` or ``StoredParam``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
+                     if isinstance(n, (ast.Name, ast.Attribute))}
+            if names & {"Stored", "StoredParam"}:
+                out.append(node.lineno)
+    return out
+
+
+def test_the_core_never_checks_a_leaf_for_being_stored(tmp_path):
+    """Outside fshard/state/ (where the leaves are defined) and fshard/offload/, the core asks a leaf through one
+    interface (``fs.state.in_store``), never ``isinstance(x, StoredParam/Stored)``."""
+    bad = {str(p.relative_to(FSHARD)): lines for p in sorted(FSHARD.rglob("*.py"))
+           if p.relative_to(FSHARD).parts[0] not in ("state", "offload") and (lines := _stored_type_checks(p))}
+    assert bad == {}
+    # the check can fail: it sees a type check on a leaf, through a module attribute too
+    fake = tmp_path / "_fake.py"
+    fake.write_text("def f(x, st):\n    return isinstance(x, (int, st.StoredParam)) or isinstance(x, Stored)\n")
+    assert _stored_type_checks(fake) == [2, 2]

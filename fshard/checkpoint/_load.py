@@ -19,16 +19,15 @@ from ._files import MANIFEST, check_files, read_manifest
 from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ..offload._transform import offload_state
-from ..offload._tiers import choose_stores, stored_state
 from ..optim._protocol import row_names, zeros
-from ..state._stored import StoredParam, _chunks, _Items, _location, stored_items
+from ..state._placement import Placement, check_placement, placement_for, placement_of
+from ..state._stored import StoredParam, _chunks, _Items, _location, stored_state
 from ..state._train_state import TrainState
 
 __all__ = ["load"]
 
 
-def load(path, like: TrainState, *, offload: offload_state | None = None) -> TrainState:
+def load(path, like: TrainState, *, offload: Placement | None = None) -> TrainState:
     """Collective: a new TrainState shaped like ``like`` (its model, units, world size, optimizer and transforms)
     holding the values saved at ``path``, by fs.save at any world size or by FSDP2 + DCP (``model`` and
     ``get_optimizer_state_dict`` entries). ``like``'s own values are not read or changed. Parameters the checkpoint
@@ -36,9 +35,9 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
 
     The moments go where ``like`` keeps them: in memory, or in its store, streamed into it one chunk item at a time
     (so a state whose moments only fit in a store loads); so do the parameters (``offload_state(params=True)``).
-    ``offload=``: the ``fs.offload_state`` the step is composed with, to place them as that step would (its stores,
-    fractions, chunk size and ``params``) rather than as ``like`` has them, e.g. when ``like`` is fresh from
-    ``fs.init``.
+    ``offload=``: the ``fs.offload_state`` the step is composed with (any ``fs.state.Placement``), to place them as
+    that step would (its stores, fractions, chunk size and ``params``) rather than as ``like`` has them
+    (``fs.state.placement_of(like)``), e.g. when ``like`` is fresh from ``fs.init``.
 
     Nothing in the checkpoint is run (fshard/checkpoint/_read.py); every file is checked against fshard's manifest first
     (none for FSDP2's), and a manifest in a newer format, or one that contradicts the metadata, is refused. The
@@ -63,9 +62,8 @@ def load(path, like: TrainState, *, offload: offload_state | None = None) -> Tra
 def _open(path, offload) -> tuple[Path, dict | None]:
     """fs.load's checks on this rank before anything is read: the arguments, and the manifest (None: a checkpoint
     without one, FSDP2's)."""
-    if offload is not None and not isinstance(offload, offload_state):
-        raise ArgumentTypeError(f"fs.load(..., offload=): pass the fs.offload_state(...) the step is composed with, "
-                                f"not {type(offload).__name__}.")
+    if offload is not None:
+        check_placement(offload, "fs.load(..., offload=)")
     if path is None:
         raise CheckpointError("fs.load(None, like): no checkpoint path. fs.latest(directory) returns None when the "
                               "directory holds no complete checkpoint: start from fs.init's state instead.")
@@ -85,8 +83,11 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
     reader = _StreamingReader(str(path), {}, _Chunks(), md)
     saved = md.state_dict_metadata
     dev = like.spec.mesh.device
-    opt_state = _new_moments(like, offload, reader.targets)
-    params = _new_params(like, offload, reader.targets)
+    where = placement_of(like) if offload is None else placement_for(
+        offload, [u for u in like.spec.units if like.opt_state.get(u.name) is not None], like.spec.mesh.rank,
+        "fs.load(..., offload=)")
+    opt_state = _new_moments(like, where, reader.targets)
+    params = _new_params(like, where, reader.targets)
     buffers = {n: torch.empty(b.shape, dtype=b.dtype, device=dev) if b.is_meta else b.detach().clone()
                for n, b in like.buffers.items()}  # (an abstract like's meta buffers: the checkpoint must hold them)
     full = _entries(like, params, opt_state, buffers, for_load=True, window=reader.window)
@@ -141,62 +142,45 @@ def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_st
                       transform_state=transform_state or dict(like.transform_state), copies={})
 
 
-def _new_params(like: TrainState, offload, targets: dict) -> dict:
-    """Zeroed parameter shards to load into: in memory, or new items in their unit's store where the step keeps its
-    parameters there (``offload_state(params=True)``: its placement; without ``offload``, where ``like`` has them),
-    filled chunk by chunk as stored moments are (``targets``: rows of one), so a model whose parameters fit only in
-    a store loads. The head is chunked as the unit's moments, the tail (frozen parameters) apart, as
-    state/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (checkpoint/_save.py's
-    ``_param_items``)."""
+def _new_params(like: TrainState, where: dict, targets: dict) -> dict:
+    """Zeroed parameter shards to load into: in memory, or new items in their unit's store where the placement
+    (``where``: ``offload=``'s, else ``like``'s) keeps its parameters there (``Where.params``), filled chunk by chunk
+    as stored moments are (``targets``: rows of one), so a model whose parameters fit only in a store loads. The head
+    is chunked as the unit's moments, the tail (frozen parameters) apart, as state/_stored.py lays them out; the
+    ``order`` keys are the ones fs.save's boxes use (checkpoint/_save.py's ``_param_items``)."""
     spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
-    if offload is not None:
-        where = choose_stores(spec, like.opt_state, offload.stores, offload.fractions) if offload.params else {}
-    else:
-        where = {n: (p.head or p.tail).store for n, p in like.params.items() if isinstance(p, StoredParam)}
     n_units, tag, out = len(spec.units), uuid.uuid4().hex[:8], {}
     for i, u in enumerate(spec.units):
-        store = where.get(u.name)
-        if store is None:
+        w = where.get(u.name)
+        if w is None or not w.params:
             out[u.name] = torch.zeros(u.shard_numel, dtype=u.dtype, device=dev)
             continue
-        head_n = u.opt_numel(rank)
-        old = like.params[u.name] if offload is None else None  # (like's own chunks, matching its moments')
-        parts = []
-        for suffix, n, order, mine in (("param", head_n, n_units + i, old and old.head),
-                                       ("tail", u.shard_numel - head_n, 2 * n_units + i, old and old.tail)):
-            if n <= 0:
-                parts.append(None)
-                continue
-            chunks = mine.chunks if mine is not None else _chunks(n, offload.chunk_numel if offload else n)
-            parts.append(_target(targets, order, _Items(store, f"{u.name}@load-{tag}/{suffix}", chunks,
-                                                        rows=("param",)), u.dtype))
-        out[u.name] = StoredParam(parts[0], parts[1], u.shard_numel, head_n, u.dtype, _location(store))
+        head_n, parts = u.opt_numel(rank), []
+        for suffix, n, order in (("param", head_n, n_units + i), ("tail", u.shard_numel - head_n, 2 * n_units + i)):
+            parts.append(None if n <= 0 else _target(targets, order, _Items(
+                w.store, f"{u.name}@load-{tag}/{suffix}", _chunks(n, w.chunk), rows=("param",)), u.dtype))
+        out[u.name] = StoredParam(parts[0], parts[1], u.shard_numel, head_n, u.dtype, _location(w.store))
     return out
 
 
-def _new_moments(like: TrainState, offload, targets: dict) -> dict:
-    """Zeroed optimizer states to load into, one zero row per row the optimizer declares: in memory, or new items in a
-    store (``targets`` gets each chunk to fill, in order: ``_target``)."""
+def _new_moments(like: TrainState, where: dict, targets: dict) -> dict:
+    """Zeroed optimizer states to load into, one zero row per row the optimizer declares: in memory, or new items in
+    the store the placement (``where``) names (``targets`` gets each chunk to fill, in order: ``_target``)."""
     spec, rank, opt = like.spec, like.spec.mesh.rank, like.spec.optimizer
-    chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
     tag = uuid.uuid4().hex[:8]
     out = {}
     for order, u in enumerate(spec.units):
         st = like.opt_state.get(u.name)
         if st is None:
             continue
-        n, count = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64)
-        if offload is not None:
-            where = (chosen[u.name], _chunks(n, offload.chunk_numel)) if u.name in chosen else None
-        else:
-            held = stored_items(st)
-            where = (held.store, held.chunks) if held is not None else None
-        if where is None or not opt.rows:
+        n, count, w = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64), where.get(u.name)
+        if w is None or not opt.rows:
             out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
             continue
-        dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: offload/_tiers.py's put_moments)
-        items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1], row_names(opt)), dtype)
-        out[u.name] = stored_state(st, items, count, n, dtype, _location(where[0]))
+        dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: state/_stored.py's put_moments)
+        items = _target(targets, order, _Items(w.store, f"{u.name}@load-{tag}", _chunks(n, w.chunk), row_names(opt)),
+                        dtype)
+        out[u.name] = stored_state(st, items, count, n, dtype, _location(w.store))
     return out
 
 

@@ -40,7 +40,7 @@ from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, Collecti
 from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
 from ..optim._protocol import row_names
-from ..state._stored import Stored, StoredParam, stored_items
+from ..state._stored import StoredParam, in_store, stored_items
 
 __all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/checkpoint/_load.py
 
@@ -64,7 +64,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         if isinstance(t, torch.Tensor) and id(t) in canonical:
             u, s = slot[canonical[id(t)]]
             p = params[u.name]
-            model[key] = (slot_boxes(u, s, rank, p.dtype, flat=p) if not isinstance(p, StoredParam) else
+            model[key] = (slot_boxes(u, s, rank, p.dtype, flat=p) if in_store(p) is None else
                           slot_boxes(u, s, rank, p.dtype, stored=_param_items(p, s, window, spec, u)))
         elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
             persistent.add(buffer_of[id(t)])
@@ -75,7 +75,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         st = opt_state.get(u.name)
         if st is None:
             continue
-        rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if isinstance(m, Stored) else
+        rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if in_store(m) is not None else
                                        dict(flat=m))) for r, m in enumerate(st.rows)]
         for k, s in enumerate(u.trainable):
             if not for_load and int(st.count[k]) == 0:

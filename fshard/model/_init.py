@@ -11,6 +11,7 @@ import copy
 import ctypes
 import ctypes.util
 import functools
+import uuid
 import zlib
 from typing import Callable
 
@@ -22,7 +23,7 @@ from ..dist._collectives import Comm
 from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
-from ..offload._placer import placer
+from ..state._placement import place_unit, placement_for
 from ..state._stored import resident
 from ..state._train_state import ShardSpec, TrainState
 from ..store._checksum import checksum
@@ -59,8 +60,11 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     tensors on the meta device with the shapes and dtypes of the real ones. Such a state is only a ``like`` for
     ``fs.load``, which allocates each rank's shards and fills them, so resuming never holds the model whole; a
     step, a save or ``fs.full_params`` refuses it.
-    offload: the ``fs.offload_state(store, ...)`` the step will be composed with: the moments it keeps in its store
-    are put there as each unit is made, so the device never holds more than one unit's moments (offload/_placer.py).
+    offload: the ``fs.offload_state(store, ...)`` the step will be composed with (any ``fs.state.Placement``): the
+    moments (and, with ``params=True``, the parameter shards) it keeps in a store are put there as each unit is
+    made, so the device never holds more than one unit's moments and parameters (fshard/state/_placement.py). Moving
+    them on the first step instead needs every moment on the device first: a 6.3B-parameter GPT's 50 GB of moments
+    beside its 25 GB of fp32 weights ran an H100 out of memory at init.
     """
     _check_args(model, mesh, opt, units, init_fn, seed, align_bytes)
     device = _check_devices(model, mesh)
@@ -83,7 +87,10 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
         buffers.update((n, b.detach().to(mesh.device, copy=True)) for n, b in model.named_buffers())
 
     params, opt_state, digests = {}, {}, {}
-    place = None if abstract else placer(offload, layouts, mesh, tuple(r.name for r in opt.rows))
+    # where offload= keeps each unit: written there as the unit is made (the units the optimizer makes state for)
+    where = ({} if abstract or offload is None else
+             placement_for(offload, [u for u in layouts if u.trainable], mesh.rank, "fs.init(..., offload=)"))
+    rows, tag = tuple(r.name for r in opt.rows), uuid.uuid4().hex[:8]
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:
             digests[u.name] = _digest(full[s.name] for s in u.slots)
@@ -91,8 +98,9 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
                           torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
         state = opt.init(u, mesh.rank, params[u.name])
-        if state is not None and place is not None:
-            params[u.name], state = place(u, params[u.name], state)
+        if state is not None and u.name in where:
+            params[u.name], state = place_unit(where[u.name], u, mesh.rank, params[u.name], state, rows,
+                                               f"{u.name}@init-{tag}")
         if state is not None:
             opt_state[u.name] = state
     params = {u.name: params[u.name] for u in layouts}  # layout order (the root may come last from _materialize)

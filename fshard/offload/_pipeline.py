@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..state._stored import StoredParam, _Items
+from ..state._stored import StoredParam, _Items, param_key
 from ..store._protocol import locked
 from ._staging import HostStaging
 
@@ -28,18 +28,13 @@ class Streamed(NamedTuple):
     pkey: str | None = None
 
 
-def param_key(key: str) -> str:
-    """The key of a stored parameter's head written beside moments under ``key``."""
-    return key + "/param"
-
-
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
     the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
     holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
-    (``StoredParam.load``, on the step's reader thread) go between this stream's items instead of waiting for the
+    (``StoredParam.load``, on offload_state's reader thread) go between this stream's items instead of waiting for the
     whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic.
     Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole units at a
     time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after

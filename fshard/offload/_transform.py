@@ -18,7 +18,10 @@ state into the store; a failed write there raises ``OffloadError`` with the inpu
 
 ``fraction`` chooses whole units, in model order, until their moments make up ``fraction`` of all moment bytes;
 other units go to the update policy this one was given. With ``overlap_backward`` a unit's update starts in a worker
-thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); ``step.close()`` ends the thread.
+thread once its gradient shard is final, while backward runs (design/OFFLOAD.md); stored parameter shards are read
+ahead of their gathers on a reader thread the policy owns too (fshard/offload/_reader.py); ``step.close()`` ends both.
+``placement`` states where the transform keeps each unit (``fs.state.Where``), which ``fs.init(..., offload=)`` and
+``fs.load(..., offload=)`` follow.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
+from ._tiers import choose_tiers
 from ._update import OffloadUpdate
+from ..state._placement import Where
 from ..state._stored import _location
 from ..protocol._transform import Transform
 from ..store._protocol import is_store
@@ -57,8 +62,8 @@ class offload_state(Transform):
     backward keeps the cores and the worker's I/O waits fill the gaps (5: uring steps 3-20% faster on 2 cores in
     all 7 A/B rounds, aio within noise; benchmarks/RESULTS.md, offload runs 6-7).
     params: keep the chosen units' fp32 parameter shards in the store too (``StoredParam``): each gather reads its
-    unit's shard (ahead, on the step's reader thread), the update streams it beside the moments, and with donate +
-    overlap_backward each unit's gradient shard is freed once updated, so memory holds a few units, not the model
+    unit's shard (ahead, on the reader thread this transform's policy owns), the update streams it beside the
+    moments, and with donate + overlap_backward each unit's gradient shard is freed once updated, so memory holds a few units, not the model
     (design/OFFLOAD.md; a 4.87B GPT in 1.9 GiB per rank at world size 2, benchmarks/RESULTS.md). No
     ``param_copies`` for them: a gather casts what it reads.
 
@@ -105,6 +110,14 @@ class offload_state(Transform):
     def chunk_numel(self) -> int:
         """Elements of each moment per store item."""
         return max(_ALIGN, int(self.chunk_mb * 2**20) // 4 // _ALIGN * _ALIGN)  # fp32 moments
+
+    def placement(self, units, rank: int) -> dict:
+        """Unit name -> ``fs.state.Where`` (its tier's store, ``chunk_numel``, ``params``) for the units this
+        transform keeps in a store, among ``units`` (those with optimizer state): the ``Placement`` protocol
+        (fshard/state/_placement.py), which ``fs.init(..., offload=)`` and ``fs.load(..., offload=)`` follow, so the
+        step finds each unit where it would have put it."""
+        tiers = choose_tiers(list(units), rank, self.fractions)
+        return {name: Where(self.stores[t], self.chunk_numel, self.params) for name, t in tiers.items()}
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,

@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..protocol._stages import UpdatePolicy
-from ._pipeline import (Streamed, _Early, _quiet_delete, _settle, owns_storage, param_key,
-                     stream_update)
+from ._reader import Reader
+from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
 from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
 from ..optim._protocol import row_names, state_bytes
-from ._tiers import choose_stores, put_moments, stored_state
-from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location,
-                      put_param)
+from ._tiers import choose_stores
+from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location, param_key,
+                             put_moments, put_param, stored_state)
 from ..store import StoreError
 from ..store._protocol import locked
 
@@ -39,6 +39,7 @@ class OffloadUpdate(UpdatePolicy):
         # updated in the order their gradients arrive.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload",
                                          initializer=lower_priority, initargs=(worker_nice,))
+        self.reader = Reader()  # reads parameter shards held in a store ahead of their gathers (read_ahead)
 
     def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
@@ -178,8 +179,13 @@ class OffloadUpdate(UpdatePolicy):
                                                                                               self.fractions))
         return f
 
+    def read_ahead(self, leaf, dtype, record, label: str, pin: bool = False):
+        """Read a stored parameter shard on this policy's reader thread (fshard/offload/_reader.py)."""
+        return self.reader.read(leaf, dtype, record, label, pin)
+
     def close(self) -> None:
-        """End the worker thread (after the work it has)."""
+        """End the reader and worker threads (after the work they have)."""
+        self.reader.close()
         self.worker.shutdown(wait=True)
         self.inner.close()
 

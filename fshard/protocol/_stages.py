@@ -308,6 +308,17 @@ class UpdatePolicy(Protocol):
         """
         return None
 
+    def read_ahead(self, leaf, dtype: torch.dtype, record, label: str, pin: bool = False):
+        """Start reading ``leaf``, a parameter shard held outside memory (``fs.state.in_store``: it has
+        ``load(dtype, pin)``), on a thread this policy owns, ahead of its unit's gather. ``record(lane, label, t0,
+        t1)`` takes the read's span for the timeline; ``pin``: into pinned memory (bound for a GPU).
+
+        Returns:
+          A ``concurrent.futures.Future`` of the CPU tensor in ``dtype``, or None (the default): no reader, the step
+          reads the leaf itself at the gather. ``fs.offload_state``'s policy reads on its reader thread.
+        """
+        return None
+
     def close(self) -> None:
         """Release the policy's resources, threads included (``step.close()``)."""
 

@@ -1,7 +1,8 @@
 """Parameter shards held in a store (``offload_state(params=True)``), read ahead of their gathers.
 
 A unit whose shard is in a store is read when its gather is launched: the read, and its cast to the compute dtype, run
-on the step function's reader thread (``Reader``) while compute goes on. The gather itself is a collective, which every
+on the reader thread of the update policy (``UpdatePolicy.read_ahead``; ``fs.offload_state``'s owns one,
+fshard/offload/_reader.py) while compute goes on. The gather itself is a collective, which every
 rank must issue in the same order from one thread, so it is issued on the compute thread once the read is done: launched
 units wait in a queue (``Launches``) and their gathers are issued in launch order, at every launch, acquire and release
 of a unit (the heads whose reads are done), and all the way up to a unit that is acquired or released (waiting for the
@@ -9,7 +10,7 @@ reads before it). Any other collective a policy issues (a reduction in backward)
 gathers and the other collectives then interleave at the same places on every rank, whatever the reads' timing (the
 order ranks must agree on). So ``gather_ahead(depth)``'s prefetch reads ``depth`` units ahead, and with ``depth >= 2``
 the next unit's gather is issued while the current one computes (read -> gather -> compute, overlapped). Without a
-reader (``step.plan``'s dry run) a launch issues at once.
+reader (``step.plan``'s dry run, a policy that reads nothing ahead) a launch issues at once, reading at the gather.
 
 The alternatives: reading on the compute thread at launch (what fshard did first) serialised every read with compute
 (about 2 of the 3.4 s of forward on the 8-layer scale GPT, benchmarks/RESULTS.md); issuing the gather from the reader
@@ -18,37 +19,7 @@ an order that differs from rank to rank, which gloo and NCCL pair up wrongly or 
 """
 from __future__ import annotations
 
-import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-
-
-class Reader:
-    """The step function's reader thread (started at its first read; ``close()`` ends it). One thread: reads of one
-    store are serial anyway, and each store operation takes the store's lock, so the reads interleave item by item
-    with an update streaming through the same store on offload_state's worker."""
-
-    def __init__(self):
-        self._pool: ThreadPoolExecutor | None = None
-
-    def read(self, stored, dtype, record, label: str, pin: bool = False) -> Future:
-        """Start reading ``stored`` (a ``StoredParam``) as a CPU tensor of ``dtype``; ``record(lane, label, t0,
-        t1)`` gets the read's span for the timeline; ``pin``: into pinned memory (bound for a GPU)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-read")
-        return self._pool.submit(_read, stored, dtype, record, label, pin)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _read(stored, dtype, record, label: str, pin: bool = False):
-    t0 = time.perf_counter()
-    out = stored.load(dtype, pin)
-    record("store", label, t0, time.perf_counter())
-    return out
 
 
 class Launches:

@@ -12,7 +12,7 @@ import torch
 from ..protocol._stages import StepView
 from ..dist._collectives import CollectivesView
 from ..errors import PolicyError, TemplateCallError
-from ._read_ahead import Launches, Reader
+from ._read_ahead import Launches
 from ._recompute import produced, through
 from ._dispatch import _ACTIVE, _UnitForward, call_bound
 from ._routed_groups import finish_groups
@@ -24,7 +24,7 @@ class StepRun(StepView):
     saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
-                 donate: bool = False, reader: Reader | None = None, compiled=None):
+                 donate: bool = False, compiled=None):
         self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
         self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/run/_read_ahead.py)
         # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
@@ -45,12 +45,11 @@ class StepRun(StepView):
         self._live: dict[int, UnitRun] = {}
         self._live_bytes = self._peak_bytes = 0
         self._unit_grad_bytes = 0  # the largest gradient of a whole unit that backward produced
-        self._loaded_bytes = 0  # parameter shards read from a store for gathers (offload_state(params=True))
+        self._loaded_bytes = 0  # parameter leaves held outside memory (in_store), loaded for gathers
         self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
         self._grad_lock = threading.Lock()
-        self._reader = reader  # reads the shards held in a store
         self._compiled = compiled  # compiled(proxy) -> the unit's class forward compiled (fs.compose(compile=)), or None
-        self._read_bytes = self._read_peak = 0  # parameter shards read from a store (or being read) for gathers
+        self._read_bytes = self._read_peak = 0  # those leaves loaded (or being loaded) and not yet gathered
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
         self._phase_peak = {"forward": 0, "backward": 0}
         self._group_calls: list = []  # calls of routed containers in this micro-batch's forward

@@ -21,7 +21,7 @@ from ..protocol._stages import UnitView
 from ..errors import RecomputeError
 from ..state._flat import UnitLayout, views
 from ._recompute import attach, detach
-from ..state._stored import StoredParam
+from ..state._stored import in_store
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -72,9 +72,10 @@ class UnitRun(UnitView):
     def __init__(self, run: "StepRun", layout: UnitLayout, shard, copy: torch.Tensor | None = None):
         self._run, self.layout, self.name = run, layout, layout.name
         self.trainable = bool(layout.trainable)
-        # A shard in a store (offload_state(params=True)) is read at each gather and dropped once gathered; autograd's
-        # leaf is then a tensor of the shard's shape without storage (it is never read: gradients end in the unit).
-        self._stored = shard if isinstance(shard, StoredParam) else None
+        # A shard held in a store (offload_state(params=True)) is read at each gather and dropped once gathered;
+        # autograd's leaf is then a tensor of the shard's shape without storage (it is never read: gradients end in
+        # the unit).
+        self._stored = in_store(shard)
         if self._stored is not None:
             shard = torch.empty(layout.shard_numel, dtype=layout.dtype, device=run.spec.mesh.device)
             shard.untyped_storage().resize_(0)
@@ -136,14 +137,14 @@ class UnitRun(UnitView):
                     self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
                 else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
                     self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
-        if self._stored is not None:  # read ahead on the reader thread, freed once the gather has copied it
+        if self._stored is not None:  # read ahead on the update policy's reader, freed once the gather has copied it
             self._held = self._stored.numel * dtype.itemsize  # the shard read, in the compute dtype
             run._read_bytes += self._held
             run._read_peak = max(run._read_peak, run._read_bytes)
             run._loaded_bytes += self._stored.nbytes
-            if run._reader is not None and not comm.dry and not self._stored.direct(self.shard.device):
-                self._read = run._reader.read(self._stored, dtype, run.record, f"read {self.name}",
-                                              pin=self.shard.device.type == "cuda")
+            if not comm.dry and not self._stored.direct(self.shard.device):  # None: read at the gather (_issue)
+                self._read = run._policy.update.read_ahead(self._stored, dtype, run.record, f"read {self.name}",
+                                                           pin=self.shard.device.type == "cuda")
         self.alive = True
         run._on_alive(self, +1)
         run._launches.add(self)  # gathers are issued in launch order (fshard/run/_read_ahead.py)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError
-from ._stored import Stored, StoredParam
+from ._stored import in_store
 
 
 def _what(v) -> str:
@@ -54,7 +54,7 @@ def check_fields(state, changes) -> None:
     if "params" in changes:
         _check_units("params", state.params, units, required=True)
         for n, t in state.params.items():
-            if isinstance(t, StoredParam):  # a shard in a store (offload_state(params=True))
+            if in_store(t) is not None:  # a shard in a store (offload_state(params=True))
                 if t.numel != units[n].shard_numel or t.dtype != units[n].dtype:
                     _fail("params", f"params[{n!r}] holds {t.numel} elements of {t.dtype} in its store, where unit "
                                     f"{n!r}'s shard has {units[n].shard_numel} of {units[n].dtype}.")
@@ -78,7 +78,7 @@ def check_fields(state, changes) -> None:
                 _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "
                                    f"count per trainable parameter of the unit; got {_what(c)}.")
             for row, m in zip(opt.rows, s.rows, strict=True):
-                if isinstance(m, Stored):
+                if in_store(m) is not None:
                     if m.numel != u.opt_numel(rank):
                         _fail("opt_state", f"opt_state[{n!r}].{row.name} holds {m.numel} elements in its store, "
                                            f"where this rank's shard has {u.opt_numel(rank)} with optimizer state.")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ArgumentError
 from ..store._protocol import locked
 
 READS_IN_FLIGHT = 4  # chunk reads a parameter shard's load keeps in flight
@@ -183,6 +184,44 @@ def put_param(store, key: str, p: torch.Tensor, opt_numel: int, chunk: int, crea
     return StoredParam(parts[0], parts[1], p.numel(), opt_numel, p.dtype, _location(store))
 
 
+def param_key(key: str) -> str:
+    """The key of a stored parameter's head written beside moments under ``key``."""
+    return key + "/param"
+
+
+def put_moments(store, key: str, s, names: tuple[str, ...], chunk: int, created: list):
+    """``s``'s rows (named ``names``, the optimizer's declared rows) written to ``store`` (the caller holds its lock)
+    as chunk items ``(key, i)``, the rows stacked, each key noted in ``created`` as it is written: the same state
+    with Stored leaves."""
+    rows = s.rows
+    if not rows:  # an optimizer without per-parameter rows (plain SGD): nothing to keep in the store
+        return s
+    if len({r.dtype for r in rows}) > 1:
+        raise ArgumentError(f"fs.offload_state keeps a unit's optimizer rows stacked in one store item, so they need "
+                            f"one dtype; the rows {names} are {[r.dtype for r in rows]}. Keep this optimizer's state "
+                            "on the device (offload_state(fraction=0) or no offload).")
+    n, dtype = rows[0].numel(), rows[0].dtype
+    chunks, handles = _chunks(n, chunk), []
+    for i, (lo, hi) in enumerate(chunks):
+        handles.append(store.put((key, i), torch.stack([r[lo:hi] for r in rows])))
+        created.append((key, i))
+    for h in handles:
+        h.wait()
+    return stored_state(s, _Items(store, key, chunks, names), s.count, n, dtype, _location(store))
+
+
+def stored_state(like, items: _Items, count, numel: int, dtype, location: str):
+    """A unit state of ``like``'s kind whose rows are the rows of ``items`` (``Stored`` leaves), with ``count``."""
+    return like.with_rows(count, [Stored(items, r, numel, dtype, location) for r in range(len(items.rows))])
+
+
+def in_store(leaf) -> Stored | StoredParam | None:
+    """The one question the core asks of a state leaf: is it held in a store? The leaf itself if so (it answers
+    ``numel``, ``dtype``, ``nbytes``, ``location`` and ``load()``, and a parameter shard ``direct``/``upload``),
+    None for a tensor in memory. The only place outside fshard/offload/ that tells the leaf kinds apart."""
+    return leaf if isinstance(leaf, _Flat) else None
+
+
 def stored_items(s) -> _Items | None:
     """The chunk items that hold unit state ``s``'s rows in a store (all its rows share them), or None: ``s`` is in
     memory, or absent, or its optimizer keeps no rows."""
@@ -191,8 +230,8 @@ def stored_items(s) -> _Items | None:
 
 
 def resident(t):
-    """A parameter leaf as a tensor: a ``StoredParam`` read back, a tensor as it is."""
-    return t.load() if isinstance(t, StoredParam) else t
+    """A parameter leaf as a tensor: a leaf in a store read back, a tensor as it is."""
+    return t.load() if in_store(t) is not None else t
 
 
 def _location(store) -> str:

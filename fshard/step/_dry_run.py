@@ -35,7 +35,7 @@ from ._eval import train_mode
 from ..transforms._gather_ahead import Schedule
 from ..state._flat import ROOT
 from ._plan import Plan, peak_bytes, state_figures
-from ..state._stored import StoredParam
+from ..state._stored import in_store
 from ..run._run import StepRun
 
 
@@ -87,8 +87,8 @@ def _simulated(pol):
 
 
 def _meta_state(spec, stored: dict | None = None) -> SimpleNamespace:
-    """What a simulated step's units are made from: every shard a meta tensor (no data), except the ``StoredParam``
-    leaves in ``stored``, kept so that a gather counts their reads."""
+    """What a simulated step's units are made from: every shard a meta tensor (no data), except the leaves held in
+    a store (``in_store``) in ``stored``, kept so that a gather counts their reads."""
     stored = stored or {}
     return SimpleNamespace(spec=spec, params={u.name: stored.get(u.name) or
                                               torch.empty(u.shard_numel, dtype=u.dtype, device="meta")
@@ -118,7 +118,7 @@ def plan(step, state, batch, observed=None) -> Plan:
     if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
         agree(ctrl, [], [0] * CHECKED)
     k = len(pol.batches(batch))
-    fake = _meta_state(spec, {n: p for n, p in state.params.items() if isinstance(p, StoredParam)})
+    fake = _meta_state(spec, {n: p for n, p in state.params.items() if in_store(p) is not None})
     acc, scratch, runs, accum = Accumulator(k), {}, [], 0
     for i in range(k):
         run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)

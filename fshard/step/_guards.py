@@ -12,7 +12,7 @@ import torch
 from ..errors import (ArgumentTypeError, ConcurrentStepError, EmptyBatchError, InitError, LossError,
                       MeshMismatchError, PolicyError, StepClosedError)
 from ..state._train_state import ShardSpec, TrainState
-from ..state._stored import StoredParam
+from ..state._stored import in_store
 
 
 def spec_of(state) -> ShardSpec:
@@ -108,7 +108,7 @@ def checked_update(policy, out, state: TrainState):
         raise PolicyError(f"the update policy {type(policy).__name__} returned {type(out).__name__}"
                           f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; an UpdatePolicy returns "
                           "(params, opt_state, metrics, copies), copies being the new TrainState.copies.")
-    copies, stored = out[3], {n for n, p in out[0].items() if isinstance(p, StoredParam)}  # (read, then cast)
+    copies, stored = out[3], {n for n, p in out[0].items() if in_store(p) is not None}  # (read, then cast)
     bad = [n for n, c in state.copies.items() if n not in stored and
            (n not in copies or copies[n].dtype != c.dtype or copies[n].shape != c.shape)]
     if bad or set(copies) - set(state.copies):

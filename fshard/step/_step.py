@@ -36,11 +36,10 @@ from ..errors import (ArgumentTypeError, LossError, RankDivergenceError, Transfo
 from ..state._flat import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._dry_run import plan
-from ..run._read_ahead import Reader
 from ..run._recompute import with_buffers
 from ..run._dispatch import UnitCompiler, call_bound
 from ..state._train_state import TrainState
-from ..state._stored import StoredParam
+from ..state._stored import in_store
 from ..protocol._transform import fold
 from ..run._run import StepRun
 
@@ -83,11 +82,10 @@ class Step:
         self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
-        self._reader = Reader()  # reads parameter shards held in a store ahead of their gathers
         self._compiled = None if compile is False else UnitCompiler(compile)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
-        self._finalizer = weakref.finalize(self, _close, self._reader, self.policy)
+        self._finalizer = weakref.finalize(self, _close, self.policy)
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -167,7 +165,7 @@ class Step:
             with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
                 for i, mb in enumerate(micro):  # gather, forward, backward (which reduces each unit's gradient)
                     runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                        donate=self.donate, reader=self._reader, compiled=self._compiled))
+                                        donate=self.donate, compiled=self._compiled))
                     mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                     losses.append(mb_loss)
                     accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
@@ -347,9 +345,8 @@ def _meta_reads(what: str):
         raise UnboundParameterError(f"{what} ({e})") from e
 
 
-def _close(reader: Reader, policy) -> None:
-    """``Step.close`` and the step's finalizer: end the reader thread and every policy's threads."""
-    reader.close()
+def _close(policy) -> None:
+    """``Step.close`` and the step's finalizer: end every policy's threads (offload_state's reader and worker)."""
     policy.close()
 
 
@@ -361,7 +358,7 @@ def _copies(state: TrainState, gather):
     dtype = gather.param_dtype if gather.param_copies else None
     if dtype is None:
         return state.copies if not state.copies else {}
-    want = {u.name for u in state.spec.units if u.dtype != dtype and not isinstance(state.params[u.name], StoredParam)}
+    want = {u.name for u in state.spec.units if u.dtype != dtype and in_store(state.params[u.name]) is None}
     if set(state.copies) == want and all(c.dtype == dtype for c in state.copies.values()):
         return state.copies
     return {n: state.params[n].detach().to(dtype) for n in sorted(want)}
