@@ -21,7 +21,7 @@ from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ..offload._transform import offload_state
 from ..offload._tiers import choose_stores, stored_state
-from ..optim._protocol import row_names, zeros
+from ..optim._protocol import count_key_of, row_names, zeros
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_items
 from ..state._train_state import TrainState
 
@@ -127,9 +127,10 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
 def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_state, buffers, ts_keys) -> TrainState:
     """DCP fills ``want``; the new state from it."""
     _dcp(call, f"reading {path}", "like is unchanged", dcp.load, want, storage_reader=reader, planner=_LoadPlanner())
-    count_key = like.spec.optimizer.count_key  # (None: the optimizer saves no counts)
+    opt = like.spec.optimizer
     for u in like.spec.units:  # torch's per-parameter step, back to fshard's counts
         for k, s in enumerate(u.trainable):
+            count_key = count_key_of(opt, s.name)  # (None: the optimizer saves no counts)
             step = want.get(f"optim.state.{s.name}.{count_key}") if count_key is not None else None
             if step is not None and u.name in opt_state:
                 opt_state[u.name].count[k] = int(step)

@@ -83,7 +83,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
         buffers.update((n, b.detach().to(mesh.device, copy=True)) for n, b in model.named_buffers())
 
     params, opt_state, digests = {}, {}, {}
-    place = None if abstract else placer(offload, layouts, mesh, tuple(r.name for r in opt.rows))
+    place = None if abstract else placer(offload, layouts, mesh, tuple(r.name for r in opt.rows), opt)
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:
             digests[u.name] = _digest(full[s.name] for s in u.slots)

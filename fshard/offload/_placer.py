@@ -14,12 +14,12 @@ import uuid
 from ..errors import ArgumentTypeError
 from ._pipeline import param_key
 from ._tiers import choose_tiers, put_moments
-from ._transform import offload_state
+from ._transform import offload_state, refuse_unstreamable
 from ..state._stored import put_param
 from ..store._protocol import locked
 
 
-def placer(offload, layouts, mesh, names: tuple[str, ...]):
+def placer(offload, layouts, mesh, names: tuple[str, ...], opt=None):
     """``place(layout, param, state) -> (param, state)``: for a unit ``offload`` keeps in its store, the same
     zero optimizer rows (named ``names``, as the optimizer declares them) as chunk items in the store (``Stored``
     leaves), and with ``offload_state(params=True)`` its
@@ -29,6 +29,8 @@ def placer(offload, layouts, mesh, names: tuple[str, ...]):
     if not isinstance(offload, offload_state):
         raise ArgumentTypeError(f"fs.init(..., offload=): pass the fs.offload_state(...) the step will be composed "
                                 f"with, not {type(offload).__name__}.")
+    if opt is not None:
+        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     chunk, tag = offload.chunk_numel, uuid.uuid4().hex[:8]
     # the units the optimizer makes state for (its init: the trainable ones)
     tiers = choose_tiers([u for u in layouts if u.trainable], mesh.rank, offload.fractions)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
+from ..optim._protocol import streamable
 from ._update import OffloadUpdate
 from ..state._stored import _location
 from ..protocol._transform import Transform
@@ -110,6 +111,11 @@ class offload_state(Transform):
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,
                              self.worker_nice, self.params)
 
+    def init_state(self, spec, old):
+        """No state of its own; refuses an optimizer it cannot stream (before the first step runs)."""
+        refuse_unstreamable(spec.optimizer, "fs.compose(..., fs.offload_state(...))")
+        return None
+
     def fingerprint(self) -> str:
         """The kinds of store and the placement, not their directories: each rank may offload to a disk of its
         own."""
@@ -148,3 +154,14 @@ def _tiers(store, fraction) -> tuple[tuple, tuple]:
         raise ArgumentError(f"fs.offload_state: fraction must be in [0, 1] (one per store, summing to at most 1), "
                             f"got {fraction!r} for {len(stores)} store(s).")
     return stores, tuple(float(f) for f in fracs)
+
+
+def refuse_unstreamable(opt, where: str) -> None:
+    """An ``ArgumentError`` for an optimizer whose rows cannot stream through per-run updates (``streamable``:
+    fs.muon's collective update, fs.partition's compact rows, fs.adafactor's factored rows)."""
+    if not streamable(opt):
+        raise ArgumentError(
+            f"{where}: fs.offload_state streams each unit's optimizer rows through per-run updates (plan, then apply "
+            f"on pieces of the rows), and {type(opt).__name__} does not update run by run (its update needs whole "
+            "matrices, or its rows cover only some parameters). Train it without fs.offload_state (its state stays "
+            "in device memory, sharded), or offload an elementwise optimizer such as fs.adamw.")
