@@ -17,6 +17,8 @@ so the result equals torch.optim.Muon's on the same gradients.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -55,13 +57,30 @@ def _ns_flops(shape: tuple) -> int:
     return m * m * (2 * n + m)
 
 
-def owners(layout: UnitLayout, slots: list[int], world_size: int) -> dict[int, int]:
-    """Trainable slot -> the rank that orthogonalises it: largest first to the least loaded rank (FLOPs), ties to
-    the rank after a start that depends on the unit's name, so units of one matrix each do not all land on rank 0.
-    The same on every rank (layout, slots and world size are)."""
-    train, load = layout.trainable, [0] * world_size
+@functools.lru_cache(maxsize=16)
+def deal(matrices: tuple, world_size: int) -> dict[str, int]:
+    """Matrix name -> the rank that orthogonalises it, over all of the model's Muon matrices (``matrices``: (name,
+    shape) in model order): largest first to the least loaded rank by Newton-Schulz FLOPs (LPT), ties to the lower
+    rank, then model order. The same on every rank (the model and world size are)."""
+    load, out = [0] * world_size, {}
+    for i in sorted(range(len(matrices)), key=lambda i: (-_ns_flops(matrices[i][1]), i)):
+        name, shape = matrices[i]
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        out[name] = r
+        load[r] += _ns_flops(shape)
+    return out
+
+
+def owners(layout: UnitLayout, slots: list[int], world_size: int, matrices: tuple = ()) -> dict[int, int]:
+    """Trainable slot -> the rank that orthogonalises it: the model-wide deal over ``matrices`` where it names every
+    slot (a bound Muon), else a deal over this unit's slots alone, its ties broken from a start that depends on the
+    unit's name (so units of one matrix each do not all land on rank 0). The same on every rank."""
+    train = layout.trainable
+    table = deal(matrices, world_size) if matrices else {}
+    if all(train[k].name in table for k in slots):
+        return {k: table[train[k].name] for k in slots}
+    load, out = [0] * world_size, {}
     start = zlib.crc32(layout.name.encode()) % world_size
-    out = {}
     for k in sorted(slots, key=lambda k: (-_ns_flops(train[k].shape), k)):
         r = min(range(world_size), key=lambda r: (load[r], (r - start) % world_size))
         out[k] = r
@@ -97,6 +116,8 @@ class Muon:
     eps: float = 1e-7
     ns_steps: int = 5
     adjust_lr_fn: str | None = None
+    # (name, shape) of the matrices it updates, model order (bind): Newton-Schulz work is dealt over all of them
+    matrices: tuple = dataclasses.field(default=(), repr=False)
     rows: ClassVar[tuple[Row, ...]] = (Row("momentum_buffer"),)
     count_key: ClassVar[str | None] = None  # torch's Muon keeps no step
     state_type: ClassVar[type] = OptState
@@ -144,12 +165,15 @@ class Muon:
                 "'adamw': fs.adamw(...)}, lambda name, p: 'muon' if p.ndim == 2 else 'adamw').")
 
     def bind(self, model: torch.nn.Module) -> "Muon":
-        """Checks every trainable parameter of ``model`` is 2-D (``fs.init`` calls it; ``fs.partition`` checks only
-        its own parameters, through ``check_param``)."""
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.check_param(name, p)
-        return self
+        """This optimizer over ``model``'s trainable parameters (``fs.init`` calls it): ``for_params``."""
+        return self.for_params([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+
+    def for_params(self, named: list) -> "Muon":
+        """This optimizer over the parameters ``named`` ((name, param), model order: ``fs.partition`` gives its
+        label's): each checked 2-D, and their shapes kept for dealing the Newton-Schulz work (``deal``)."""
+        for name, p in named:
+            self.check_param(name, p)
+        return dataclasses.replace(self, matrices=tuple((n, tuple(p.shape)) for n, p in named))
 
     def param_groups(self, layouts, updates: int) -> list[dict]:
         """torch.optim.Muon's one group over the trainable parameters of ``layouts``."""
@@ -202,7 +226,7 @@ class Muon:
         train, ranges = layout.trainable, layout.trainable_ranges(rank)
         lo0, hi0 = layout.shard_range(rank)
         lr, mom = self.lr_at(updates), self.momentum
-        own = owners(layout, [k for k, _ in mine], n_ranks)
+        own = owners(layout, [k for k, _ in mine], n_ranks, self.matrices)
         where, size = {}, [0] * n_ranks  # slot -> its place in its owner's section
         for k, _ in mine:
             where[k] = size[own[k]]

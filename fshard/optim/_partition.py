@@ -1,7 +1,8 @@
 """fs.partition: several optimizers over disjoint groups of parameters, in one state (optax's ``multi_transform``).
 
 ``label_fn(name, param) -> label`` puts each trainable parameter in one group; ``fs.init`` evaluates it once
-(``bind``). The state of a unit's shard (``PartitionState``) holds, per label, that optimizer's rows over only the
+(``bind``, which also binds each optimizer: over its own parameters where it has ``for_params``, as
+``fs.muon``). The state of a unit's shard (``PartitionState``) holds, per label, that optimizer's rows over only the
 parameters of the label (compact rows: ``covers``, fshard/optim/_protocol.py), so a Muon matrix has a momentum
 buffer and no AdamW moments, and an embedding AdamW moments and no momentum buffer. The step counts are one per
 trainable parameter, as for any optimizer; each is saved under its own optimizer's key (``count_key_of``).
@@ -81,7 +82,7 @@ class Partition:
             if i < len(o.rows):
                 return label
             i -= len(o.rows)
-        raise IndexError(i)
+        raise ArgumentError(f"fs.partition declares {len(self.rows)} rows; there is no row {i}.")
 
     def _mask(self, layout: UnitLayout, label: str) -> list[bool]:
         of = self._label_of
@@ -102,18 +103,19 @@ class Partition:
         """Each trainable parameter's label (``label_fn``), checked against the optimizers (and by the optimizer's
         ``check_param`` where it has one: Muon's 2-D check), and each optimizer bound to ``model``."""
         subs, labels = dict(self.optimizers), []
+        named: dict = {label: [] for label in subs}
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             label = self.label_fn(name, p)
-            if label not in subs:
+            if not isinstance(label, str) or label not in subs:
                 raise ArgumentError(f"fs.partition: label_fn({name!r}, param) returned {label!r}, which names no "
                                     f"optimizer; the labels are {sorted(subs)}.")
-            check = getattr(subs[label], "check_param", None)
-            if check is not None:
-                check(name, p)
+            named[label].append((name, p))
             labels.append((name, label))
-        bound = tuple((label, _bind(o, model)) for label, o in self.optimizers)
+        # an optimizer that takes its own parameters (for_params: Muon's 2-D check and deal) gets its label's
+        bound = tuple((label, o.for_params(named[label]) if hasattr(o, "for_params") else o.bind(model))
+                      for label, o in self.optimizers)
         return dataclasses.replace(self, optimizers=bound, labels=tuple(labels))
 
     def param_groups(self, layouts, updates: int) -> list[dict]:
@@ -179,11 +181,6 @@ class Partition:
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "+".join(sorted({o.resolved_impl(device, dtype) for _, o in self.optimizers}))
-
-
-def _bind(o, model):
-    """``o`` bound to ``model``, but for Muon's all-2-D check, which ``bind`` above made per parameter."""
-    return o if hasattr(o, "check_param") else o.bind(model)
 
 
 def partition(optimizers: Mapping, label_fn: Callable) -> Partition:

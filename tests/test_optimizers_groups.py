@@ -1,0 +1,213 @@
+"""fs.muon and fs.partition (issue #40) against their torch twins, on the awkward model (tests/models.py: tied
+embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
+
+- Oracle: DDP + the torch twins on the same global batches, at world sizes 1, 2 and 3, losses and parameters
+  within 1e-6 (bitwise at 1 and 2): fs.muon over the awkward model with its non-matrix parameters frozen against
+  torch.optim.Muon; fs.partition(muon + adamw) against torch.optim.Muon and torch.optim.AdamW over the same groups;
+  fs.partition(adamw + adamw of other hyperparameters) against two torch AdamWs.
+- The state: a parameter holds only its own optimizer's rows (no AdamW moments for a Muon matrix).
+- The Newton-Schulz work: at world size 2 each rank orthogonalises half of the matrices (calls counted).
+- fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
+  AdamW's), and a resumed run bitwise an uninterrupted one at world sizes 1 and 2.
+- Misuse: fs.offload_state with them is an error naming the combination and the alternative; a non-2-D parameter
+  given to Muon names the parameter and fs.partition; a label that names no optimizer.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fshard as fs
+from _dist import run_ranks
+from models import Awkward, awkward_batches, awkward_loss, check_oracle, oracle_step, param_diffs
+
+STEPS = 5
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _matrix(name, p) -> str:
+    return "muon" if p.ndim == 2 and not name.startswith("emb") else "adamw"
+
+
+def _decay(name, p) -> str:
+    return "fast" if p.ndim >= 2 else "slow"
+
+
+CASES = {  # name -> (fshard optimizer, label_fn or None, torch optimizers per label)
+    "muon": (lambda: fs.muon(**MUON), None, {"all": lambda ps: torch.optim.Muon(ps, **MUON)}),
+    "muon+adamw": (lambda: fs.partition({"muon": fs.muon(**MUON), "adamw": fs.adamw(**ADAMW, impl="torch")}, _matrix),
+                   _matrix, {"muon": lambda ps: torch.optim.Muon(ps, **MUON),
+                             "adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW)}),
+    "adamw+adamw": (lambda: fs.partition({"fast": fs.adamw(**ADAMW, impl="torch"),
+                                          "slow": fs.adamw(lr=1e-3, weight_decay=0.0, impl="torch")}, _decay),
+                    _decay, {"fast": lambda ps: torch.optim.AdamW(ps, **ADAMW),
+                             "slow": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)}),
+}
+
+
+def _model(case: str):
+    torch.manual_seed(0)
+    model = Awkward()
+    if case == "muon":  # Muon alone takes matrices only: the others frozen (still tied, prime, used twice)
+        for p in model.parameters():
+            p.requires_grad_(p.ndim == 2)
+    return model
+
+
+class _Both:
+    """The torch twins of a partition, stepped one after the other (as a training script steps two optimizers)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
+def _twins(case: str, ref):
+    _, label_fn, make = CASES[case]
+    groups = {label: [] for label in make}
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            groups["all" if label_fn is None else label_fn(n, p)].append(p)
+    return _Both([make[label](ps) for label, ps in groups.items() if ps])
+
+
+def _count_ns():
+    """Wrap Newton-Schulz to count its calls on this rank (returns the list it appends each matrix shape to)."""
+    import fshard.optim._muon as m
+    calls, ns = [], m._newton_schulz
+
+    def counted(g, *args):
+        calls.append(tuple(g.shape))
+        return ns(g, *args)
+    m._newton_schulz = counted
+    return calls
+
+
+def _compare(case: str):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mesh = fs.Mesh.from_env()
+    calls = _count_ns()
+    model = _model(case)
+    ref = copy.deepcopy(model)
+    state = fs.init(model, mesh, CASES[case][0]())
+    ddp = DDP(ref, find_unused_parameters=True) if mesh.world_size > 1 else ref
+    opt = _twins(case, ref)
+    ours, theirs = [], []
+    with fs.compose(awkward_loss) as step:
+        for batch in awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size):
+            state, metrics = step(state, batch)
+            ours.append(metrics["loss"])
+            theirs.append(oracle_step(ddp, opt, awkward_loss, batch, mesh.world_size))
+    diffs, equal = param_diffs(fs.full_params(state), ref)
+    moved = min((ref.get_parameter(n) - p).abs().max().item() for n, p in _model(case).named_parameters()
+                if p.requires_grad and n != "unused" and not n.startswith("blocks.2."))  # (no gradient)
+    rows = {u: {label: {r: t.numel() for r, t in part.items()} for label, part in s.parts.items()}
+            for u, s in state.opt_state.items()} if case != "muon" else None
+    return ours, theirs, diffs, equal and ours == theirs, len(calls), rows, moved
+
+
+def _all_cases():
+    return {case: _compare(case) for case in CASES}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_matches_ddp_and_the_torch_twins(world_size):
+    results = run_ranks(_all_cases, world_size) if world_size > 1 else [_all_cases()]
+    for rank_result in results:
+        for case, (ours, theirs, diffs, bitwise, *_) in rank_result.items():
+            assert len(ours) == STEPS
+            check_oracle(f"{case}", world_size, "torch", ours, theirs, diffs, bitwise)
+    for case in CASES:  # every parameter with a gradient moved (equal to the twins, and not by standing still)
+        assert results[0][case][6] > 1e-5, case
+    # Newton-Schulz: once per step for each matrix with a gradient (blocks.0/1.lin, up, down, and with Muon alone
+    # the tied embedding; blocks.2 is never called), each on one rank only. At world size 2 the model-wide deal
+    # (by FLOPs: up and down first, one to each rank) gives each rank half of them, or one more for an odd count.
+    for case, per_step in (("muon", 5), ("muon+adamw", 4)):
+        calls = [r[case][4] for r in results]
+        assert sum(calls) == per_step * STEPS, (case, calls)
+        if world_size == 2:
+            assert sorted(calls) == [per_step // 2 * STEPS, (per_step + 1) // 2 * STEPS], (case, calls)
+    assert sum(r["adamw+adamw"][4] for r in results) == 0
+
+
+def test_each_parameter_holds_only_its_own_optimizers_rows():
+    rows = _all_cases()["muon+adamw"][5]
+    # blocks.0: lin.weight (8x8) is Muon's; lin.bias, ln.weight, ln.bias (8 each, each padded to 16 fp32) AdamW's
+    assert rows["blocks.0"] == {"muon": {"momentum_buffer": 64}, "adamw": {"exp_avg": 48, "exp_avg_sq": 48}}
+    state = fs.init(_model("muon+adamw"), fs.Mesh.local(), CASES["muon+adamw"][0]())
+    for u in state.spec.units:  # every element of the optimizer range in one label's rows: Muon's or AdamW's
+        parts = state.opt_state[u.name].parts
+        m, v = parts["adamw"]["exp_avg"].numel(), parts["adamw"]["exp_avg_sq"].numel()
+        assert parts["muon"]["momentum_buffer"].numel() + m == u.opt_numel(0) and m == v, u.name
+
+
+def _resume(path: str | None, phase: str):
+    """"all": STEPS steps; "first": 2 steps, then save; "second": load, the rest. Returns losses, params, keys."""
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model("muon+adamw"), mesh, CASES["muon+adamw"][0]())
+    batches = list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))
+    batches = {"all": batches, "first": batches[:2], "second": batches[2:]}[phase]
+    if phase == "second":
+        state = fs.load(path, like=state)
+    losses = []
+    with fs.compose(awkward_loss) as step:
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+    keys = None
+    if phase == "first":
+        fs.save(path, state)
+        from torch.distributed.checkpoint import FileSystemReader
+        keys = sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("optim"))
+    return losses, {k: v.numpy().copy() for k, v in fs.full_params(state).items()}, keys
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(_resume, world_size, None, "all")[0]
+    first = run_ranks(_resume, world_size, path, "first")[0]
+    second = run_ranks(_resume, world_size, path, "second")[0]
+    assert whole[0] == first[0] + second[0]
+    assert all((whole[1][k] == second[1][k]).all() for k in whole[1])
+    keys = set(first[2])
+    assert {"optim.state.up.weight.momentum_buffer", "optim.state.emb.weight.exp_avg",
+            "optim.state.emb.weight.exp_avg_sq", "optim.state.emb.weight.step"} <= keys
+    assert not any(k.startswith("optim.state.up.weight.") and not k.endswith("momentum_buffer") for k in keys)
+    assert not any(k.startswith("optim.state.unused.") for k in keys)  # never updated: no state, as in torch
+    # the groups as torch's two optimizers write them: Muon's first (its label first), then AdamW's
+    assert "optim.param_groups.0.ns_steps" in keys and "optim.param_groups.1.betas" in keys
+
+
+def test_offload_state_refuses_them_naming_the_alternative():
+    for case in ("muon", "muon+adamw"):
+        state = fs.init(_model(case), fs.Mesh.local(), CASES[case][0]())
+        step = fs.compose(awkward_loss, fs.offload_state(fs.CPUStore()))
+        with pytest.raises(fs.ArgumentError, match="without fs.offload_state.*fs.adamw"):
+            step(state, next(awkward_batches(2, 1)))
+        with pytest.raises(fs.ArgumentError, match="fs.init.*offload_state"):
+            fs.init(_model(case), fs.Mesh.local(), CASES[case][0](), offload=fs.offload_state(fs.CPUStore()))
+
+
+def test_misuse_names_the_parameter_and_the_fix():
+    with pytest.raises(fs.ArgumentError, match=r"parameter '(scale|blocks.0.lin.bias)' has shape.*fs.partition"):
+        fs.init(Awkward(), fs.Mesh.local(), fs.muon())
+    with pytest.raises(fs.ArgumentError, match=r"returned 'other'.*\['adamw', 'muon'\]"):
+        fs.init(Awkward(), fs.Mesh.local(), fs.partition({"muon": fs.muon(), "adamw": fs.adamw()},
+                                                          lambda n, p: "other"))
+    with pytest.raises(fs.ArgumentTypeError, match="non-empty dict"):
+        fs.partition({}, _matrix)
+    with pytest.raises(fs.ArgumentError, match="ns_steps"):
+        fs.muon(ns_steps=100)
+    with pytest.raises(fs.ArgumentError, match="adjust_lr_fn"):
+        fs.muon(adjust_lr_fn="other")
