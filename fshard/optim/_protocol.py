@@ -24,8 +24,9 @@ Three optional declarations extend this for optimizers that are not elementwise 
   same units in the same order, so the collectives inside it match. Such an optimizer has no per-run ``apply`` a
   streaming policy could call: ``fs.offload_state`` refuses it (``streamable``).
 - ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
-  holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it covers, back
-  to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's rows.
+  holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
+  covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's
+  rows.
 - ``count_key_of(name) -> str | None``: the checkpoint key of parameter ``name``'s count where it differs between
   parameters (a partition: AdamW's ``step`` for its parameters, none for Muon's); default ``count_key``.
 """
@@ -177,8 +178,8 @@ def row_names(opt: Optimizer) -> tuple[str, ...]:
 
 
 def row_ranges(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> list[tuple[int, int, int, int]]:
-    """Where row ``row`` (its index in ``opt.rows``) holds each trainable slot it covers: ``(k, lo, hi, at)`` for trainable slot ``k`` whose
-    shard-local range ``[lo, hi)`` sits at ``[at, at + hi - lo)`` of the row (``at == lo`` for a row covering every
+    """Where row ``row`` (its index in ``opt.rows``) holds each trainable slot it covers: ``(k, lo, hi, at)`` for
+    trainable slot ``k`` whose shard-local range ``[lo, hi)`` sits at ``[at, at + hi - lo)`` of the row (``at == lo`` for a row covering every
     slot)."""
     covers = getattr(opt, "covers", None)
     mask = covers(layout, row) if covers is not None else None
@@ -191,7 +192,8 @@ def row_ranges(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> list[
 
 
 def row_numel(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> int:
-    """The elements of row ``row`` (its index in ``opt.rows``) on this rank: ``opt_numel`` unless the row is compact (``covers``)."""
+    """The elements of row ``row`` (its index in ``opt.rows``) on this rank: ``opt_numel`` unless the row is
+    compact (``covers``)."""
     if getattr(opt, "covers", None) is None:
         return layout.opt_numel(rank)
     return sum(max(0, hi - lo) for _, lo, hi, _ in row_ranges(opt, layout, rank, row))
