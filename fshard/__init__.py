@@ -15,8 +15,9 @@ loads none of them): ``fs.errors`` (every error type; the common ones are also h
 types: ``ShardSpec``, ``FrozenMap``, ``Donation``, the layouts, the stored leaves), ``fs.optim`` (``AdamW``,
 ``AdamWState``, ``Muon``, ``Partition``, ``PartitionState``, the optimizer protocol), ``fs.schedules``
 (learning-rate schedules), ``fs.protocol`` (what a transform author writes against: ``Transform``, ``Policy``,
-the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their state types), ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on
-first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
+the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their state types),
+``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on first use,
+because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
 ``fs.testing`` (hypothesis). The packages by concern behind them are laid out in design/ARCHITECTURE.md.
 """
 from __future__ import annotations

@@ -179,8 +179,8 @@ def row_names(opt: Optimizer) -> tuple[str, ...]:
 
 def row_ranges(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> list[tuple[int, int, int, int]]:
     """Where row ``row`` (its index in ``opt.rows``) holds each trainable slot it covers: ``(k, lo, hi, at)`` for
-    trainable slot ``k`` whose shard-local range ``[lo, hi)`` sits at ``[at, at + hi - lo)`` of the row (``at == lo`` for a row covering every
-    slot)."""
+    trainable slot ``k`` whose shard-local range ``[lo, hi)`` sits at ``[at, at + hi - lo)`` of the row (``at ==
+    lo`` for a row covering every slot)."""
     covers = getattr(opt, "covers", None)
     mask = covers(layout, row) if covers is not None else None
     out, at = [], 0
