@@ -45,7 +45,7 @@ from .errors import (ArgumentError, ArgumentTypeError, CheckpointError, Collecti
                      RankDivergenceError, StepError)
 from .model import full_params, full_state_dict, init
 from .offload import offload_state
-from .optim import adamw, muon, partition, schedules  # noqa: F401 (fs.schedules: a public module)
+from .optim import adafactor, adamw, muon, partition, schedules  # noqa: F401 (fs.schedules: a public module)
 from .protocol import Transform
 from .state import TrainState
 from .step import Plan, Step, Timeline, compose, timeline
@@ -61,7 +61,7 @@ _MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "
 __all__ = [
     # state and set-up
     "Mesh", "init", "full_params", "full_state_dict", "TrainState", "adamw", "muon", "partition",
-    "set_mmap_threshold",
+    "adafactor", "set_mmap_threshold",
     # checkpoints
     "save", "load", "latest", "SaveHandle",
     # the step and its transforms (their state types: fs.transforms; writing one: fs.protocol)

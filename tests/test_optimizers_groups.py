@@ -6,6 +6,9 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
   torch.optim.Muon; fs.partition(muon + adamw) against torch.optim.Muon and torch.optim.AdamW over the same groups;
   fs.partition(adamw + adamw of other hyperparameters) against two torch AdamWs.
 - The state: a parameter holds only its own optimizer's rows (no AdamW moments for a Muon matrix).
+- fs.adafactor against torch.optim.Adafactor the same way, within 1e-6 (its whole-parameter norms are sums of the
+  ranks' partial sums), and its checkpoint entries (row_var, col_var, variance, step) get_optimizer_state_dict's
+  keys and shapes.
 - The Newton-Schulz work: at world size 2 each rank orthogonalises half of the matrices (calls counted).
 - fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
   AdamW's), and a resumed run bitwise an uninterrupted one at world sizes 1 and 2.
@@ -45,7 +48,12 @@ CASES = {  # name -> (fshard optimizer, label_fn or None, torch optimizers per l
                                           "slow": fs.adamw(lr=1e-3, weight_decay=0.0, impl="torch")}, _decay),
                     _decay, {"fast": lambda ps: torch.optim.AdamW(ps, **ADAMW),
                              "slow": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)}),
+    "adafactor": (lambda: fs.adafactor(lr=1e-2, weight_decay=0.1), None,
+                  {"all": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1)}),
 }
+# Adafactor's whole-parameter norms are sums of the ranks' partial sums in fshard, torch.norm over the tensor in
+# torch: equal up to summation order (1e-7), so it is held to 1e-6, not bitwise
+BITWISE = {"muon", "muon+adamw", "adamw+adamw"}
 
 
 def _model(case: str):
@@ -112,7 +120,7 @@ def _compare(case: str):
     moved = min((ref.get_parameter(n) - p).abs().max().item() for n, p in _model(case).named_parameters()
                 if p.requires_grad and n != "unused" and not n.startswith("blocks.2."))  # (no gradient)
     rows = {u: {label: {r: t.numel() for r, t in part.items()} for label, part in s.parts.items()}
-            for u, s in state.opt_state.items()} if case != "muon" else None
+            for u, s in state.opt_state.items()} if case in ("muon+adamw", "adamw+adamw") else None
     return ours, theirs, diffs, equal and ours == theirs, len(calls), rows, moved
 
 
@@ -126,7 +134,7 @@ def test_matches_ddp_and_the_torch_twins(world_size):
     for rank_result in results:
         for case, (ours, theirs, diffs, bitwise, *_) in rank_result.items():
             assert len(ours) == STEPS
-            check_oracle(f"{case}", world_size, "torch", ours, theirs, diffs, bitwise)
+            check_oracle(case, world_size, "torch" if case in BITWISE else "sums", ours, theirs, diffs, bitwise)
     for case in CASES:  # every parameter with a gradient moved (equal to the twins, and not by standing still)
         assert results[0][case][6] > 1e-5, case
     # Newton-Schulz: once per step for each matrix with a gradient (blocks.0/1.lin, up, down, and with Muon alone
@@ -137,7 +145,7 @@ def test_matches_ddp_and_the_torch_twins(world_size):
         assert sum(calls) == per_step * STEPS, (case, calls)
         if world_size == 2:
             assert sorted(calls) == [per_step // 2 * STEPS, (per_step + 1) // 2 * STEPS], (case, calls)
-    assert sum(r["adamw+adamw"][4] for r in results) == 0
+    assert sum(r["adamw+adamw"][4] + r["adafactor"][4] for r in results) == 0
 
 
 def test_each_parameter_holds_only_its_own_optimizers_rows():
@@ -151,10 +159,11 @@ def test_each_parameter_holds_only_its_own_optimizers_rows():
         assert parts["muon"]["momentum_buffer"].numel() + m == u.opt_numel(0) and m == v, u.name
 
 
-def _resume(path: str | None, phase: str):
-    """"all": STEPS steps; "first": 2 steps, then save; "second": load, the rest. Returns losses, params, keys."""
+def _resume(case: str, path: str | None, phase: str):
+    """"all": STEPS steps; "first": 2 steps, then save; "second": load, the rest. Returns losses, params, and the
+    checkpoint's optimizer entries (key -> shape) after "first"."""
     mesh = fs.Mesh.from_env()
-    state = fs.init(_model("muon+adamw"), mesh, CASES["muon+adamw"][0]())
+    state = fs.init(_model(case), mesh, CASES[case][0]())
     batches = list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))
     batches = {"all": batches, "first": batches[:2], "second": batches[2:]}[phase]
     if phase == "second":
@@ -168,16 +177,41 @@ def _resume(path: str | None, phase: str):
     if phase == "first":
         fs.save(path, state)
         from torch.distributed.checkpoint import FileSystemReader
-        keys = sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("optim"))
+        md = FileSystemReader(path).read_metadata().state_dict_metadata
+        keys = {k: tuple(getattr(v, "size", ())) for k, v in md.items() if k.startswith("optim")}
     return losses, {k: v.numpy().copy() for k, v in fs.full_params(state).items()}, keys
+
+
+def _torch_keys(case: str) -> dict:
+    """The optimizer entries (key -> shape) of get_optimizer_state_dict after 2 steps of the torch twin (one rank)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    ref = _model(case)
+    opt = _twins(case, ref).opts[0]
+    for b in list(awkward_batches(2, 2)):
+        oracle_step(ref, opt, awkward_loss, b, 1)
+    sd = get_optimizer_state_dict(ref, opt)
+    return {f"optim.state.{n}.{k}": tuple(v.shape) for n, e in sd["state"].items() for k, v in e.items()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_adafactor_checkpoints_as_torch_and_resumes_bitwise(tmp_path, world_size):
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(_resume, world_size, "adafactor", None, "all")[0]
+    first = run_ranks(_resume, world_size, "adafactor", path, "first")[0]
+    second = run_ranks(_resume, world_size, "adafactor", path, "second")[0]
+    assert whole[0] == first[0] + second[0]
+    assert all((whole[1][k] == second[1][k]).all() for k in whole[1])
+    ours = {k: v for k, v in first[2].items() if k.startswith("optim.state.")}
+    assert ours == _torch_keys("adafactor")  # row_var (R, 1), col_var (1, C), variance, step: torch's keys, shapes
+    assert ours["optim.state.up.weight.row_var"] == (37, 1) and "optim.state.prime.variance" in ours
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
     path = str(tmp_path / "ckpt")
-    whole = run_ranks(_resume, world_size, None, "all")[0]
-    first = run_ranks(_resume, world_size, path, "first")[0]
-    second = run_ranks(_resume, world_size, path, "second")[0]
+    whole = run_ranks(_resume, world_size, "muon+adamw", None, "all")[0]
+    first = run_ranks(_resume, world_size, "muon+adamw", path, "first")[0]
+    second = run_ranks(_resume, world_size, "muon+adamw", path, "second")[0]
     assert whole[0] == first[0] + second[0]
     assert all((whole[1][k] == second[1][k]).all() for k in whole[1])
     keys = set(first[2])
@@ -190,7 +224,7 @@ def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
 
 
 def test_offload_state_refuses_them_naming_the_alternative():
-    for case in ("muon", "muon+adamw"):
+    for case in ("muon", "muon+adamw", "adafactor"):
         state = fs.init(_model(case), fs.Mesh.local(), CASES[case][0]())
         step = fs.compose(awkward_loss, fs.offload_state(fs.CPUStore()))
         with pytest.raises(fs.ArgumentError, match="without fs.offload_state.*fs.adamw"):
@@ -205,6 +239,10 @@ def test_misuse_names_the_parameter_and_the_fix():
     with pytest.raises(fs.ArgumentError, match=r"returned 'other'.*\['adamw', 'muon'\]"):
         fs.init(Awkward(), fs.Mesh.local(), fs.partition({"muon": fs.muon(), "adamw": fs.adamw()},
                                                           lambda n, p: "other"))
+    with pytest.raises(fs.ArgumentTypeError, match="'f' maps to Adafactor.*alone"):
+        fs.partition({"f": fs.adafactor(), "adamw": fs.adamw()}, _matrix)
+    with pytest.raises(fs.ArgumentError, match="beta2_decay"):
+        fs.adafactor(beta2_decay=0.5)
     with pytest.raises(fs.ArgumentTypeError, match="non-empty dict"):
         fs.partition({}, _matrix)
     with pytest.raises(fs.ArgumentError, match="ns_steps"):

@@ -194,6 +194,8 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
             where = (held.store, held.chunks) if held is not None else None
         if where is None or not opt.rows:
             out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
+            if hasattr(opt, "zero_extra"):  # state beside the rows (Adafactor's factors): new tensors to fill
+                out[u.name] = opt.zero_extra(out[u.name])
             continue
         dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: offload/_tiers.py's put_moments)
         items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1], row_names(opt)), dtype)

@@ -80,6 +80,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         # where each row holds each slot: (lo - at) is how far a compact row (a partition's) is shifted from
         # the shard (fshard/optim/_protocol.py's covers); a row that covers every slot has at == lo
         shift = [{k: lo - at for k, lo, _, at in row_ranges(opt, u, rank, i)} for i in range(len(names))]
+        extra = opt.extra_entries(u, st) if hasattr(opt, "extra_entries") else {}  # (whole tensors: Adafactor's)
         for k, s in enumerate(u.trainable):
             if not for_load and int(st.count[k]) == 0:
                 continue  # never updated: torch keeps no state for it
@@ -87,6 +88,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
             entry = {} if key is None else {key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
             entry.update((name, _shifted(slot_boxes(u, s, rank, **row), shift[i].get(k, 0)))
                          for i, (name, row) in enumerate(zip(names, rows, strict=True)) if k in shift[i])
+            entry.update(extra.get(s.name, {}))
             optim[s.name] = entry
     param_groups = opt.param_groups(spec.units, int(state.step))
     extra = {n: b for n, b in buffers.items() if n not in persistent}

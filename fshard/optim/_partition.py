@@ -197,6 +197,11 @@ def partition(optimizers: Mapping, label_fn: Callable) -> Partition:
         if isinstance(o, Partition):
             raise ArgumentTypeError(f"fs.partition: {label!r} is itself an fs.partition; give one partition all "
                                     "the labels.")
+        if hasattr(o, "covers") or hasattr(o, "extra_entries"):
+            raise ArgumentTypeError(f"fs.partition: {label!r} maps to {type(o).__name__}, whose state is not rows "
+                                    "over every one of its parameters (compact rows, or state beside the rows), "
+                                    "which a partition cannot hold yet. Use it alone (fs.init(model, mesh, "
+                                    "fs.adafactor(...))), or partition fs.adamw / fs.muon.")
         if not all(hasattr(o, a) for a in ("rows", "update", "plan", "apply", "init", "param_groups")):
             raise ArgumentTypeError(f"fs.partition: {label!r} maps to {o!r}, not an fshard optimizer (fs.adamw(...), "
                                     "fs.muon(...), ...).")

@@ -16,8 +16,8 @@ followed by ``apply`` on each run, on flat slices of the same length: the parame
 the declared order. ``update`` does both for a unit held in memory; a policy that streams rows in pieces
 (``fs.offload_state``) calls the two itself.
 
-Three optional declarations extend this for optimizers that are not elementwise or cover only some parameters
-(``fs.muon``, ``fs.partition``; design/OPTIM.md says why these and not others):
+Optional declarations extend this for optimizers that are not elementwise or cover only some parameters
+(``fs.muon``, ``fs.partition``, ``fs.adafactor``; design/OPTIM_GROUPS.md says why these and not others):
 
 - ``collective = True``: ``update`` needs the step's collectives (Muon's Newton-Schulz needs whole matrices), so the
   update policy passes ``comm=`` (the step's ``fs.protocol.Collectives``) to it; every rank calls ``update`` for the
@@ -29,6 +29,9 @@ Three optional declarations extend this for optimizers that are not elementwise 
   rows.
 - ``count_key_of(name) -> str | None``: the checkpoint key of parameter ``name``'s count where it differs between
   parameters (a partition: AdamW's ``step`` for its parameters, none for Muon's); default ``count_key``.
+- ``extra_entries(layout, state) -> {param name: {key: tensor}}`` and ``zero_extra(state) -> state``: state beside
+  the rows that is not elementwise (Adafactor's ``row_var``/``col_var``, whole tensors the same on every rank), saved
+  under ``optim.state.<name>.<key>`` as torch's optimizer keys it; a load fills ``zero_extra``'s new tensors.
 """
 from __future__ import annotations
 
