@@ -12,6 +12,10 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
 - The Newton-Schulz work: at world size 2 each rank orthogonalises half of the matrices (calls counted).
 - fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
   AdamW's), and a resumed run bitwise an uninterrupted one at world sizes 1 and 2.
+- Clipping (the gradient scale reaches Muon's momentum and Adafactor's statistics) against clip_grad_norm_, and
+  bf16 parameter copies kept equal to the new parameters.
+- Property tests: the Newton-Schulz deal (one rank per matrix, within the greedy bound) and compact rows (a label's
+  slots back to back, in order, on every rank).
 - Misuse: fs.offload_state with them is an error naming the combination and the alternative; a non-2-D parameter
   given to Muon names the parameter and fs.partition; a label that names no optimizer.
 """
@@ -21,6 +25,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fshard as fs
 from _dist import run_ranks
@@ -249,3 +255,75 @@ def test_misuse_names_the_parameter_and_the_fix():
         fs.muon(ns_steps=100)
     with pytest.raises(fs.ArgumentError, match="adjust_lr_fn"):
         fs.muon(adjust_lr_fn="other")
+
+
+@pytest.mark.parametrize("case", ["muon+adamw", "adafactor"])
+def test_param_copies_follow_the_update(case):
+    """The bf16 parameter copies (fs.mixed_precision) are the new parameters, cast, in every unit after each step."""
+    model = _model(case)
+    names = {n for n, _ in model.named_parameters()}
+    state = fs.init(model, fs.Mesh.local(), CASES[case][0]())
+    with fs.compose(awkward_loss, fs.mixed_precision(torch.bfloat16)) as step:
+        for batch in awkward_batches(2, 2):
+            state, _ = step(state, batch)
+    full = fs.full_params(state)
+    for u in state.spec.units:
+        p, c = state.params[u.name], state.copies.get(u.name)
+        assert c is not None and c.dtype == torch.bfloat16 and torch.equal(c, p.to(torch.bfloat16)), u.name
+    assert set(full) == names
+
+
+@pytest.mark.parametrize("case", ["muon+adamw", "adafactor"])
+def test_clipping_matches_torchs_clip_grad_norm(case):
+    """fs.clip_by_global_norm's scale reaches Muon's momentum and Adafactor's statistics as torch's clipped .grad."""
+    model = _model(case)
+    ref = copy.deepcopy(model)
+    state = fs.init(model, fs.Mesh.local(), CASES[case][0]())
+    opt = _twins(case, ref)
+    with fs.compose(awkward_loss, fs.clip_by_global_norm(0.05)) as step:
+        for batch in awkward_batches(2, 3):
+            state, _ = step(state, batch)
+            oracle_step(ref, opt, awkward_loss, batch, 1, max_norm=0.05)
+    diffs, _ = param_diffs(fs.full_params(state), ref)
+    assert max(diffs.values()) <= 1e-6, diffs
+
+
+@given(shapes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), max_size=12),
+       world_size=st.integers(1, 5))
+def test_deal_gives_each_matrix_one_rank_within_the_lpt_bound(shapes, world_size):
+    """Every matrix to one rank in range; the most loaded rank carries at most the least loaded's FLOPs plus one
+    matrix's (the greedy bound), and the deal is a function of its arguments."""
+    from fshard.optim._muon import _ns_flops, deal
+    matrices = tuple((f"m{i}", s) for i, s in enumerate(shapes))
+    table = deal(matrices, world_size)
+    assert set(table) == {n for n, _ in matrices} and all(0 <= r < world_size for r in table.values())
+    load = [0] * world_size
+    for n, s in matrices:
+        load[table[n]] += _ns_flops(s)
+    assert max(load) <= min(load) + max((_ns_flops(s) for _, s in matrices), default=0)
+    assert deal.__wrapped__(matrices, world_size) == table
+
+
+@given(sizes=st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=8),
+       world_size=st.integers(1, 4), data=st.data())
+def test_compact_rows_tile_their_slots_in_order(sizes, world_size, data):
+    """A partition's row holds exactly its label's slots, back to back in slot order, on every rank."""
+    from fshard.optim._protocol import row_numel, row_ranges
+    from fshard.state._flat import plan_unit
+    params = [((f"p{i}",), (n,), True) for i, (n, _) in enumerate(sizes)]
+    layout = plan_unit("u", "u", params, torch.float32, world_size)
+    labels = tuple((f"p{i}", "a" if on else "b") for i, (_, on) in enumerate(sizes))
+    part = fs.optim.Partition((("a", fs.adamw()), ("b", fs.adamw())), _matrix, labels)  # (labels as bind makes)
+    rank = data.draw(st.integers(0, world_size - 1))
+    total = 0
+    for i in range(len(part.rows)):
+        want = "a" if i < 2 else "b"
+        got = row_ranges(part, layout, rank, i)
+        assert [k for k, *_ in got] == [k for k, (_, lab) in enumerate(labels) if lab == want]
+        at = 0
+        for _, lo, hi, a in got:
+            assert a == at
+            at += max(0, hi - lo)
+        assert at == row_numel(part, layout, rank, i)
+        total += at if i in (0, 2) else 0
+    assert total == layout.opt_numel(rank)  # the two labels' first rows split the optimizer range between them
