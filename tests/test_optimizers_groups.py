@@ -251,6 +251,12 @@ def test_misuse_names_the_parameter_and_the_fix():
         fs.adafactor(beta2_decay=0.5)
     with pytest.raises(fs.ArgumentTypeError, match="non-empty dict"):
         fs.partition({}, _matrix)
+    from fshard.state._flat import plan_unit  # a collective update called without collectives on a sharded unit
+    layout = plan_unit("u", "u", [(("w",), (4, 4), True)], torch.float32, 2)
+    for opt in (fs.muon(), fs.adafactor()):
+        shard = torch.ones(layout.shard_numel)
+        with pytest.raises(fs.ArgumentError, match="needs the step's collectives"):
+            opt.update(layout, 0, shard, shard, opt.init(layout, 0, shard), [True], donate=False)
     with pytest.raises(fs.ArgumentError, match="ns_steps"):
         fs.muon(ns_steps=100)
     with pytest.raises(fs.ArgumentError, match="adjust_lr_fn"):

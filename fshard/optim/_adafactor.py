@@ -30,7 +30,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
-from ._muon import schedule_lr
+from ._muon import _need_comm, schedule_lr
 from ._protocol import Row
 
 
@@ -145,6 +145,7 @@ class Adafactor:
         count = state.count + torch.tensor(active, dtype=torch.int64)
         if not any(active):
             return param, AdafactorState(count, state.variance, state.factors), copy
+        _need_comm("fs.adafactor", layout, comm)
         train, ranges = layout.trainable, layout.trainable_ranges(rank)
         variance, factors = state.variance, dict(state.factors)
         if not donate:

@@ -222,6 +222,7 @@ class Muon:
         """The step, in place, on the trainable slots ``mine`` (``(k, at)``: slot k, whose momentum starts at
         ``at`` of the row; the same slots on every rank): ``fs.partition`` calls it for Muon's parameters."""
         (buf,) = rows
+        _need_comm("fs.muon", layout, comm)
         n_ranks = 1 if comm is None else comm.mesh.world_size
         train, ranges = layout.trainable, layout.trainable_ranges(rank)
         lo0, hi0 = layout.shard_range(rank)
@@ -271,6 +272,15 @@ class Muon:
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "muon"
+
+
+def _need_comm(who: str, layout: UnitLayout, comm) -> None:
+    """A collective update called without the step's collectives on a sharded unit would update each shard from its
+    own pieces alone: refused."""
+    if comm is None and layout.world_size > 1:
+        raise ArgumentError(f"{who}: unit {layout.name!r} is sharded over {layout.world_size} ranks and its update "
+                            "reads whole matrices, so update() needs the step's collectives: pass comm= (the update "
+                            "policy does, for an optimizer declaring collective = True).")
 
 
 def muon(lr: float | Callable[[int], float] = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
