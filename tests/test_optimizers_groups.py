@@ -11,7 +11,8 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
   keys and shapes.
 - The Newton-Schulz work: at world size 2 each rank orthogonalises half of the matrices (calls counted).
 - fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
-  AdamW's), and a resumed run bitwise an uninterrupted one at world sizes 1 and 2.
+  AdamW's), a resumed run bitwise an uninterrupted one at world sizes 1 and 2, and a checkpoint resharded through
+  1 and 3 ranks continuing bitwise.
 - Clipping (the gradient scale reaches Muon's momentum and Adafactor's statistics) against clip_grad_norm_, and
   bf16 parameter copies kept equal to the new parameters.
 - Property tests: the Newton-Schulz deal (one rank per matrix, within the greedy bound) and compact rows (a label's
@@ -333,3 +334,25 @@ def test_compact_rows_tile_their_slots_in_order(sizes, world_size, data):
         assert at == row_numel(part, layout, rank, i)
         total += at if i in (0, 2) else 0
     assert total == layout.opt_numel(rank)  # the two labels' first rows split the optimizer range between them
+
+
+def _reshard(case: str, path: str, again: str):
+    """Load at this world size and save again (compact rows and factors through another cut of the shards)."""
+    state = fs.load(path, like=fs.init(_model(case), fs.Mesh.from_env(), CASES[case][0]()))
+    fs.save(again, state)
+    return {k: v.numpy().copy() for k, v in fs.full_params(state).items()}
+
+
+@pytest.mark.parametrize("case", ["muon+adamw", "adafactor"])
+def test_a_checkpoint_resharded_through_1_and_3_ranks_resumes_bitwise(tmp_path, case):
+    """Saved at 2, loaded and saved again at 1 and at 3, loaded at 2: the run continues bitwise as from the
+    original checkpoint, so every row (compact, at its shifted place) and factor went through the other cuts intact."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_resume, 2, case, path, "first")[0][1]
+    continued = run_ranks(_resume, 2, case, path, "second")[0]
+    for n in (1, 3):
+        again = str(tmp_path / f"at{n}")
+        for full in run_ranks(_reshard, n, case, path, again):
+            assert all((saved[k] == full[k]).all() for k in saved), n
+        back = run_ranks(_resume, 2, case, again, "second")[0]
+        assert back[0] == continued[0] and all((back[1][k] == continued[1][k]).all() for k in saved), (case, n)

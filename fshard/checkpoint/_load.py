@@ -128,10 +128,13 @@ def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_st
     """DCP fills ``want``; the new state from it."""
     _dcp(call, f"reading {path}", "like is unchanged", dcp.load, want, storage_reader=reader, planner=_LoadPlanner())
     opt = like.spec.optimizer
+    rows = row_names(opt)
     for u in like.spec.units:  # torch's per-parameter step, back to fshard's counts
         for k, s in enumerate(u.trainable):
             count_key = count_key_of(opt, s.name)  # (None: the optimizer saves no counts)
             step = want.get(f"optim.state.{s.name}.{count_key}") if count_key is not None else None
+            if step is None and count_key is None and any(f"optim.state.{s.name}.{r}" in want for r in rows):
+                step = 1  # state but no count (Muon's): updated at least once, so a later save keeps its state
             if step is not None and u.name in opt_state:
                 opt_state[u.name].count[k] = int(step)
     warn_hparams(path, like, {**{k: v for k, v in want.items() if k.startswith("optim.param_groups.")},
