@@ -13,6 +13,7 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
 - fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
   AdamW's), a resumed run bitwise an uninterrupted one at world sizes 1 and 2, and a checkpoint resharded through
   1 and 3 ranks continuing bitwise.
+- Composed with gather_ahead, bucket_reduce and clipping at world size 2, against DDP + the twins.
 - Clipping (the gradient scale reaches Muon's momentum and Adafactor's statistics) against clip_grad_norm_, and
   bf16 parameter copies kept equal to the new parameters.
 - Property tests: the Newton-Schulz deal (one rank per matrix, within the greedy bound) and compact rows (a label's
@@ -356,3 +357,27 @@ def test_a_checkpoint_resharded_through_1_and_3_ranks_resumes_bitwise(tmp_path, 
             assert all((saved[k] == full[k]).all() for k in saved), n
         back = run_ranks(_resume, 2, case, again, "second")[0]
         assert back[0] == continued[0] and all((back[1][k] == continued[1][k]).all() for k in saved), (case, n)
+
+
+def _composed(case: str):
+    """fshard with gather_ahead, bucket_reduce and clipping against DDP + the twins with clip_grad_norm_."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mesh = fs.Mesh.from_env()
+    model = _model(case)
+    ref = copy.deepcopy(model)
+    state = fs.init(model, mesh, CASES[case][0]())
+    ddp, opt = DDP(ref, find_unused_parameters=True), _twins(case, ref)
+    extra = (fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=0.001), fs.clip_by_global_norm(0.05))
+    with fs.compose(awkward_loss, *extra) as step:
+        for batch in awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size):
+            state, _ = step(state, batch)
+            oracle_step(ddp, opt, awkward_loss, batch, mesh.world_size, max_norm=0.05)
+    return max(param_diffs(fs.full_params(state), ref)[0].values())
+
+
+@pytest.mark.parametrize("case", ["muon+adamw", "adafactor"])
+def test_the_collective_updates_compose_with_the_other_transforms(case):
+    """Their collectives come after gather_ahead's and bucket_reduce's in every rank's order (the step's collective
+    check passes), and the gradient scale of clipping reaches them, at world size 2."""
+    for d in run_ranks(_composed, 2, case):
+        assert d <= 1e-6, (case, d)
