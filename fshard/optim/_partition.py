@@ -15,6 +15,7 @@ one torch optimizer per group, stepped one after the other on the same gradients
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class Partition:
     def collective(self) -> bool:
         return any(getattr(o, "collective", False) for _, o in self.optimizers)
 
-    @property
+    @functools.cached_property
     def _label_of(self) -> dict:
         if self.labels is None:
             raise ArgumentError("fs.partition: this optimizer is not bound to a model yet; fs.init(model, mesh, "
