@@ -15,7 +15,8 @@ them, so the update is collective (``collective = True``, fshard/optim/_protocol
 
 The sums differ from torch's whole-tensor norms only in summation order (about 1e-7 relative). Checkpoints hold
 torch's keys: ``step``, and ``row_var``/``col_var`` (whole tensors, the same on every rank, written once) or
-``variance`` (boxes of the shards) per parameter (``extra_entries``).
+``variance`` (boxes of the shards) per parameter (``extra_entries``). ``step_slots`` runs the step on some slots,
+given the counts and factors: ``update`` calls it for all, ``fs.partition`` for its label's.
 """
 from __future__ import annotations
 
@@ -145,21 +146,36 @@ class Adafactor:
         count = state.count + torch.tensor(active, dtype=torch.int64)
         if not any(active):
             return param, AdafactorState(count, state.variance, state.factors), copy
-        _need_comm("fs.adafactor", layout, comm)
-        train, ranges = layout.trainable, layout.trainable_ranges(rank)
-        variance, factors = state.variance, dict(state.factors)
+        variance, factors = state.variance, state.factors
         if not donate:
             param, variance = param.clone(), variance.clone()
             copy = None if copy is None else copy.clone()
             factors = {n: FrozenMap({key: t.clone() for key, t in f.items()}) for n, f in factors.items()}
+        at, pos = [], 0  # (slot, where its elements start in ``variance``) of the active slots
+        for k, ((lo, hi), s, a) in enumerate(zip(layout.trainable_ranges(rank), layout.trainable, active)):
+            if a:
+                at.append((k, pos))
+            if not _factored(s.shape):
+                pos += max(0, hi - lo)
+        self.step_slots(layout, rank, param, grad, (variance,), at, grad_scale, updates, copy, comm, count=count,
+                        extra=factors)
+        return param, AdafactorState(count, variance, FrozenMap(factors)), copy
+
+    def step_slots(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
+                   mine: list[tuple[int, int]], grad_scale: float = 1.0, updates: int = 0,
+                   copy: torch.Tensor | None = None, comm=None, count=None, extra=None) -> None:
+        """The step, in place, on the trainable slots ``mine`` (``(k, at)``: slot k, whose ``variance`` starts at
+        ``at`` of the row if it is unfactored; the same slots on every rank), with ``count`` the new step counts and
+        ``extra[name]`` each factored slot's ``row_var``/``col_var``: ``fs.partition`` calls it for its parameters."""
+        (variance,) = rows
+        factors = extra
+        _need_comm("fs.adafactor", layout, comm)
+        train = layout.trainable
         lo0, hi0 = layout.shard_range(rank)
         eps1 = torch.finfo(param.dtype).eps if self.eps[0] is None else self.eps[0]
         eps2, lr, wd = self.eps[1], self.lr_at(updates), self.weight_decay
-        at, pos = {}, 0  # unfactored slot -> where its elements start in ``variance``
-        for k, ((lo, hi), s) in enumerate(zip(ranges, train)):
-            if not _factored(s.shape):
-                at[k], pos = pos, pos + max(0, hi - lo)
-        ks = [k for k, a in enumerate(active) if a]
+        at = dict(mine)
+        ks = [k for k, _ in mine]
         local = {}  # slot -> (its elements here as a view of param, their gradient, their flat indices)
         for k in ks:
             s = train[k]
@@ -227,7 +243,6 @@ class Adafactor:
             p.add_(out[k], alpha=-alphas[i] / denom)
             if copy is not None:
                 copy[lo:lo + p.numel()].copy_(p)
-        return param, AdafactorState(count, variance, FrozenMap(factors)), copy
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "adafactor"

@@ -9,7 +9,8 @@ trainable parameter, as for any optimizer; each is saved under its own optimizer
 
 An update runs each label's optimizer on its parameters: an elementwise one through its ``plan`` (given only its
 parameters as active) and ``apply`` on each run, the run's rows found at their compact place; one with a
-``step_slots`` (``fs.muon``) on its slots at once, with the step's collectives. The result equals the torch twins,
+``step_slots`` (``fs.muon``, ``fs.adafactor``) on its slots at once, with the step's collectives (and, for one
+with state beside its rows, the counts and that state: ``PartitionState.extra``). The result equals the torch twins,
 one torch optimizer per group, stepped one after the other on the same gradients.
 """
 from __future__ import annotations
@@ -32,11 +33,13 @@ from ._protocol import Row
 @register_node
 @dataclass(frozen=True)
 class PartitionState:
-    """The state of one unit's shard under ``fs.partition``: the step counts (one per trainable parameter) and, per
-    label, its optimizer's rows by name over the label's parameters only (``parts[label][row]``)."""
+    """The state of one unit's shard under ``fs.partition``: the step counts (one per trainable parameter); per
+    label, its optimizer's rows by name over the label's parameters only (``parts[label][row]``); and per label the
+    state its optimizer keeps beside the rows, by parameter (``extra[label][name][key]``: Adafactor's factors)."""
 
     count: torch.Tensor
     parts: FrozenMap
+    extra: FrozenMap
 
     @property
     def rows(self) -> tuple:
@@ -49,7 +52,7 @@ class PartitionState:
             rows = rows[len(part):]
         if rows:
             raise ArgumentError(f"PartitionState.with_rows: {len(rows)} rows more than the partition declares.")
-        return PartitionState(count, FrozenMap(parts))
+        return PartitionState(count, FrozenMap(parts), self.extra)
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,27 @@ class Partition:
         of = self._label_of
         return [of[s.name] == label for s in layout.trainable]
 
+    def _row_mask(self, layout: UnitLayout, label: str) -> list[bool]:
+        """The slots the label's rows cover: its parameters, of those its optimizer's rows cover (``covers``: one
+        pattern for all its rows, checked by ``partition``)."""
+        mask, o = self._mask(layout, label), dict(self.optimizers)[label]
+        if hasattr(o, "covers"):
+            mask = [m and c for m, c in zip(mask, o.covers(layout, 0))]
+        return mask
+
     def covers(self, layout: UnitLayout, i: int) -> tuple[bool, ...]:
-        """Row ``i`` (in ``rows``' order) covers the parameters of its optimizer's label."""
-        return tuple(self._mask(layout, self._row_label(i)))
+        """Row ``i`` (in ``rows``' order) covers the parameters of its optimizer's label (those its rows cover)."""
+        return tuple(self._row_mask(layout, self._row_label(i)))
+
+    def extra_entries(self, layout: UnitLayout, state: PartitionState) -> dict:
+        """Parameter name -> its checkpoint entries beside the rows (its label's optimizer's ``extra_entries``)."""
+        return {name: dict(f) for part in state.extra.values() for name, f in part.items()}
+
+    def zero_extra(self, state: PartitionState) -> PartitionState:
+        """``state`` with new zero tensors beside the rows, for a load to fill."""
+        return dataclasses.replace(state, extra=FrozenMap({label: FrozenMap(
+            {n: FrozenMap({k: torch.zeros_like(t) for k, t in f.items()}) for n, f in part.items()})
+            for label, part in state.extra.items()}))
 
     def count_key_of(self, name: str) -> str | None:
         return dict(self.optimizers)[self._label_of[name]].count_key
@@ -131,12 +152,16 @@ class Partition:
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> PartitionState | None:
         if not layout.trainable:
             return None
-        ranges, parts = layout.trainable_ranges(rank), {}
+        ranges, parts, extra = layout.trainable_ranges(rank), {}, {}
         for label, o in self.optimizers:
-            n = sum(max(0, hi - lo) for (lo, hi), on in zip(ranges, self._mask(layout, label)) if on)
+            n = sum(max(0, hi - lo) for (lo, hi), on in zip(ranges, self._row_mask(layout, label)) if on)
             parts[label] = FrozenMap({r.name: torch.zeros(n, dtype=r.dtype_for(shard.dtype), device=shard.device)
                                       for r in o.rows})
-        return PartitionState(torch.zeros(len(layout.trainable), dtype=torch.int64), FrozenMap(parts))
+            mine = {s.name for s, on in zip(layout.trainable, self._mask(layout, label)) if on}
+            own = o.extra_entries(layout, o.init(layout, rank, shard)) if hasattr(o, "extra_entries") else {}
+            extra[label] = FrozenMap({name: FrozenMap(e) for name, e in own.items() if name in mine})
+        return PartitionState(torch.zeros(len(layout.trainable), dtype=torch.int64), FrozenMap(parts),
+                              FrozenMap(extra))
 
     def plan(self, layout, rank, count, active, updates=0):
         raise ArgumentError("fs.partition has no plan of its own: its rows cover only their own optimizer's "
@@ -155,19 +180,21 @@ class Partition:
             return param, state.with_rows(count, state.rows), copy
         if not donate:
             param, copy = param.clone(), None if copy is None else copy.clone()
-        parts, ranges = {}, layout.trainable_ranges(rank)
+        parts, extra, ranges = {}, dict(state.extra), layout.trainable_ranges(rank)
         for label, o in self.optimizers:
             rows = tuple(state.parts[label].values())
-            mask = self._mask(layout, label)
-            on = [a and m for a, m in zip(active, mask)]
+            on = [a and m for a, m in zip(active, self._mask(layout, label))]
             if any(on) and not donate:
                 rows = tuple(r.clone() for r in rows)
-            at, pos = {}, 0  # slot -> where its range starts in the label's compact rows
-            for k, ((lo, hi), m) in enumerate(zip(ranges, mask)):
-                if m:
-                    at[k], pos = pos, pos + max(0, hi - lo)
+                extra[label] = FrozenMap({n: FrozenMap({k: t.clone() for k, t in f.items()})
+                                          for n, f in extra[label].items()})
+            at, pos = {}, 0  # slot -> where its range starts in the label's compact rows (0 where it has none)
+            for k, ((lo, hi), m) in enumerate(zip(ranges, self._row_mask(layout, label))):
+                at[k], pos = pos, pos + (max(0, hi - lo) if m else 0)
             if any(on) and hasattr(o, "step_slots"):
                 kw = {"comm": comm} if getattr(o, "collective", False) else {}
+                if hasattr(o, "extra_entries"):  # (its counts and its state beside the rows: Adafactor's)
+                    kw.update(count=count, extra=extra[label])
                 o.step_slots(layout, rank, param, grad, rows, [(k, at[k]) for k, a in enumerate(on) if a],
                              grad_scale, updates, copy, **kw)
             elif any(on):
@@ -178,7 +205,8 @@ class Partition:
                     o.apply(param[lo:hi], grad[lo:hi], *(r[a:a + hi - lo] for r in rows), step, grad_scale, lr=lr,
                             weight_decay=wd, copy=None if copy is None else copy[lo:hi])
             parts[label] = rows
-        return param, state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]]), copy
+        new = state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]])
+        return param, dataclasses.replace(new, extra=FrozenMap(extra)), copy
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "+".join(sorted({o.resolved_impl(device, dtype) for _, o in self.optimizers}))
@@ -198,11 +226,12 @@ def partition(optimizers: Mapping, label_fn: Callable) -> Partition:
         if isinstance(o, Partition):
             raise ArgumentTypeError(f"fs.partition: {label!r} is itself an fs.partition; give one partition all "
                                     "the labels.")
-        if hasattr(o, "covers") or hasattr(o, "extra_entries"):
+        odd = hasattr(o, "covers") or hasattr(o, "extra_entries")  # (Adafactor: one compact row, factors beside)
+        if odd and (not hasattr(o, "step_slots") or len(o.rows) > 1):
             raise ArgumentTypeError(f"fs.partition: {label!r} maps to {type(o).__name__}, whose state is not rows "
-                                    "over every one of its parameters (compact rows, or state beside the rows), "
-                                    "which a partition cannot hold yet. Use it alone (fs.init(model, mesh, "
-                                    "fs.adafactor(...))), or partition fs.adamw / fs.muon.")
+                                    "over every one of its parameters (compact rows, or state beside the rows) and "
+                                    "which has no step_slots over one such row, so a partition cannot drive it. Use "
+                                    "it alone (fs.init(model, mesh, optimizer)).")
         if not all(hasattr(o, a) for a in ("rows", "update", "plan", "apply", "init", "param_groups")):
             raise ArgumentTypeError(f"fs.partition: {label!r} maps to {o!r}, not an fshard optimizer (fs.adamw(...), "
                                     "fs.muon(...), ...).")
