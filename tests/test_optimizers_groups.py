@@ -9,7 +9,7 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
 - The state: a parameter holds only its own optimizer's rows (no AdamW moments for a Muon matrix).
 - fs.adafactor against torch.optim.Adafactor the same way, within 1e-6 (its whole-parameter norms are sums of the
   ranks' partial sums), and its checkpoint entries (row_var, col_var, variance, step) get_optimizer_state_dict's
-  keys and shapes.
+  keys and shapes; a 3-D parameter cut mid-row by the shard boundary, factored per leading index, at 1 and 2 ranks.
 - The Newton-Schulz work: at world size 2 each rank orthogonalises half of the matrices (calls counted).
 - fs.save / fs.load: the keys torch's optimizers save (momentum_buffer for Muon's, exp_avg/exp_avg_sq/step for
   AdamW's), a resumed run bitwise an uninterrupted one at world sizes 1 and 2, and a checkpoint resharded through
@@ -395,3 +395,42 @@ def test_the_collective_updates_compose_with_the_other_transforms(case):
     check passes), and the gradient scale of clipping reaches them, at world size 2."""
     for d in run_ranks(_composed, 2, case):
         assert d <= 1e-6, (case, d)
+
+
+class _Tensor3(torch.nn.Module):
+    """A 3-D parameter (Adafactor factors its last two dims per leading index), cut by the shard boundary."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(3, 5, 7) * 0.3)
+        self.b = torch.nn.Parameter(torch.zeros(7))
+
+    def forward(self, x):
+        return torch.einsum("nk,ckj->ncj", x, self.w).sum(1) + self.b
+
+
+def _tensor3():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mesh = fs.Mesh.from_env()
+    model = _Tensor3()
+    ref = copy.deepcopy(model)
+    state = fs.init(model, mesh, fs.adafactor(lr=1e-2, weight_decay=0.1))
+    ddp = DDP(ref) if mesh.world_size > 1 else ref
+    opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    loss_fn = lambda m, b: (m(b[0]) - b[1]).pow(2).mean()  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    with fs.compose(loss_fn) as step:
+        for _ in range(3):
+            x, y = torch.randn(4 * mesh.world_size, 5, generator=g), torch.randn(4 * mesh.world_size, 7, generator=g)
+            b = (x[4 * mesh.rank:4 * mesh.rank + 4], y[4 * mesh.rank:4 * mesh.rank + 4])
+            state, _ = step(state, b)
+            oracle_step(ddp, opt, loss_fn, b, mesh.world_size)
+    return max(param_diffs(fs.full_params(state), ref)[0].values()), tuple(state.opt_state["<root>"].factors[
+        "w"]["row_var"].shape)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_adafactor_factors_a_3d_parameter_per_leading_index(world_size):
+    for d, shape in run_ranks(_tensor3, world_size):
+        assert shape == (3, 5, 1) and d <= 1e-6, (d, shape)
