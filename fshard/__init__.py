@@ -13,10 +13,11 @@ The names a training script uses are re-exported here, as optax does; ``__all__`
 of the public surface is in public modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *``
 loads none of them): ``fs.errors`` (every error type; the common ones are also here), ``fs.state`` (the state's
 types: ``ShardSpec``, ``FrozenMap``, ``Donation``, the layouts, the stored leaves), ``fs.optim`` (``AdamW``,
-``AdamWState``), ``fs.schedules`` (learning-rate schedules), ``fs.protocol`` (what a transform author writes against:
-``Transform``, ``Policy``, the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their
-state types), ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on
-first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
+``AdamWState``, ``Muon``, ``Partition``, ``PartitionState``, the optimizer protocol), ``fs.schedules``
+(learning-rate schedules), ``fs.protocol`` (what a transform author writes against: ``Transform``, ``Policy``,
+the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their state types),
+``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on first use,
+because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
 ``fs.testing`` (hypothesis). The packages by concern behind them are laid out in design/ARCHITECTURE.md.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .errors import (ArgumentError, ArgumentTypeError, CheckpointError, Collecti
                      RankDivergenceError, StepError)
 from .model import full_params, full_state_dict, init
 from .offload import offload_state
-from .optim import adamw, schedules  # noqa: F401 (fs.schedules: a public module)
+from .optim import adafactor, adamw, muon, partition, schedules  # noqa: F401 (fs.schedules: a public module)
 from .protocol import Transform
 from .state import TrainState
 from .step import Plan, Step, Timeline, compose, timeline
@@ -59,7 +60,8 @@ _MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "
 
 __all__ = [
     # state and set-up
-    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "adamw", "set_mmap_threshold",
+    "Mesh", "init", "full_params", "full_state_dict", "TrainState", "adamw", "muon", "partition",
+    "adafactor", "set_mmap_threshold",
     # checkpoints
     "save", "load", "latest", "SaveHandle",
     # the step and its transforms (their state types: fs.transforms; writing one: fs.protocol)

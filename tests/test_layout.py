@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "run": {"dist", "protocol", "state"},
     "step": {"dist", "protocol", "run", "state", "transforms"},
     "offload": {"dist", "optim", "protocol", "state", "store"},
-    "model": {"dist", "run", "state", "store"},
+    "model": {"dist", "optim", "run", "state", "store"},
     "checkpoint": {"dist", "optim", "state", "store", "transforms"},
     "testing": {"state"},
 }

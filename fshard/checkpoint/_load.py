@@ -19,7 +19,7 @@ from ._files import MANIFEST, check_files, read_manifest
 from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ..optim._protocol import row_names, zeros
+from ..optim._protocol import count_key_of, row_names, zeros
 from ..state._placement import Placement, check_placement, placement_for, placement_of
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_state
 from ..state._train_state import TrainState
@@ -128,10 +128,14 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
 def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_state, buffers, ts_keys) -> TrainState:
     """DCP fills ``want``; the new state from it."""
     _dcp(call, f"reading {path}", "like is unchanged", dcp.load, want, storage_reader=reader, planner=_LoadPlanner())
-    count_key = like.spec.optimizer.count_key  # (None: the optimizer saves no counts)
+    opt = like.spec.optimizer
+    rows = row_names(opt)
     for u in like.spec.units:  # torch's per-parameter step, back to fshard's counts
         for k, s in enumerate(u.trainable):
+            count_key = count_key_of(opt, s.name)  # (None: the optimizer saves no counts)
             step = want.get(f"optim.state.{s.name}.{count_key}") if count_key is not None else None
+            if step is None and count_key is None and any(f"optim.state.{s.name}.{r}" in want for r in rows):
+                step = 1  # state but no count (Muon's): updated at least once, so a later save keeps its state
             if step is not None and u.name in opt_state:
                 opt_state[u.name].count[k] = int(step)
     warn_hparams(path, like, {**{k: v for k, v in want.items() if k.startswith("optim.param_groups.")},
@@ -176,6 +180,8 @@ def _new_moments(like: TrainState, where: dict, targets: dict) -> dict:
         n, count, w = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64), where.get(u.name)
         if w is None or not opt.rows:
             out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
+            if hasattr(opt, "zero_extra"):  # state beside the rows (Adafactor's factors): new tensors to fill
+                out[u.name] = opt.zero_extra(out[u.name])
             continue
         dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: state/_stored.py's put_moments)
         items = _target(targets, order, _Items(w.store, f"{u.name}@load-{tag}", _chunks(n, w.chunk), row_names(opt)),

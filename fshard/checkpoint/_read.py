@@ -142,8 +142,8 @@ def warn_hparams(path, like, saved: dict) -> None:
     mine = {}  # parameter name -> the fields of like's group of it (the optimizer's param_groups)
     for g in opt.param_groups(spec.units, 0 if step is None else int(step)):
         fields = {k: v for k, v in g.items() if k != "params"}
-        if callable(opt.lr) and step is None:
-            fields["lr"] = None  # a schedule's rate at an unknown step: not compared
+        if step is None and (callable(getattr(opt, "lr", None)) or not hasattr(opt, "lr")):
+            fields["lr"] = None  # a schedule's rate at an unknown step (a partition's may be one): not compared
         mine.update((name, fields) for name in g["params"])
     differ = {}
     groups = {}

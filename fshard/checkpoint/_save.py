@@ -35,11 +35,11 @@ from ..dist._call import Call
 from ..dist._agreement import explain
 from ._files import (FORMAT, check_target, commit, crc_share, data_files, discard, latest,  # noqa: F401
                           start, token)  # (latest: fs.latest)
-from ._dcp import _Chunks, _SavePlanner, slot_boxes
+from ._dcp import _Boxes, _Chunks, _SavePlanner, slot_boxes
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError
 from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
-from ..optim._protocol import row_names
+from ..optim._protocol import count_key_of, row_names, row_ranges
 from ..state._stored import StoredParam, in_store, stored_items
 
 __all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/checkpoint/_load.py
@@ -77,18 +77,31 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
             continue
         rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if in_store(m) is not None else
                                        dict(flat=m))) for r, m in enumerate(st.rows)]
+        # where each row holds each slot: (lo - at) is how far a compact row (a partition's) is shifted from
+        # the shard (fshard/optim/_protocol.py's covers); a row that covers every slot has at == lo
+        shift = [{k: lo - at for k, lo, _, at in row_ranges(opt, u, rank, i)} for i in range(len(names))]
+        extra = opt.extra_entries(u, st) if hasattr(opt, "extra_entries") else {}  # (whole tensors: Adafactor's)
         for k, s in enumerate(u.trainable):
             if not for_load and int(st.count[k]) == 0:
                 continue  # never updated: torch keeps no state for it
-            entry = {} if opt.count_key is None else {
-                opt.count_key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
-            entry.update((name, slot_boxes(u, s, rank, **row)) for name, row in zip(names, rows, strict=True))
+            key = count_key_of(opt, s.name)
+            entry = {} if key is None else {key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
+            entry.update((name, _shifted(slot_boxes(u, s, rank, **row), shift[i].get(k, 0)))
+                         for i, (name, row) in enumerate(zip(names, rows, strict=True)) if k in shift[i])
+            entry.update(extra.get(s.name, {}))
             optim[s.name] = entry
     param_groups = opt.param_groups(spec.units, int(state.step))
     extra = {n: b for n, b in buffers.items() if n not in persistent}
     return {"model": model, "optim": {"state": optim, "param_groups": param_groups},
             "fshard": {"step": state.step, "skipped": state.skipped, "buffers": extra,
                        "transform_state": dict(state.transform_state), "layout": json.dumps(_layout_of(state))}}
+
+
+def _shifted(boxes, by: int):
+    """``boxes`` of a flat row whose element 0 is the shard's element ``by`` (a compact row), not the first."""
+    if by == 0:
+        return boxes
+    return _Boxes(boxes.shape, boxes.dtype, boxes.flat, [(o, sz, f - by, c) for o, sz, f, c in boxes.boxes])
 
 
 class _Shifted:

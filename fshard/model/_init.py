@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..dist._agreement import HASH_BITS, agree
 from ..dist._collectives import Comm
 from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
+from ..optim._protocol import refuse_unstreamable
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
 from ..state._placement import place_unit, placement_for
@@ -88,6 +89,8 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
 
     params, opt_state, digests = {}, {}, {}
     # where offload= keeps each unit: written there as the unit is made (the units the optimizer makes state for)
+    if offload is not None:  # (its rows must stream through the offload's per-run updates)
+        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     where = ({} if abstract or offload is None else
              placement_for(offload, [u for u in layouts if u.trainable], mesh.rank, "fs.init(..., offload=)"))
     rows, tag = tuple(r.name for r in opt.rows), uuid.uuid4().hex[:8]

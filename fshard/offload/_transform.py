@@ -30,6 +30,7 @@ from typing import Any
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
 from ._tiers import choose_tiers
+from ..optim._protocol import refuse_unstreamable
 from ._update import OffloadUpdate
 from ..state._placement import Where
 from ..state._stored import _location
@@ -123,6 +124,11 @@ class offload_state(Transform):
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,
                              self.worker_nice, self.params)
 
+    def init_state(self, spec, old):
+        """No state of its own; refuses an optimizer it cannot stream (before the first step runs)."""
+        refuse_unstreamable(spec.optimizer, "fs.compose(..., fs.offload_state(...))")
+        return None
+
     def fingerprint(self) -> str:
         """The kinds of store and the placement, not their directories: each rank may offload to a disk of its
         own."""
@@ -161,3 +167,4 @@ def _tiers(store, fraction) -> tuple[tuple, tuple]:
         raise ArgumentError(f"fs.offload_state: fraction must be in [0, 1] (one per store, summing to at most 1), "
                             f"got {fraction!r} for {len(stores)} store(s).")
     return stores, tuple(float(f) for f in fracs)
+

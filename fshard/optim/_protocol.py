@@ -15,6 +15,23 @@ An update is ``plan`` (which runs of the shard move, with which step count, lear
 followed by ``apply`` on each run, on flat slices of the same length: the parameter, its gradient and the rows in
 the declared order. ``update`` does both for a unit held in memory; a policy that streams rows in pieces
 (``fs.offload_state``) calls the two itself.
+
+Optional declarations extend this for optimizers that are not elementwise or cover only some parameters
+(``fs.muon``, ``fs.partition``, ``fs.adafactor``; design/OPTIM_GROUPS.md says why these and not others):
+
+- ``collective = True``: ``update`` needs the step's collectives (Muon's Newton-Schulz needs whole matrices), so the
+  update policy passes ``comm=`` (the step's ``fs.protocol.Collectives``) to it; every rank calls ``update`` for the
+  same units in the same order, so the collectives inside it match. Such an optimizer has no per-run ``apply`` a
+  streaming policy could call: ``fs.offload_state`` refuses it (``streamable``).
+- ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
+  holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
+  covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's
+  rows.
+- ``count_key_of(name) -> str | None``: the checkpoint key of parameter ``name``'s count where it differs between
+  parameters (a partition: AdamW's ``step`` for its parameters, none for Muon's); default ``count_key``.
+- ``extra_entries(layout, state) -> {param name: {key: tensor}}`` and ``zero_extra(state) -> state``: state beside
+  the rows that is not elementwise (Adafactor's ``row_var``/``col_var``, whole tensors the same on every rank), saved
+  under ``optim.state.<name>.<key>`` as torch's optimizer keys it; a load fills ``zero_extra``'s new tensors.
 """
 from __future__ import annotations
 
@@ -24,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import ArgumentError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
 
@@ -163,14 +181,59 @@ def row_names(opt: Optimizer) -> tuple[str, ...]:
     return tuple(r.name for r in opt.rows)
 
 
+def row_ranges(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> list[tuple[int, int, int, int]]:
+    """Where row ``row`` (its index in ``opt.rows``) holds each trainable slot it covers: ``(k, lo, hi, at)`` for
+    trainable slot ``k`` whose shard-local range ``[lo, hi)`` sits at ``[at, at + hi - lo)`` of the row (``at ==
+    lo`` for a row covering every slot)."""
+    covers = getattr(opt, "covers", None)
+    mask = covers(layout, row) if covers is not None else None
+    out, at = [], 0
+    for k, (lo, hi) in enumerate(layout.trainable_ranges(rank)):
+        if mask is None or mask[k]:
+            out.append((k, lo, hi, at))
+            at += max(0, hi - lo)
+    return out
+
+
+def row_numel(opt: Optimizer, layout: UnitLayout, rank: int, row: int) -> int:
+    """The elements of row ``row`` (its index in ``opt.rows``) on this rank: ``opt_numel`` unless the row is
+    compact (``covers``)."""
+    if getattr(opt, "covers", None) is None:
+        return layout.opt_numel(rank)
+    return sum(max(0, hi - lo) for _, lo, hi, _ in row_ranges(opt, layout, rank, row))
+
+
+def streamable(opt: Optimizer) -> bool:
+    """Whether a policy may stream ``opt``'s rows through ``plan`` and ``apply`` (``fs.offload_state``): every row
+    over the whole optimizer range, and no collective inside the update."""
+    return not getattr(opt, "collective", False) and getattr(opt, "covers", None) is None
+
+
+def count_key_of(opt: Optimizer, name: str) -> str | None:
+    """The checkpoint key of parameter ``name``'s step count (``count_key_of`` where declared, else ``count_key``)."""
+    of = getattr(opt, "count_key_of", None)
+    return opt.count_key if of is None else of(name)
+
+
 def zeros(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
           device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zero tensor per declared row over this rank's optimizer range (a unit of parameter dtype ``dtype``)."""
-    n = layout.opt_numel(rank)
-    return [torch.zeros(n, dtype=r.dtype_for(dtype), device=device) for r in opt.rows]
+    """One zero tensor per declared row over this rank's optimizer range, or over the slots it covers (a unit of
+    parameter dtype ``dtype``)."""
+    return [torch.zeros(row_numel(opt, layout, rank, i), dtype=r.dtype_for(dtype), device=device)
+            for i, r in enumerate(opt.rows)]
 
 
 def state_bytes(s: UnitOptState) -> int:
     """The bytes of a unit's rows (held in memory or in a store), not counting the counts."""
     return sum(r.nbytes for r in s.rows)
 
+
+def refuse_unstreamable(opt, where: str) -> None:
+    """An ``ArgumentError`` for an optimizer whose rows cannot stream through per-run updates (``streamable``:
+    fs.muon's collective update, fs.partition's compact rows, fs.adafactor's factored rows)."""
+    if not streamable(opt):
+        raise ArgumentError(
+            f"{where}: fs.offload_state streams each unit's optimizer rows through per-run updates (plan, then apply "
+            f"on pieces of the rows), and {type(opt).__name__} does not update run by run (its update needs whole "
+            "matrices, or its rows cover only some parameters). Train it without fs.offload_state (its state stays "
+            "in device memory, sharded), or offload an elementwise optimizer such as fs.adamw.")

@@ -191,9 +191,11 @@ class DeviceUpdate(UpdatePolicy):
                     raise ArgumentTypeError(
                         f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
                         "compose this step with the same fs.offload_state(store, ...) to update it.")
-                params[u.name], opt_state[u.name], copy = step.spec.optimizer.update(
+                opt = step.spec.optimizer  # (collective: its update issues collectives, fshard/optim/_protocol.py)
+                params[u.name], opt_state[u.name], copy = opt.update(
                     u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
-                    donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name))
+                    donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name),
+                    **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
                 if copy is not None:
                     copies[u.name] = copy
         return params, opt_state, {}, copies

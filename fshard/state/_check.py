@@ -77,15 +77,16 @@ def check_fields(state, changes) -> None:
             if not (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and tuple(c.shape) == (len(u.trainable),)):
                 _fail("opt_state", f"opt_state[{n!r}].count must be an int64 tensor of ({len(u.trainable)},), one "
                                    f"count per trainable parameter of the unit; got {_what(c)}.")
-            for row, m in zip(opt.rows, s.rows, strict=True):
+            for i, (row, m) in enumerate(zip(opt.rows, s.rows, strict=True)):
+                want_n = _row_numel(opt, u, rank, i)  # (opt_numel, or fewer for a compact row: a partition's)
                 if in_store(m) is not None:
-                    if m.numel != u.opt_numel(rank):
+                    if m.numel != want_n:
                         _fail("opt_state", f"opt_state[{n!r}].{row.name} holds {m.numel} elements in its store, "
-                                           f"where this rank's shard has {u.opt_numel(rank)} with optimizer state.")
+                                           f"where this rank's shard has {want_n} with optimizer state.")
                     continue
-                if not isinstance(m, torch.Tensor) or tuple(m.shape) != (u.opt_numel(rank),):
+                if not isinstance(m, torch.Tensor) or tuple(m.shape) != (want_n,):
                     _fail("opt_state", f"opt_state[{n!r}].{row.name} is {_what(m)}, where this rank's shard has "
-                                       f"({u.opt_numel(rank)},) elements with optimizer state.")
+                                       f"({want_n},) elements with optimizer state.")
                 want = row.dtype_for(u.dtype)
                 if m.dtype != want:
                     _fail("opt_state", f"opt_state[{n!r}].{row.name} is {m.dtype}, but unit {n!r} keeps it in "
@@ -101,3 +102,12 @@ def check_fields(state, changes) -> None:
                 _fail("buffers", f"buffers has {n!r}, which is not a buffer of the model.")
             if not isinstance(b, torch.Tensor) or tuple(b.shape) != tuple(want[n].shape):
                 _fail("buffers", f"buffers[{n!r}] is {_what(b)}, where the model's has shape {tuple(want[n].shape)}.")
+
+
+def _row_numel(opt, u, rank: int, i: int) -> int:
+    """Row ``i``'s elements on this rank: ``opt_numel``, or those of the slots it covers where the optimizer
+    declares ``covers`` (fshard/optim/_protocol.py's ``row_numel``, which this package may not import)."""
+    covers = getattr(opt, "covers", None)
+    if covers is None:
+        return u.opt_numel(rank)
+    return sum(max(0, hi - lo) for (lo, hi), on in zip(u.trainable_ranges(rank), covers(u, i)) if on)
