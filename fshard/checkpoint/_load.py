@@ -21,7 +21,7 @@ from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
 from ..offload._transform import offload_state
 from ..offload._tiers import choose_stores, stored_state
-from ..optim._protocol import row_names, zeros
+from ..optim._protocol import initial_rows, row_names
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_items
 from ..state._train_state import TrainState
 
@@ -127,10 +127,13 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
 def _read(call, path: Path, like: TrainState, want: dict, reader, params, opt_state, buffers, ts_keys) -> TrainState:
     """DCP fills ``want``; the new state from it."""
     _dcp(call, f"reading {path}", "like is unchanged", dcp.load, want, storage_reader=reader, planner=_LoadPlanner())
-    count_key = like.spec.optimizer.count_key  # (None: the optimizer saves no counts)
+    opt = like.spec.optimizer
     for u in like.spec.units:  # torch's per-parameter step, back to fshard's counts
         for k, s in enumerate(u.trainable):
-            step = want.get(f"optim.state.{s.name}.{count_key}") if count_key is not None else None
+            if opt.count_key is not None:
+                step = want.get(f"optim.state.{s.name}.{opt.count_key}")
+            else:  # no counts saved (SGD's): a parameter with saved rows was updated, which is all such a one reads
+                step = 1 if any(f"optim.state.{s.name}.{r.name}" in want for r in opt.rows) else None
             if step is not None and u.name in opt_state:
                 opt_state[u.name].count[k] = int(step)
     warn_hparams(path, like, {**{k: v for k, v in want.items() if k.startswith("optim.param_groups.")},
@@ -192,7 +195,7 @@ def _new_moments(like: TrainState, offload, targets: dict) -> dict:
             held = stored_items(st)
             where = (held.store, held.chunks) if held is not None else None
         if where is None or not opt.rows:
-            out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
+            out[u.name] = st.with_rows(count, initial_rows(opt, u, rank, u.dtype, spec.mesh.device))
             continue
         dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: offload/_tiers.py's put_moments)
         items = _target(targets, order, _Items(where[0], f"{u.name}@load-{tag}", where[1], row_names(opt)), dtype)

@@ -78,8 +78,8 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         rows = [dict(dtype=m.dtype, **(dict(stored=(m.items, r, window, order)) if isinstance(m, Stored) else
                                        dict(flat=m))) for r, m in enumerate(st.rows)]
         for k, s in enumerate(u.trainable):
-            if not for_load and int(st.count[k]) == 0:
-                continue  # never updated: torch keeps no state for it
+            if not for_load and int(st.count[k]) == 0 and not getattr(opt, "eager_state", False):
+                continue  # never updated: torch keeps no state for it (Adagrad's makes it when built: eager_state)
             entry = {} if opt.count_key is None else {
                 opt.count_key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
             entry.update((name, slot_boxes(u, s, rank, **row)) for name, row in zip(names, rows, strict=True))

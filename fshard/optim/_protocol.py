@@ -9,7 +9,7 @@ the trainable prefix of a unit's shard on this rank, element for element, so who
 The state of one unit's shard is a frozen pytree node with a ``count`` (an int64 step count per trainable
 parameter of the unit) and the declared rows in their order (``rows``), each a tensor or a leaf held in a store
 (``fs.state.Stored``); ``with_rows`` makes the same kind of node with other leaves. AdamW's node is ``AdamWState``,
-whose fields name its rows; an optimizer without a node of its own uses ``OptState``.
+whose fields name its rows; an optimizer without a node of its own uses ``OptState`` (``s.<row name>`` reads a row).
 
 An update is ``plan`` (which runs of the shard move, with which step count, learning rate and weight decay)
 followed by ``apply`` on each run, on flat slices of the same length: the parameter, its gradient and the rows in
@@ -35,10 +35,12 @@ class Row:
     Attributes:
       name: its name, also its key in a checkpoint's ``optim.state.<param>.<name>`` (as torch's optimizer names it).
       dtype: its dtype; None: the unit's parameter dtype (AdamW's moments follow the parameters, as torch's do).
+      init: the value every element starts at (Adagrad's ``initial_accumulator_value``; 0 for most rows).
     """
 
     name: str
     dtype: torch.dtype | None = None
+    init: float = 0.0
 
     def dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         """The row's dtype in a unit whose parameters are ``param_dtype``."""
@@ -74,11 +76,15 @@ class Optimizer(Protocol):
       count_key: the checkpoint key of each parameter's step count (``"step"``, as torch's AdamW saves it); None
         where the torch twin keeps no count (the counts are still kept: plans read them).
       state_type: the type of one unit's state (``UnitOptState``), which ``state.replace`` checks entries against.
+      eager_state: True where the torch twin makes every parameter's state when it is built (Adagrad's), so a
+        checkpoint lists the parameters never updated too; False (torch's usual: state from the first update).
+        Optional: an optimizer without it is False.
     """
 
     rows: tuple[Row, ...]
     count_key: str | None
     state_type: type
+    eager_state: bool
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> UnitOptState | None:
         """The initial state of one unit's shard.
@@ -157,17 +163,24 @@ class OptState:
     def with_rows(self, count: torch.Tensor, rows: Sequence) -> "OptState":
         return OptState(count, FrozenMap(dict(zip(self.named, rows, strict=True))))
 
+    def __getattr__(self, name: str):  # a row by its name (s.momentum_buffer), as AdamWState's fields name its rows
+        named = self.__dict__.get("named")
+        if named is not None and name in named:
+            return named[name]
+        raise AttributeError(f"OptState has no row {name!r}; its rows: {tuple(named or ())}.")
+
 
 def row_names(opt: Optimizer) -> tuple[str, ...]:
     """The names of ``opt``'s rows, in order."""
     return tuple(r.name for r in opt.rows)
 
 
-def zeros(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
-          device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zero tensor per declared row over this rank's optimizer range (a unit of parameter dtype ``dtype``)."""
+def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One tensor per declared row over this rank's optimizer range (a unit of parameter dtype ``dtype``), each
+    element at the row's initial value (``Row.init``: zero for most)."""
     n = layout.opt_numel(rank)
-    return [torch.zeros(n, dtype=r.dtype_for(dtype), device=device) for r in opt.rows]
+    return [torch.full((n,), r.init, dtype=r.dtype_for(dtype), device=device) for r in opt.rows]
 
 
 def state_bytes(s: UnitOptState) -> int:
