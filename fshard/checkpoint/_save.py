@@ -71,6 +71,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
             model[key] = buffers[buffer_of[id(t)]]
     optim, opt = {}, spec.optimizer
     names = row_names(opt)  # the rows it declares, saved under their names (fshard/optim/_protocol.py)
+    scalars = getattr(opt, "saved_scalars", None)  # 0-dim per-parameter state that follows the count (from_torch's)
     for order, u in enumerate(spec.units):
         st = opt_state.get(u.name)
         if st is None:
@@ -83,6 +84,8 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
             entry = {} if opt.count_key is None else {
                 opt.count_key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
             entry.update((name, slot_boxes(u, s, rank, **row)) for name, row in zip(names, rows, strict=True))
+            if scalars is not None and not for_load and int(st.count[k]) > 0:  # (a load recomputes them)
+                entry.update(scalars(int(st.count[k]), int(state.step), opt.decays(u)[k]))
             optim[s.name] = entry
     param_groups = opt.param_groups(spec.units, int(state.step))
     extra = {n: b for n, b in buffers.items() if n not in persistent}

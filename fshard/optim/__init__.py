@@ -4,7 +4,7 @@ on flat shards, and the learning-rate schedules (``fs.schedules``).
 The optimizers, each equal to its torch twin (README, "Optimizers"): ``adamw`` (also ``fs.adamw``), ``adam``,
 ``sgd``, ``adagrad``, ``rmsprop``, ``lion`` (the Lion paper's, as optax.lion), and ``from_torch`` (any elementwise
 torch optimizer, run by torch's own implementation). ``Elementwise`` is their shared base: an optimizer of your own
-declares its ``rows`` and writes ``_step`` (examples/custom_optimizer.py).
+declares its ``rows`` and writes ``update_run`` (examples/custom_optimizer.py).
 
 Its public names, listed in ``__all__``; the modules behind them are private."""
 from . import schedules

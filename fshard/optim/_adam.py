@@ -48,7 +48,7 @@ class Adam(Elementwise):
     def rows(self) -> tuple[Row, ...]:
         return (Row("exp_avg"), Row("exp_avg_sq")) + ((Row("max_exp_avg_sq"),) if self.amsgrad else ())
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"betas": self.betas, "eps": self.eps, "weight_decay": None, "amsgrad": self.amsgrad,
                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
                 "fused": None, "decoupled_weight_decay": False}
@@ -56,7 +56,7 @@ class Adam(Elementwise):
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return self.impl
 
-    def _step(self, p, g, rows, step, lr, wd):
+    def update_run(self, p, g, rows, step, lr, wd):
         m, v = rows[:2]
         vmax = rows[2] if self.amsgrad else None
         (b1, b2), eps = self.betas, self.eps
@@ -91,10 +91,10 @@ class Lion(Elementwise):
     def rows(self) -> tuple[Row, ...]:
         return (Row("exp_avg"),)
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"betas": self.betas, "weight_decay": None}
 
-    def _step(self, p, g, rows, step, lr, wd):
+    def update_run(self, p, g, rows, step, lr, wd):
         (m,) = rows
         b1, b2 = self.betas
         update = m.mul(b1).add_(g, alpha=1 - b1).sign_()  # the interpolation c, then its sign

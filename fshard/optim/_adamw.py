@@ -101,7 +101,7 @@ class AdamW(Elementwise):
     def _node(self, count, rows):
         return super()._node(count, rows) if self.amsgrad else AdamWState(count, *rows)
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"betas": self.betas, "eps": self.eps, "weight_decay": None, "amsgrad": self.amsgrad,
                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                 "decoupled_weight_decay": True}

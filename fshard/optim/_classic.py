@@ -51,12 +51,12 @@ class SGD(Elementwise):
     def rows(self) -> tuple[Row, ...]:
         return (Row("momentum_buffer"),) if self.momentum != 0 else ()
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"momentum": self.momentum, "dampening": self.dampening, "weight_decay": None,
                 "nesterov": self.nesterov, "maximize": self.maximize, "foreach": None, "differentiable": False,
                 "fused": None}
 
-    def _step(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
         grad = g if not self.maximize else -g
         if wd != 0:
             grad = grad.add(p, alpha=wd)
@@ -95,12 +95,12 @@ class Adagrad(Elementwise):
     def rows(self) -> tuple[Row, ...]:
         return (Row("sum", init=float(self.initial_accumulator_value)),)
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"lr_decay": self.lr_decay, "eps": self.eps, "weight_decay": None,
                 "initial_accumulator_value": self.initial_accumulator_value, "foreach": None,
                 "maximize": self.maximize, "differentiable": False, "fused": None}
 
-    def _step(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
         (state_sum,) = rows
         grad = g if not self.maximize else -g
         if wd != 0:
@@ -137,12 +137,12 @@ class RMSprop(Elementwise):
         return ((Row("square_avg"),) + ((Row("momentum_buffer"),) if self.momentum > 0 else ())
                 + ((Row("grad_avg"),) if self.centered else ()))
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return {"momentum": self.momentum, "alpha": self.alpha, "eps": self.eps, "centered": self.centered,
                 "weight_decay": None, "capturable": False, "foreach": None, "maximize": self.maximize,
                 "differentiable": False}
 
-    def _step(self, p, g, rows, step, lr, wd):  # torch.optim.rmsprop._single_tensor_rmsprop
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.rmsprop._single_tensor_rmsprop
         rows = list(rows)
         square_avg = rows.pop(0)
         buf = rows.pop(0) if self.momentum > 0 else None

@@ -5,11 +5,11 @@ An elementwise optimizer updates each element from that element's parameter, gra
 the flat shard (a parameter, part of one, or neighbours with the same step count and weight decay) can be updated
 by itself, and a streamed update (``fs.offload_state``) may cut it into chunks. A subclass is a frozen dataclass
 with the fields ``lr`` (a float or a schedule), ``weight_decay`` (where it has one), ``weight_decay_mask`` and
-``decay``; it declares its ``rows`` and writes ``_step``, one step in place on one run, and ``_group``, the fields
-of its torch twin's param groups. ``Elementwise`` gives it the rest: the learning rate at a count, the weight
-decay of each parameter, the plan (which runs move, at which step count), ``update`` (plan, then ``apply`` on each
-run), ``apply`` (the gradient scaled, the step, the low-precision copy), the initial state, the param groups, the
-fingerprint the ranks compare and ``bind``.
+``decay``; it declares its ``rows`` and writes ``update_run`` (one step in place on one run) and ``group_fields``
+(the fields of its torch twin's param groups). ``Elementwise`` gives it the rest: the learning rate at a count, the
+weight decay of each parameter, the plan (which runs move, at which step count), ``update`` (plan, then ``apply``
+on each run), ``apply`` (the gradient scaled, the step, the low-precision copy), the initial state, the param
+groups, the fingerprint the ranks compare and ``bind``. examples/custom_optimizer.py writes one.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ _UNSHARED = ("lr", "weight_decay_mask", "decay")  # fields that are not part of 
 
 
 class Elementwise:
-    """The protocol's methods for an elementwise optimizer; a subclass gives ``rows``, ``_step`` and ``_group``.
+    """The protocol's methods for an elementwise optimizer; a subclass gives ``rows``, ``update_run`` and
+    ``group_fields``.
 
     Class attributes a subclass may set: ``label`` (its public name, for messages: "fs.optim.sgd"), ``count_key``
     (the checkpoint key of its counts: torch's ``"step"``; None where torch keeps none), ``eager_state`` (True where
@@ -46,11 +47,11 @@ class Elementwise:
 
     rows: tuple[Row, ...] = ()
 
-    def _step(self, p: torch.Tensor, g: torch.Tensor, rows: tuple, step: int, lr: float, wd: float) -> None:
+    def update_run(self, p: torch.Tensor, g: torch.Tensor, rows: tuple, step: int, lr: float, wd: float) -> None:
         """One step in place on one run: ``g`` already scaled, ``step`` the run's count after the update."""
         raise NotImplementedError
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         """The torch twin's param-group fields other than ``lr`` and ``params``, in its order; a ``weight_decay``
         key (any value) where the twin has one, which each group fills with its own decay."""
         return {}
@@ -58,7 +59,7 @@ class Elementwise:
     # --- checks a subclass's __post_init__ calls
 
     def _check_common(self) -> None:
-        """Checks of ``lr``, ``weight_decay`` and ``weight_decay_mask``, each failure naming the argument and the fix."""
+        """Checks of ``lr``, ``weight_decay`` and ``weight_decay_mask``; each failure names the argument and the fix."""
         if not callable(self.lr) and not _number(self.lr):
             raise ArgumentTypeError(f"{self.label}(lr={self.lr!r}): lr must be a number or a schedule lr(count) -> "
                                     "float, e.g. fs.schedules.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000).")
@@ -145,7 +146,7 @@ class Elementwise:
             for wd, s in zip(self.decays(u), u.trainable):
                 groups.setdefault(wd, []).append(s.name)
         lr = self.lr if not callable(self.lr) else self.lr_at(updates)
-        return [{"lr": lr, **{k: (wd if k == "weight_decay" else v) for k, v in self._group().items()},
+        return [{"lr": lr, **{k: (wd if k == "weight_decay" else v) for k, v in self.group_fields().items()},
                  "params": names} for wd, names in groups.items()]
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor):
@@ -206,7 +207,7 @@ class Elementwise:
         wd = getattr(self, "weight_decay", 0.0) if weight_decay is None else weight_decay
         if scale != 1.0:
             g = g * scale  # what clip_grad_norm_ does to .grad
-        self._step(p, g, rows, int(step), lr, wd)
+        self.update_run(p, g, rows, int(step), lr, wd)
         if copy is not None:
             copy.copy_(p)
 

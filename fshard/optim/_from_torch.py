@@ -100,10 +100,10 @@ class FromTorch(Elementwise):
             kw["weight_decay"] = wd
         return kw
 
-    def _group(self) -> dict:
+    def group_fields(self) -> dict:
         return dict(self._fields)
 
-    def _step(self, p, g, rows, step, lr, wd):
+    def update_run(self, p, g, rows, step, lr, wd):
         opt = self.cls([p], **self._kw(lr, wd))
         st = opt.state[p]
         if step > 1 or self.eager_state:  # a first update of a lazy optimizer: torch makes its state itself
@@ -120,6 +120,13 @@ class FromTorch(Elementwise):
         for r, row in zip(self.rows, rows):
             if st[r.name] is not row:  # replaced, not updated in place (a first momentum buffer, a fresh state)
                 row.copy_(st[r.name])
+
+    def saved_scalars(self, count: int, updates: int, weight_decay: float) -> dict:
+        """The per-parameter scalars after ``count`` updates (at the rate after ``updates``), which a checkpoint
+        holds beside the rows as torch's ``get_optimizer_state_dict`` does (a load recomputes them)."""
+        if not self._scalars:
+            return {}
+        return {k: v.clone() for k, v in self._replayed(count, self.lr_at(updates), weight_decay).items()}
 
     def _replayed(self, count: int, lr: float, wd: float) -> dict:
         """The per-parameter scalars after ``count`` updates at ``lr``: a one-element parameter stepped ``count``

@@ -79,6 +79,10 @@ class Optimizer(Protocol):
       eager_state: True where the torch twin makes every parameter's state when it is built (Adagrad's), so a
         checkpoint lists the parameters never updated too; False (torch's usual: state from the first update).
         Optional: an optimizer without it is False.
+
+    Optional too: ``saved_scalars(count, updates, weight_decay) -> {name: 0-dim tensor}``, per-parameter scalars
+    the torch twin keeps beside its rows that follow from the count (NAdam's ``mu_product``, through
+    ``fs.optim.from_torch``): a checkpoint writes them for each updated parameter, so its keys are the twin's.
     """
 
     rows: tuple[Row, ...]
