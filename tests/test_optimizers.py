@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import fshard as fs
@@ -371,3 +373,52 @@ def test_an_optimizer_written_on_the_base_trains_as_its_formula():
                 p.mul_(1 - 5e-2 * (0.1 if p.ndim >= 2 else 0.0)).add_(torch.sign(bufs[n]), alpha=-5e-2)
     assert losses == theirs and losses[-1] < losses[0]
     assert all(torch.equal(full[n], p) for n, p in model.named_parameters())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(CASES)), st.integers(1, 3), st.data())
+def test_plan_and_update_move_only_the_active_parameters(name, n, data):
+    """For every optimizer, over random layouts, ranks, active masks, counts, decay masks and updates: the counts
+    grow by the active mask; the runs tile exactly the active slots' ranges, each at its slot's new count, decay
+    and the schedule's rate; ``update`` without donate leaves its inputs intact and the inactive elements as they
+    were."""
+    import dataclasses
+
+    import fshard.testing as ft
+    from fshard.state._flat import plan_unit
+    shapes = st.one_of(ft.shapes(), st.sampled_from([(0,), (1,), (2,), (3,)]))  # tiny ones: many per shard
+    params = data.draw(st.lists(st.tuples(shapes, st.sampled_from([True, True, False])), min_size=1, max_size=8))
+    layout = plan_unit("u", "u", [((f"p{i}",), shape, grad) for i, (shape, grad) in enumerate(params)],
+                       torch.float32, n, data.draw(st.sampled_from([1, 4, 64])))
+    rank = data.draw(st.integers(0, n - 1))
+    k = len(layout.trainable)
+    active = data.draw(st.lists(st.booleans(), min_size=k, max_size=k))
+    count = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k)), dtype=torch.int64)
+    decayed = frozenset(s.name for s in layout.trainable if data.draw(st.booleans()))
+    opt = CASES[name][0]()
+    opt = dataclasses.replace(opt, lr=fs.schedules.linear_schedule(1e-3, 0.0, 10), decay=decayed)
+    updates = data.draw(st.integers(0, 12))
+    new, runs = opt.plan(layout, rank, count, active, updates)
+    assert new.tolist() == [c + a for c, a in zip(count.tolist(), active)]
+    want = {}
+    for (lo, hi), on, c, s in zip(layout.trainable_ranges(rank), active, new.tolist(), layout.trainable):
+        for x in range(lo, hi) if on else ():
+            want[x] = (c, opt.lr_at(updates), opt.weight_decay if s.name in decayed else 0.0)
+    got = {x: (c, lr, wd) for lo, hi, c, lr, wd in runs for x in range(lo, hi)}
+    assert got == want and sum(hi - lo for lo, hi, *_ in runs) == len(want)
+    if not layout.trainable or layout.opt_numel(rank) == 0:
+        return
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    shard = torch.randn(layout.shard_numel, generator=g)
+    state = opt.init(layout, rank, shard)
+    state = state.with_rows(count, [r + torch.rand(r.shape, generator=g) for r in state.rows])  # (positive rows)
+    grad = torch.randn(layout.shard_numel, generator=g)
+    before = [shard.clone(), grad.clone(), *(r.clone() for r in state.rows)]
+    p, s, _ = opt.update(layout, rank, shard, grad, state, active, donate=False, updates=updates)
+    assert all(torch.equal(a, b) for a, b in zip(before, [shard, grad, *state.rows]))  # the inputs are intact
+    moved = torch.zeros(layout.shard_numel, dtype=torch.bool)
+    for lo, hi, *_ in runs:
+        moved[lo:hi] = True
+    assert torch.equal(p[~moved], shard[~moved])
+    for new_row, old_row in zip(s.rows, state.rows):
+        assert torch.equal(new_row[~moved[:new_row.numel()]], old_row[~moved[:new_row.numel()]])
