@@ -49,6 +49,7 @@ class _Replays:
         self.lock = threading.Lock()
         self.runs: dict = {}   # (lr, wd) -> (torch optimizer, its one-element parameter, steps taken)
         self.memo: dict = {}   # (lr, wd, count) -> {name: 0-dim tensor}
+        self.devices: dict = {}  # device -> {0-dim state name: kept on the parameter's device (else the CPU)}
 
     def __reduce__(self):
         return _Replays, ()
@@ -107,11 +108,14 @@ class FromTorch(Elementwise):
         opt = self.cls([p], **self._kw(lr, wd))
         st = opt.state[p]
         if step > 1 or self.eager_state:  # a first update of a lazy optimizer: torch makes its state itself
+            on = self._placement(p.device)
+            where = lambda k: p.device if on.get(k, False) else torch.device("cpu")  # noqa: E731 - as torch has it
             if self.count_key is not None:
-                st[self.count_key] = torch.tensor(float(step - 1), dtype=self._step_dtype, device=p.device)
+                st[self.count_key] = torch.tensor(float(step - 1), dtype=self._step_dtype,
+                                                  device=where(self.count_key))
             st.update(zip((r.name for r in self.rows), rows))
             if self._scalars and step > 1:
-                st.update((k, v.clone().to(p.device)) for k, v in self._replayed(step - 1, lr, wd).items())
+                st.update((k, v.clone().to(where(k))) for k, v in self._replayed(step - 1, lr, wd).items())
         p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         try:
             opt.step()
@@ -120,6 +124,22 @@ class FromTorch(Elementwise):
         for r, row in zip(self.rows, rows):
             if st[r.name] is not row:  # replaced, not updated in place (a first momentum buffer, a fresh state)
                 row.copy_(st[r.name])
+
+    def _placement(self, device: torch.device) -> dict:
+        """Which of X's 0-dim state tensors (``step``, the scalars) X keeps on the parameter's device rather than
+        the CPU (torch keeps ``step`` on the CPU unless capturable, ASGD's ``eta`` on the device): read once per
+        device from a probe step there, as X places them itself. On the CPU, nothing to tell apart."""
+        if device.type == "cpu":
+            return {}
+        r = self.replays
+        with r.lock:
+            if str(device) not in r.devices:
+                q = torch.zeros(3, device=device)
+                opt = self.cls([q], **self._kw(_probe_lr(self.lr), self.weight_decay))
+                q.grad = torch.full_like(q, 0.5)
+                opt.step()
+                r.devices[str(device)] = {k: v.device == q.device for k, v in opt.state[q].items() if v.dim() == 0}
+            return r.devices[str(device)]
 
     def saved_scalars(self, count: int, updates: int, weight_decay: float) -> dict:
         """The per-parameter scalars after ``count`` updates (at the rate after ``updates``), which a checkpoint
