@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._train_state import register_node
-from ._elementwise import Elementwise, segments as _segments  # noqa: F401 (_segments: the planner's old home)
+from ._elementwise import Elementwise
 from ._protocol import OptState, Row
 
 _IMPLS = ("auto", "torch", "fused", "native")

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from ..errors import ArgumentError
 from ._elementwise import Elementwise
 from ._protocol import Row
