@@ -10,7 +10,8 @@
   NVMe stores, chunks smaller than a parameter) bitwise equal to the same run in memory; with bf16
   mixed_precision against FSDP2's MixedPrecisionPolicy and the twin.
 - Checkpoints: fs.save's optimizer keys are get_optimizer_state_dict's of the twin; fs.load continues bitwise as an
-  uninterrupted run (at 1 and 2 ranks), and the twin loads fs.save's checkpoint and continues as fshard does.
+  uninterrupted run (at 1 and 2 ranks), the twin loads fs.save's checkpoint and continues as fshard does, and
+  fshard loads the twin's and continues as it would have.
 - A property test of every optimizer's plan and update over random layouts, ranks, masks and counts.
 - step.plan's optimizer-state bytes, print(state), the refusals (from_torch of Adafactor, Muon, LBFGS,
   SparseAdam), and an optimizer written on the protocol's base (examples/custom_optimizer.py).
@@ -260,9 +261,9 @@ def _optim_keys(path: str) -> set:
 
 def _checkpoints(directory: str, names):
     """Per optimizer, at world size 1: 3 steps, fs.save, 3 more (A); fs.load into a fresh state, 3 steps (B); the
-    twin after the same 3 steps saved with get_optimizer_state_dict (its keys); a fresh twin that loads fshard's
-    checkpoint (model and optimizer, set_state_dict) and takes the 3 steps (C). Returns A == B, A == C (bitwise),
-    and the two key sets."""
+    twin after the same 3 steps saved with get_optimizer_state_dict (its keys), and fs.load of that checkpoint, 3
+    steps (D); a fresh twin that loads fshard's checkpoint (model and optimizer, set_state_dict) and takes the 3
+    steps (C). Returns A == B, A == C (bitwise), the two key sets, and A == D."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -284,6 +285,7 @@ def _checkpoints(directory: str, names):
         msd, osd = get_state_dict(ref, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=theirs)
         resumed = fs.load(ours, like=fs.init(copy.deepcopy(fresh), mesh, CASES[name][0]()))
+        from_torch = fs.load(theirs, like=fs.init(copy.deepcopy(fresh), mesh, CASES[name][0]()))
         twin_model = copy.deepcopy(fresh)
         twin = _twin(name, twin_model)
         msd, osd = get_state_dict(twin_model, twin)  # (initialises the twin's state, to be overwritten)
@@ -292,18 +294,20 @@ def _checkpoints(directory: str, names):
         for b in batches[3:]:
             state, _ = step(state, b)
             resumed, _ = step(resumed, b)
+            from_torch, _ = step(from_torch, b)
             oracle_step(twin_model, twin, loss_fn, b, 1)
-        a, b_ = fs.full_params(state), fs.full_params(resumed)
+        a, b_, c = fs.full_params(state), fs.full_params(resumed), fs.full_params(from_torch)
         out[name] = (all(torch.equal(a[k], b_[k]) for k in a), param_diffs(a, twin_model)[1], _optim_keys(ours),
-                     _optim_keys(theirs))
+                     _optim_keys(theirs), all(torch.equal(a[k], c[k]) for k in a))
     return out
 
 
 def test_checkpoints_have_the_twins_keys_and_resume_bitwise_in_fshard_and_in_torch(tmp_path):
-    for name, (resumed, in_torch, ours, theirs) in _checkpoints(str(tmp_path), list(CASES)).items():
+    for name, (resumed, in_torch, ours, theirs, from_torch) in _checkpoints(str(tmp_path), list(CASES)).items():
         assert ours == theirs, (name, sorted(ours ^ theirs))
         assert resumed, f"{name}: fs.load then 3 steps is not the uninterrupted run"
         assert in_torch or name in NOT_BITWISE, f"{name}: the twin resumed from fshard's checkpoint differs"
+        assert from_torch or name in NOT_BITWISE, f"{name}: fshard resumed from the twin's checkpoint differs"
 
 
 def test_plan_counts_the_rows_and_print_names_the_optimizer():
