@@ -49,7 +49,8 @@ class Elementwise:
 
     def update_run(self, p: torch.Tensor, g: torch.Tensor, rows: tuple, step: int, lr: float, wd: float) -> None:
         """One step in place on one run: ``g`` already scaled, ``step`` the run's count after the update."""
-        raise NotImplementedError
+        raise ArgumentTypeError(f"{type(self).__name__} subclasses fs.optim.Elementwise but does not define "
+                                "update_run(p, g, rows, step, lr, wd), its step on one run of a shard.")
 
     def group_fields(self) -> dict:
         """The torch twin's param-group fields other than ``lr`` and ``params``, in its order; a ``weight_decay``
