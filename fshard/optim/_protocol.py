@@ -88,7 +88,6 @@ class Optimizer(Protocol):
     rows: tuple[Row, ...]
     count_key: str | None
     state_type: type
-    eager_state: bool
 
     def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor) -> UnitOptState | None:
         """The initial state of one unit's shard.
