@@ -360,6 +360,9 @@ def test_misuses_are_named():
     with pytest.raises(fs.ArgumentError, match="Rprop has no weight_decay"):
         fs.optim.from_torch(torch.optim.Rprop, weight_decay_mask=lambda n, p: True)
     assert fs.adamw(amsgrad=True).resolved_impl("cpu") == "fused"  # the native kernel has no AMSGrad
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(fs.ArgumentTypeError, match=r"fs.optim.from_torch\(torch.optim.X"):
+        fs.init(model, fs.Mesh.from_env(), torch.optim.NAdam(model.parameters()))
 
 
 def test_an_optimizer_written_on_the_base_trains_as_its_formula():
