@@ -73,7 +73,8 @@ class Elementwise:
 
     def _check_nonnegative(self, what: str, v) -> None:
         if not _number(v) or not math.isfinite(v) or v < 0:  # nan would pass a plain v < 0 and ruin training
-            raise ArgumentError(f"{self.label}({what}={v!r}): {what} must be a finite number >= 0.")
+            raise ArgumentError(f"{self.label}({what}={v!r}): {what} must be finite and >= 0 (as lr, eps, "
+                                "weight_decay and momentum: finite numbers >= 0).")
 
     def _check_betas(self, betas) -> None:
         if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(_number, betas))):
