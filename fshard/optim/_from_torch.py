@@ -11,8 +11,9 @@ What the state is, is read from X itself, once, when the optimizer is built: one
 parameter. Its state's tensors shaped like the parameter are the rows (in torch's order and under torch's names: a
 checkpoint holds them as ``get_optimizer_state_dict`` would), ``step`` is the count's key, and 0-dim tensors are
 per-parameter scalars (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) that follow from the step count: they are
-not stored but replayed, on a one-element parameter stepped as many times (once per count, remembered), with the
-run's learning rate (so for ASGD under a schedule, ``eta`` assumes the current rate throughout). A state of any
+not stored but replayed, on a one-element parameter stepped as many times (continued from the last count, and
+remembered), with the run's learning rate where they depend on it (ASGD's ``eta``, which then assumes the current
+rate throughout: under a schedule each new rate replays from the first step; NAdam's do not, one replay serves all). A state of any
 other shape is not elementwise and is refused, as are Adafactor, Muon, LBFGS and SparseAdam by name, each pointing
 to what fshard offers instead. X's param-group fields are its own defaults (``get_optimizer_state_dict``'s).
 """
@@ -38,7 +39,8 @@ _REFUSED = {
     "LBFGS": "fs.optim.sgd or fs.adamw (LBFGS needs a closure that re-evaluates the loss and whole-model vectors)",
     "SparseAdam": "fs.optim.adam or fs.adamw (fshard's gradients are dense flat shards)",
 }
-_MEMO = 256  # the replayed scalars kept per learning rate (a run asks for its count - 1: recent counts)
+_MEMO = 256  # the replayed scalars kept (a run asks for its count - 1: recent counts)
+_RUNS = 8  # the replays kept going, one per (learning rate, weight decay), most recent last
 
 
 class _Replays:
@@ -89,6 +91,7 @@ class FromTorch(Elementwise):
         object.__setattr__(self, "_step_dtype", step_dtype)
         object.__setattr__(self, "_fields", group)
         object.__setattr__(self, "_takes_wd", _takes(self.cls, "weight_decay"))  # (looked up once, not per run)
+        object.__setattr__(self, "_rate_free", not scalars or _rate_free(self.cls, dict(self.kwargs), scalars))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in (("lr", self.lr), *self.kwargs, ("weight_decay", self.weight_decay))
@@ -152,6 +155,8 @@ class FromTorch(Elementwise):
         """The per-parameter scalars after ``count`` updates at ``lr``: a one-element parameter stepped ``count``
         times with a zero gradient (they follow the count, not the data), continued from the last replay."""
         r = self.replays
+        if self._rate_free:  # (NAdam's mu_product: one replay serves every rate and decay)
+            lr, wd = _probe_lr(self.lr), self.weight_decay
         with r.lock:
             hit = r.memo.get((lr, wd, count))
             if hit is not None:
@@ -164,12 +169,29 @@ class FromTorch(Elementwise):
                 q.grad = torch.zeros(1)
                 opt.step()
                 done += 1
+            r.runs.pop((lr, wd), None)
+            if len(r.runs) >= _RUNS:  # (a schedule: a new rate each step; the oldest replays go)
+                r.runs.pop(next(iter(r.runs)))
             r.runs[(lr, wd)] = (opt, q, done)
             out = {k: opt.state[q][k].clone() for k in self._scalars}
             if len(r.memo) >= _MEMO:
                 r.memo.pop(next(iter(r.memo)))
             r.memo[(lr, wd, count)] = out
             return out
+
+
+def _rate_free(cls: type, kw: dict, scalars) -> bool:
+    """Do ``cls``'s per-parameter scalars not depend on the learning rate and weight decay (NAdam's do not, ASGD's
+    ``eta`` does)? Three steps at two rates and decays, compared."""
+    seen = []
+    for lr, wd in ((1e-3, 0.0), (3e-2, 0.1)):
+        q = torch.zeros(1)
+        opt = cls([q], **kw, lr=lr, **({"weight_decay": wd} if _takes(cls, "weight_decay") else {}))
+        for _ in range(3):
+            q.grad = torch.zeros(1)
+            opt.step()
+        seen.append([opt.state[q][k].item() for k in scalars])
+    return seen[0] == seen[1]
 
 
 def _takes(cls: type, name: str) -> bool:
