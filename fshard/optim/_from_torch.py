@@ -15,7 +15,8 @@ not stored but replayed, on a one-element parameter stepped as many times (conti
 remembered), with the run's learning rate where they depend on it (ASGD's ``eta``, which then assumes the current
 rate throughout: under a schedule each new rate replays from the first step; NAdam's do not: one replay serves
 all). A state of any other shape is not elementwise and is refused, as are Adafactor, Muon, LBFGS and SparseAdam by
-name, each pointing to what fshard offers instead. X's param-group fields are its own defaults (``get_optimizer_state_dict``'s).
+name, each pointing to what fshard offers instead. X's param-group fields are its own defaults
+(``get_optimizer_state_dict``'s).
 """
 from __future__ import annotations
 
