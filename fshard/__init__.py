@@ -9,15 +9,15 @@ State is data (an immutable, sharded pytree) and the step is a pure function::
         for batch in loader:
             state, metrics = step(state, batch)
 
-The names a training script uses are re-exported here, as optax does; ``__all__`` lists them (at most 40). The rest
-of the public surface is in public modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *``
-loads none of them): ``fs.errors`` (every error type; the common ones are also here), ``fs.state`` (the state's
-types: ``ShardSpec``, ``FrozenMap``, ``Donation``, the layouts, the stored leaves), ``fs.optim`` (``AdamW``,
-``AdamWState``, ``Muon``, ``Partition``, ``PartitionState``, the optimizer protocol), ``fs.schedules``
-(learning-rate schedules), ``fs.protocol`` (what a transform author writes against: ``Transform``, ``Policy``,
-the stage protocols and their views), ``fs.transforms`` (the shipped transforms and their state types),
-``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that load on first use,
-because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
+The names a training script uses are re-exported here, as optax does; ``__all__`` lists them (at most 40). The rest of
+the public surface is in public modules, shown by ``dir(fs)`` but not in ``__all__`` (so ``from fshard import *`` loads
+none of them): ``fs.errors`` (every error type; the common ones are also here), ``fs.state`` (the state's types:
+``ShardSpec``, ``FrozenMap``, ``Donation``, the layouts, the stored leaves), ``fs.optim`` (the optimizers besides
+``fs.adamw``, ``fs.muon``, ``fs.adafactor`` and ``fs.partition``: ``sgd``, ``adam``, ``adagrad``, ``rmsprop``, ``lion``,
+``from_torch``; their classes and state types; the protocol and ``Elementwise``, the base of your own), ``fs.schedules`` (learning-rate schedules), ``fs.protocol`` (what a transform author writes
+against: ``Transform``, ``Policy``, the stage protocols and their views), ``fs.transforms`` (the shipped transforms and
+their state types), ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that
+load on first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
 ``fs.testing`` (hypothesis). The packages by concern behind them are laid out in design/ARCHITECTURE.md.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import fshard.testing as ft
 from fshard.transforms._bucket_reduce import plan_buckets
 from fshard.dist._agreement import HASH_BITS, agree, all_equal
 from fshard.state._flat import plan_unit
-from fshard.optim._adamw import _segments
+from fshard.optim._elementwise import segments as _segments
 
 
 @st.composite

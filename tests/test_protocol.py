@@ -552,6 +552,7 @@ def test_import_loads_neither_the_native_ops_nor_the_test_helpers():
 # AssertionError, as pytest expects.
 _PROTOCOL_RAISES = {("__init__.py", "AttributeError"), ("_stream.py", "StopIteration"), ("_cpu.py", "StopIteration"),
                     ("testing.py", "AssertionError"),
+                    ("_protocol.py", "AttributeError"),  # OptState.__getattr__: a row by its name, or none
                     ("_read.py", "UnpicklingError"),  # pickle's protocol; read_metadata makes it a CheckpointError
                     ("_dcp.py", "FileNotFoundError")}  # DCP's reader protocol: no rank-local metadata, its fallback
 

@@ -19,7 +19,7 @@ from ._files import MANIFEST, check_files, read_manifest
 from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ..optim._protocol import count_key_of, row_names, zeros
+from ..optim._protocol import count_key_of, initial_rows, row_names
 from ..state._placement import Placement, check_placement, placement_for, placement_of
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_state
 from ..state._train_state import TrainState
@@ -179,7 +179,7 @@ def _new_moments(like: TrainState, where: dict, targets: dict) -> dict:
             continue
         n, count, w = u.opt_numel(rank), torch.zeros(len(u.trainable), dtype=torch.int64), where.get(u.name)
         if w is None or not opt.rows:
-            out[u.name] = st.with_rows(count, zeros(opt, u, rank, u.dtype, spec.mesh.device))
+            out[u.name] = st.with_rows(count, initial_rows(opt, u, rank, u.dtype, spec.mesh.device))
             if hasattr(opt, "zero_extra"):  # state beside the rows (Adafactor's factors): new tensors to fill
                 out[u.name] = opt.zero_extra(out[u.name])
             continue

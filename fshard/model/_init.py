@@ -183,7 +183,8 @@ def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
         raise ArgumentTypeError(
             f"fs.init(model, mesh, opt): opt must be an fshard optimizer such as fs.adamw(lr=...), got "
             f"{type(opt).__module__}.{type(opt).__name__}. fshard keeps the optimizer state sharded in the TrainState, "
-            "so a torch.optim optimizer cannot be used; fs.adamw has torch.optim.AdamW's arithmetic and arguments.")
+            "so a torch.optim optimizer cannot be used; fs.adamw and fs.optim.sgd, adam, adagrad, rmsprop have torch's "
+            "arithmetic and arguments, and fs.optim.from_torch(torch.optim.X, **kwargs) runs any elementwise one.")
     if units is not None and (isinstance(units, (str, nn.Module)) or not hasattr(units, "__iter__")):
         raise ArgumentTypeError(f"fs.init(units={units!r}): units must be a list of module paths or modules, e.g. "
                                 "units=['blocks.0', 'blocks.1'].")

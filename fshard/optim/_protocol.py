@@ -9,7 +9,7 @@ the trainable prefix of a unit's shard on this rank, element for element, so who
 The state of one unit's shard is a frozen pytree node with a ``count`` (an int64 step count per trainable
 parameter of the unit) and the declared rows in their order (``rows``), each a tensor or a leaf held in a store
 (``fs.state.Stored``); ``with_rows`` makes the same kind of node with other leaves. AdamW's node is ``AdamWState``,
-whose fields name its rows; an optimizer without a node of its own uses ``OptState``.
+whose fields name its rows; an optimizer without a node of its own uses ``OptState`` (``s.<row name>`` reads a row).
 
 An update is ``plan`` (which runs of the shard move, with which step count, learning rate and weight decay)
 followed by ``apply`` on each run, on flat slices of the same length: the parameter, its gradient and the rows in
@@ -53,10 +53,12 @@ class Row:
     Attributes:
       name: its name, also its key in a checkpoint's ``optim.state.<param>.<name>`` (as torch's optimizer names it).
       dtype: its dtype; None: the unit's parameter dtype (AdamW's moments follow the parameters, as torch's do).
+      init: the value every element starts at (Adagrad's ``initial_accumulator_value``; 0 for most rows).
     """
 
     name: str
     dtype: torch.dtype | None = None
+    init: float = 0.0
 
     def dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         """The row's dtype in a unit whose parameters are ``param_dtype``."""
@@ -92,6 +94,13 @@ class Optimizer(Protocol):
       count_key: the checkpoint key of each parameter's step count (``"step"``, as torch's AdamW saves it); None
         where the torch twin keeps no count (the counts are still kept: plans read them).
       state_type: the type of one unit's state (``UnitOptState``), which ``state.replace`` checks entries against.
+      eager_state: True where the torch twin makes every parameter's state when it is built (Adagrad's), so a
+        checkpoint lists the parameters never updated too; False (torch's usual: state from the first update).
+        Optional: an optimizer without it is False.
+
+    Optional too: ``saved_scalars(count, updates, weight_decay) -> {name: 0-dim tensor}``, per-parameter scalars
+    the torch twin keeps beside its rows that follow from the count (NAdam's ``mu_product``, through
+    ``fs.optim.from_torch``): a checkpoint writes them for each updated parameter, so its keys are the twin's.
     """
 
     rows: tuple[Row, ...]
@@ -175,6 +184,12 @@ class OptState:
     def with_rows(self, count: torch.Tensor, rows: Sequence) -> "OptState":
         return OptState(count, FrozenMap(dict(zip(self.named, rows, strict=True))))
 
+    def __getattr__(self, name: str):  # a row by its name (s.momentum_buffer), as AdamWState's fields name its rows
+        named = self.__dict__.get("named")
+        if named is not None and name in named:
+            return named[name]
+        raise AttributeError(f"OptState has no row {name!r}; its rows: {tuple(named or ())}.")
+
 
 def row_names(opt: Optimizer) -> tuple[str, ...]:
     """The names of ``opt``'s rows, in order."""
@@ -215,11 +230,11 @@ def count_key_of(opt: Optimizer, name: str) -> str | None:
     return opt.count_key if of is None else of(name)
 
 
-def zeros(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
-          device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zero tensor per declared row over this rank's optimizer range, or over the slots it covers (a unit of
-    parameter dtype ``dtype``)."""
-    return [torch.zeros(row_numel(opt, layout, rank, i), dtype=r.dtype_for(dtype), device=device)
+def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One tensor per declared row over this rank's optimizer range, or over the slots it covers (a compact row), each
+    element at the row's initial value (``Row.init``: zero for most), for a unit of parameter dtype ``dtype``."""
+    return [torch.full((row_numel(opt, layout, rank, i),), r.init, dtype=r.dtype_for(dtype), device=device)
             for i, r in enumerate(opt.rows)]
 
 

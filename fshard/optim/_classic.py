@@ -1,0 +1,183 @@
+"""``fs.optim.sgd``, ``fs.optim.adagrad`` and ``fs.optim.rmsprop``: torch.optim.SGD, Adagrad and RMSprop over flat
+shards, each the arithmetic of torch's single-tensor implementation (``torch.optim.sgd._single_tensor_sgd`` etc.,
+what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there. Their rows are torch's
+state keys, present only where the hyperparameters call for them (SGD's ``momentum_buffer`` only with momentum,
+RMSprop's ``momentum_buffer`` and ``grad_avg`` only with momentum and ``centered``); the elementwise base
+(``_elementwise.py``) does the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import ArgumentError
+from ._elementwise import Elementwise
+from ._protocol import Row
+
+_Lr = float | Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class SGD(Elementwise):
+    """torch.optim.SGD: L2 weight decay into the gradient, momentum with dampening, Nesterov, maximize. torch keeps
+    no step count for it (``count_key`` None); its first update of a parameter starts the momentum buffer as a copy
+    of the gradient, which the per-parameter count tells (a count restored from a checkpoint is 1 where the
+    checkpoint holds the buffer: all SGD reads of it)."""
+
+    lr: _Lr = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+    weight_decay_mask: Callable | None = None
+    decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    label: ClassVar[str] = "fs.optim.sgd"
+    count_key: ClassVar[str | None] = None
+
+    def __post_init__(self):
+        self._check_common()
+        self._check_nonnegative("momentum", self.momentum)
+        if not isinstance(self.dampening, (int, float)) or isinstance(self.dampening, bool):
+            raise ArgumentError(f"fs.optim.sgd(dampening={self.dampening!r}) must be a number.")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ArgumentError("fs.optim.sgd(nesterov=True) needs momentum > 0 and dampening=0 (as torch.optim.SGD).")
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return (Row("momentum_buffer"),) if self.momentum != 0 else ()
+
+    def group_fields(self) -> dict:
+        return {"momentum": self.momentum, "dampening": self.dampening, "weight_decay": None,
+                "nesterov": self.nesterov, "maximize": self.maximize, "foreach": None, "differentiable": False,
+                "fused": None}
+
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
+        grad = g if not self.maximize else -g
+        if wd != 0:
+            grad = grad.add(p, alpha=wd)
+        if self.momentum != 0:
+            (buf,) = rows
+            if step == 1:  # torch: no buffer yet, so it becomes a copy of the gradient
+                buf.copy_(grad)
+            else:
+                buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
+            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+        p.add_(grad, alpha=-lr)
+
+
+@dataclass(frozen=True)
+class Adagrad(Elementwise):
+    """torch.optim.Adagrad: the row ``sum`` starts at ``initial_accumulator_value``, and torch makes every
+    parameter's state when it is built (``eager_state``: a checkpoint lists the parameters never updated, at step 0)."""
+
+    lr: _Lr = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    maximize: bool = False
+    weight_decay_mask: Callable | None = None
+    decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    label: ClassVar[str] = "fs.optim.adagrad"
+    eager_state: ClassVar[bool] = True
+
+    def __post_init__(self):
+        self._check_common()
+        for what in ("lr_decay", "eps", "initial_accumulator_value"):
+            self._check_nonnegative(what, getattr(self, what))
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return (Row("sum", init=float(self.initial_accumulator_value)),)
+
+    def group_fields(self) -> dict:
+        return {"lr_decay": self.lr_decay, "eps": self.eps, "weight_decay": None,
+                "initial_accumulator_value": self.initial_accumulator_value, "foreach": None,
+                "maximize": self.maximize, "differentiable": False, "fused": None}
+
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
+        (state_sum,) = rows
+        grad = g if not self.maximize else -g
+        if wd != 0:
+            grad = grad.add(p, alpha=wd)
+        clr = lr / (1 + (float(step) - 1) * self.lr_decay)
+        state_sum.addcmul_(grad, grad, value=1)
+        std = state_sum.sqrt().add_(self.eps)
+        p.addcdiv_(grad, std, value=-clr)
+
+
+@dataclass(frozen=True)
+class RMSprop(Elementwise):
+    """torch.optim.RMSprop: rows ``square_avg``, then ``momentum_buffer`` (momentum > 0) and ``grad_avg``
+    (``centered``), as torch names and orders them."""
+
+    lr: _Lr = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+    maximize: bool = False
+    weight_decay_mask: Callable | None = None
+    decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    label: ClassVar[str] = "fs.optim.rmsprop"
+
+    def __post_init__(self):
+        self._check_common()
+        for what in ("alpha", "eps", "momentum"):
+            self._check_nonnegative(what, getattr(self, what))
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return ((Row("square_avg"),) + ((Row("momentum_buffer"),) if self.momentum > 0 else ())
+                + ((Row("grad_avg"),) if self.centered else ()))
+
+    def group_fields(self) -> dict:
+        return {"momentum": self.momentum, "alpha": self.alpha, "eps": self.eps, "centered": self.centered,
+                "weight_decay": None, "capturable": False, "foreach": None, "maximize": self.maximize,
+                "differentiable": False}
+
+    def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.rmsprop._single_tensor_rmsprop
+        rows = list(rows)
+        square_avg = rows.pop(0)
+        buf = rows.pop(0) if self.momentum > 0 else None
+        grad_avg = rows.pop(0) if self.centered else None
+        grad = g if not self.maximize else -g
+        if wd != 0:
+            grad = grad.add(p, alpha=wd)
+        square_avg.mul_(self.alpha).addcmul_(grad, grad, value=1 - self.alpha)
+        if grad_avg is not None:
+            grad_avg.lerp_(grad, 1 - self.alpha)
+            avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        else:
+            avg = square_avg.sqrt()
+        avg = avg.add_(self.eps)
+        if buf is not None:
+            buf.mul_(self.momentum).addcdiv_(grad, avg)
+            p.add_(buf, alpha=-lr)
+        else:
+            p.addcdiv_(grad, avg, value=-lr)
+
+
+def sgd(lr: _Lr = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+        nesterov: bool = False, *, maximize: bool = False, weight_decay_mask: Callable | None = None) -> SGD:
+    """torch.optim.SGD's arithmetic and defaults on flat shards; ``lr`` may be a schedule (``fs.schedules``) and
+    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
+    return SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, weight_decay_mask)
+
+
+def adagrad(lr: _Lr = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+            eps: float = 1e-10, *, maximize: bool = False, weight_decay_mask: Callable | None = None) -> Adagrad:
+    """torch.optim.Adagrad's arithmetic and defaults (and argument order) on flat shards; ``lr`` may be a schedule
+    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
+    return Adagrad(lr, lr_decay, weight_decay, eps, initial_accumulator_value, maximize, weight_decay_mask)
+
+
+def rmsprop(lr: _Lr = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+            centered: bool = False, *, maximize: bool = False, weight_decay_mask: Callable | None = None) -> RMSprop:
+    """torch.optim.RMSprop's arithmetic and defaults (and argument order) on flat shards; ``lr`` may be a schedule
+    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
+    return RMSprop(lr, alpha, eps, weight_decay, momentum, centered, maximize, weight_decay_mask)

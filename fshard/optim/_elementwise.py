@@ -1,0 +1,242 @@
+"""The shared half of fshard's elementwise optimizers (``fs.adamw``, ``fs.optim.sgd``, ``adam``, ``adagrad``,
+``rmsprop``, ``lion``, ``from_torch``): everything of the optimizer protocol (``_protocol.py``) but the arithmetic.
+
+An elementwise optimizer updates each element from that element's parameter, gradient and rows alone, so a run of
+the flat shard (a parameter, part of one, or neighbours with the same step count and weight decay) can be updated
+by itself, and a streamed update (``fs.offload_state``) may cut it into chunks. A subclass is a frozen dataclass
+with the fields ``lr`` (a float or a schedule), ``weight_decay`` (where it has one), ``weight_decay_mask`` and
+``decay``; it declares its ``rows`` and writes ``update_run`` (one step in place on one run) and ``group_fields``
+(the fields of its torch twin's param groups). ``Elementwise`` gives it the rest: the learning rate at a count, the
+weight decay of each parameter, the plan (which runs move, at which step count), ``update`` (plan, then ``apply``
+on each run), ``apply`` (the gradient scaled, the step, the low-precision copy), the initial state, the param
+groups, the fingerprint the ranks compare and ``bind``. examples/custom_optimizer.py writes one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+from typing import ClassVar
+
+import torch
+
+from ..errors import ArgumentError, ArgumentTypeError
+from ..state._flat import UnitLayout
+from ..state._train_state import FrozenMap
+from ._protocol import OptState, Row, initial_rows
+
+_UNSHARED = ("lr", "weight_decay_mask", "decay")  # fields that are not part of the static fingerprint as they are
+
+
+class Elementwise:
+    """The protocol's methods for an elementwise optimizer; a subclass gives ``rows``, ``update_run`` and
+    ``group_fields``.
+
+    Class attributes a subclass may set: ``label`` (its public name, for messages: "fs.optim.sgd"), ``count_key``
+    (the checkpoint key of its counts: torch's ``"step"``; None where torch keeps none), ``eager_state`` (True where
+    the torch twin makes every parameter's state when it is built, as Adagrad does: a checkpoint then lists the
+    parameters never updated too).
+    """
+
+    label: ClassVar[str] = "optimizer"
+    count_key: ClassVar[str | None] = "step"
+    eager_state: ClassVar[bool] = False
+
+    # --- what a subclass writes
+
+    rows: tuple[Row, ...] = ()
+
+    def update_run(self, p: torch.Tensor, g: torch.Tensor, rows: tuple, step: int, lr: float, wd: float) -> None:
+        """One step in place on one run: ``g`` already scaled, ``step`` the run's count after the update."""
+        raise ArgumentTypeError(f"{type(self).__name__} subclasses fs.optim.Elementwise but does not define "
+                                "update_run(p, g, rows, step, lr, wd), its step on one run of a shard.")
+
+    def group_fields(self) -> dict:
+        """The torch twin's param-group fields other than ``lr`` and ``params``, in its order; a ``weight_decay``
+        key (any value) where the twin has one, which each group fills with its own decay."""
+        return {}
+
+    # --- checks a subclass's __post_init__ calls
+
+    def _check_common(self) -> None:
+        """Checks of ``lr``, ``weight_decay`` and ``weight_decay_mask``; each failure names the argument and the fix."""
+        if not callable(self.lr) and not _number(self.lr):
+            raise ArgumentTypeError(f"{self.label}(lr={self.lr!r}): lr must be a number or a schedule lr(count) -> "
+                                    "float, e.g. fs.schedules.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000).")
+        if not callable(self.lr):
+            self._check_nonnegative("lr", self.lr)
+        self._check_nonnegative("weight_decay", self.weight_decay)
+        if self.weight_decay_mask is not None and not callable(self.weight_decay_mask):
+            raise ArgumentTypeError(f"{self.label}(weight_decay_mask={self.weight_decay_mask!r}) must be a callable "
+                                    "mask(name, param) -> bool, e.g. lambda name, p: p.ndim >= 2.")
+
+    def _check_nonnegative(self, what: str, v) -> None:
+        if not _number(v) or not math.isfinite(v) or v < 0:  # nan would pass a plain v < 0 and ruin training
+            raise ArgumentError(f"{self.label}({what}={v!r}): {what} must be finite and >= 0 (as lr, eps, "
+                                "weight_decay and momentum: finite numbers >= 0).")
+
+    def _check_betas(self, betas) -> None:
+        if not (isinstance(betas, tuple) and len(betas) == 2 and all(map(_number, betas))):
+            raise ArgumentTypeError(f"{self.label}(betas={betas!r}): betas must be two numbers, e.g. (0.9, 0.95).")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ArgumentError(f"{self.label}(betas={betas}): each beta must be in [0, 1).")
+
+    # --- the protocol
+
+    @property
+    def state_type(self) -> type:
+        """The type of one unit's state (``OptState``: the rows by name)."""
+        return OptState
+
+    def _node(self, count: torch.Tensor, rows) -> object:
+        """One unit's state holding ``count`` and ``rows`` (in the declared order)."""
+        return OptState(count, FrozenMap(dict(zip((r.name for r in self.rows), rows, strict=True))))
+
+    def lr_at(self, count: int) -> float:
+        """The learning rate of the update that follows ``count`` applied updates."""
+        if not callable(self.lr):
+            return float(self.lr)
+        lr = self.lr(count)
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            raise ArgumentError(f"{self.label}: the learning-rate schedule {self.lr!r} returned {lr!r} for count "
+                                f"{count}; a schedule must return a finite number >= 0.")
+        return float(lr)
+
+    def fingerprint(self, count: int) -> tuple:
+        """What every rank must agree on for the update that follows ``count`` updates: the hyperparameters (the
+        schedule's value at ``count``, not the schedule object, whose repr differs between processes) and the
+        parameters that decay. The step's rank check compares it (fshard/dist/_agreement.py)."""
+        return (self.lr_at(count), *self._static_fingerprint)
+
+    @functools.cached_property
+    def _static_fingerprint(self) -> tuple:
+        """The part that never changes, made once (the decaying names as their count and a hash, not sorted and
+        hashed at every step)."""
+        decay = None if self.decay is None else (len(self.decay), zlib.crc32(repr(sorted(self.decay)).encode()))
+        fields = tuple((f.name, _plain(getattr(self, f.name))) for f in dataclasses.fields(self)
+                       if f.name not in _UNSHARED and f.compare)
+        return type(self).__name__, fields, decay
+
+    def bind(self, model: torch.nn.Module):
+        """This optimizer with ``weight_decay_mask`` evaluated on ``model``'s parameters (``fs.init`` calls it)."""
+        if self.weight_decay_mask is None:
+            return self
+        decay = []
+        for name, p in model.named_parameters():
+            on = self.weight_decay_mask(name, p)
+            if not isinstance(on, bool):
+                raise ArgumentTypeError(f"{self.label}: weight_decay_mask({name!r}, param) returned {on!r}; it must "
+                                        "return True (decay this parameter) or False.")
+            if on:
+                decay.append(name)
+        return dataclasses.replace(self, decay=frozenset(decay))
+
+    def decays(self, layout: UnitLayout) -> list[float]:
+        """The weight decay of each trainable slot of ``layout``."""
+        wd = getattr(self, "weight_decay", 0.0)
+        return [wd if self.decay is None or s.name in self.decay else 0.0 for s in layout.trainable]
+
+    def param_groups(self, layouts, updates: int) -> list[dict]:
+        """The torch twin's ``param_groups`` over the trainable parameters of ``layouts`` at ``updates`` applied
+        updates (a schedule's rate there): one group per weight decay, every trainable name in one (a checkpoint's
+        ``optim.param_groups``, as ``get_optimizer_state_dict`` writes them)."""
+        groups: dict = {}
+        for u in layouts:
+            for wd, s in zip(self.decays(u), u.trainable):
+                groups.setdefault(wd, []).append(s.name)
+        lr = self.lr if not callable(self.lr) else self.lr_at(updates)
+        return [{"lr": lr, **{k: (wd if k == "weight_decay" else v) for k, v in self.group_fields().items()},
+                 "params": names} for wd, names in groups.items()]
+
+    def init(self, layout: UnitLayout, rank: int, shard: torch.Tensor):
+        """Zero counts and each row at its initial value, or None for a unit with no trainable parameter."""
+        if not layout.trainable:
+            return None
+        count = torch.zeros(len(layout.trainable), dtype=torch.int64)
+        return self._node(count, initial_rows(self, layout, rank, shard.dtype, shard.device))
+
+    def plan(self, layout: UnitLayout, rank: int, count: torch.Tensor, active: list[bool],
+             updates: int = 0) -> tuple[torch.Tensor, list[tuple[int, int, int, float, float]]]:
+        """The new per-parameter step counts, and the ``(lo, hi, step, lr, weight_decay)`` runs of this rank's shard
+        that one update touches: the ranges of the parameters that got a gradient, adjacent ones with the same count
+        and decay merged (a decay mask splits runs, not passes: each run is one kernel call). ``updates``: the
+        updates applied so far (``state.step``), which a learning-rate schedule reads."""
+        count = count + torch.tensor(active, dtype=torch.int64)
+        lr = self.lr_at(updates)
+        runs = segments(layout.trainable_ranges(rank), active, count.tolist(), self.decays(layout))
+        return count, [(lo, hi, c, lr, wd) for lo, hi, c, wd in runs]
+
+    def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state, active,
+               donate: bool, grad_scale: float = 1.0, updates: int = 0, copy: torch.Tensor | None = None):
+        """One step on ``param`` (this rank's shard): ``plan``, then ``apply`` on each run. ``active[i]``: trainable
+        slot i got a gradient on some rank; the others are skipped as torch skips a parameter whose .grad is None
+        (no decay, no row update, no count). The gradient is multiplied by ``grad_scale`` first (clipping).
+        ``copy``: a low-precision copy of ``param`` (``TrainState.copies``), kept equal to the cast of the new
+        parameter. ``donate=False`` writes into copies, leaving the inputs intact. Returns the new parameter, state
+        and copy (the given ones where nothing changed)."""
+        count, runs = self.plan(layout, rank, state.count, active, updates)
+        rows = state.rows
+        if not runs:
+            return param, state.with_rows(count, rows), copy
+        if not donate:  # purity: the input state stays valid, so the update writes into copies
+            param, rows = param.clone(), tuple(r.clone() for r in rows)
+            copy = None if copy is None else copy.clone()
+        for lo, hi, step, lr, wd in runs:
+            self.apply(param[lo:hi], grad[lo:hi], *(r[lo:hi] for r in rows), step, grad_scale, lr=lr,
+                       weight_decay=wd, copy=None if copy is None else copy[lo:hi])
+        return param, state.with_rows(count, rows), copy
+
+    def apply(self, p, g, *rows_step_scale, lr: float | None = None, weight_decay: float | None = None,
+              copy: torch.Tensor | None = None) -> None:
+        """One step, in place, on one run: ``apply(p, g, *rows, step, grad_scale, lr=, weight_decay=, copy=)`` with
+        the rows in the declared order and ``step`` the run's count after the update. ``lr`` and ``weight_decay``
+        (a run's, from ``plan``) default to the optimizer's own (``lr`` must then be a float). ``copy``: a
+        low-precision tensor of the same length that receives the new ``p`` (``p.to(copy.dtype)``'s rounding)."""
+        n = len(self.rows)
+        if len(rows_step_scale) not in (n + 1, n + 2):
+            raise ArgumentError(f"{self.label}.apply(p, g, *rows, step, grad_scale=1.0): it keeps {n} row(s) "
+                                f"{tuple(r.name for r in self.rows)}; got {len(rows_step_scale)} positional "
+                                "arguments after g.")
+        rows, step = rows_step_scale[:n], rows_step_scale[n]
+        scale = rows_step_scale[n + 1] if len(rows_step_scale) == n + 2 else 1.0
+        if lr is None and callable(self.lr):
+            raise ArgumentError(f"{self.label}.apply: this optimizer's lr is a schedule; pass the run's lr (from "
+                                "plan(), which reads the schedule at the state's step count).")
+        lr = float(self.lr) if lr is None else lr
+        wd = getattr(self, "weight_decay", 0.0) if weight_decay is None else weight_decay
+        if scale != 1.0:
+            g = g * scale  # what clip_grad_norm_ does to .grad
+        self.update_run(p, g, rows, int(step), lr, wd)
+        if copy is not None:
+            copy.copy_(p)
+
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        """The implementation that runs (the step's ``optim/impl`` metric): torch's single-tensor arithmetic."""
+        return "torch"
+
+
+def segments(ranges, active, counts, decays) -> list[tuple[int, int, int, float]]:
+    """Merge adjacent active slots with the same step count and weight decay into (lo, hi, step, wd) runs."""
+    out: list[list] = []
+    for (lo, hi), on, c, wd in zip(ranges, active, counts, decays):
+        if not on or hi <= lo:
+            continue
+        if out and out[-1][1] == lo and out[-1][2] == c and out[-1][3] == wd:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi, c, wd])
+    return [tuple(s) for s in out]
+
+
+def _plain(v):
+    """A field as the rank check compares it: a type by its qualified name (its repr is the same everywhere)."""
+    if isinstance(v, type):
+        return f"{v.__module__}.{v.__qualname__}"
+    return v
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

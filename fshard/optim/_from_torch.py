@@ -1,0 +1,251 @@
+"""``fs.optim.from_torch(torch.optim.X, **kwargs)``: any elementwise torch optimizer (NAdam, RAdam, Adamax, ASGD,
+Adadelta, Rprop, ...) run on flat shards by torch's own implementation.
+
+Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X([run], **kwargs)`` as one parameter, with the
+run's gradient as its ``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its
+single-tensor function on the CPU, foreach on CUDA, as torch picks them), in place on the run's slices; rows that
+``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals ``torch.optim.X`` on the whole
+parameters wherever X is elementwise, which is what fshard needs: a run is a parameter or a part of one.
+
+What the state is, is read from X itself, once, when the optimizer is built: one step on a 3-element probe
+parameter. Its state's tensors shaped like the parameter are the rows (in torch's order and under torch's names: a
+checkpoint holds them as ``get_optimizer_state_dict`` would), ``step`` is the count's key, and 0-dim tensors are
+per-parameter scalars (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) that follow from the step count: they are
+not stored but replayed, on a one-element parameter stepped as many times (continued from the last count, and
+remembered), with the run's learning rate where they depend on it (ASGD's ``eta``, which then assumes the current
+rate throughout: under a schedule each new rate replays from the first step; NAdam's do not: one replay serves
+all). A state of any other shape is not elementwise and is refused, as are Adafactor, Muon, LBFGS and SparseAdam by
+name, each pointing to what fshard offers instead. X's param-group fields are its own defaults
+(``get_optimizer_state_dict``'s).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import ArgumentError, ArgumentTypeError
+from ._elementwise import Elementwise
+from ._protocol import Row
+
+# torch optimizers that are not elementwise, and what to use instead
+_REFUSED = {
+    "Adafactor": "fs.adafactor (factored second moments: its state is shaped by the matrix's rows and columns)",
+    "Muon": "fs.muon (it orthogonalises whole matrices)",
+    "LBFGS": "fs.optim.sgd or fs.adamw (LBFGS needs a closure that re-evaluates the loss and whole-model vectors)",
+    "SparseAdam": "fs.optim.adam or fs.adamw (fshard's gradients are dense flat shards)",
+}
+_MEMO = 256  # the replayed scalars kept (a run asks for its count - 1: recent counts)
+_RUNS = 8  # the replays kept going, one per (learning rate, weight decay), most recent last
+
+
+class _Replays:
+    """The replayed per-parameter scalars of one optimizer, by (lr, weight decay) and count, under a lock (runs
+    may be updated on an offload worker thread beside the step's); copies and pickles as a new, empty one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.runs: dict = {}   # (lr, wd) -> (torch optimizer, its one-element parameter, steps taken)
+        self.memo: dict = {}   # (lr, wd, count) -> {name: 0-dim tensor}
+        self.devices: dict = {}  # device -> {0-dim state name: kept on the parameter's device (else the CPU)}
+
+    def __reduce__(self):
+        return _Replays, ()
+
+
+@dataclass(frozen=True)
+class FromTorch(Elementwise):
+    """A torch optimizer class ``cls`` with its keyword arguments ``kwargs`` (name, value pairs), run on each run of
+    the shards (module docstring). ``lr`` (a float or a schedule) and ``weight_decay`` are taken out of the
+    arguments so that a schedule and ``weight_decay_mask`` work as for fshard's own optimizers."""
+
+    cls: type
+    kwargs: tuple = ()
+    lr: float | Callable[[int], float] = 1e-3
+    weight_decay: float = 0.0
+    weight_decay_mask: Callable | None = None
+    decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    replays: Any = dataclasses.field(default_factory=_Replays, init=False, repr=False, compare=False)
+    label: ClassVar[str] = "fs.optim.from_torch"
+
+    def __post_init__(self):
+        self._check_common()
+        state, eager, group = _probe(self.cls, self._kw(_probe_lr(self.lr), self.weight_decay))
+        rows, scalars, count_key, step_dtype = [], [], None, torch.float32
+        for name, t in state.items():
+            if name == "step":
+                count_key, step_dtype = "step", t.dtype
+            elif t.dim() == 0:
+                scalars.append(name)
+            else:
+                init = float(eager[name].flatten()[0]) if name in eager else 0.0
+                rows.append(Row(name, None if t.dtype == torch.float32 else t.dtype, init))
+        object.__setattr__(self, "rows", tuple(rows))
+        object.__setattr__(self, "count_key", count_key)
+        object.__setattr__(self, "eager_state", bool(eager))
+        object.__setattr__(self, "_scalars", tuple(scalars))
+        object.__setattr__(self, "_step_dtype", step_dtype)
+        object.__setattr__(self, "_fields", group)
+        object.__setattr__(self, "_takes_wd", _takes(self.cls, "weight_decay"))  # (looked up once, not per run)
+        object.__setattr__(self, "_rate_free", not scalars or _rate_free(self.cls, dict(self.kwargs), scalars))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in (("lr", self.lr), *self.kwargs, ("weight_decay", self.weight_decay))
+                         if k != "weight_decay" or _takes(self.cls, "weight_decay"))
+        return f"fs.optim.from_torch({self.cls.__module__}.{self.cls.__qualname__}, {args})"
+
+    def _kw(self, lr: float, wd: float) -> dict:
+        kw = {**dict(self.kwargs), "lr": lr}
+        if self.__dict__.get("_takes_wd", _takes(self.cls, "weight_decay")):
+            kw["weight_decay"] = wd
+        return kw
+
+    def group_fields(self) -> dict:
+        return dict(self._fields)
+
+    def update_run(self, p, g, rows, step, lr, wd):
+        opt = self.cls([p], **self._kw(lr, wd))
+        st = opt.state[p]
+        if step > 1 or self.eager_state:  # a first update of a lazy optimizer: torch makes its state itself
+            on = self._placement(p.device)
+            where = lambda k: p.device if on.get(k, False) else torch.device("cpu")  # noqa: E731 - as torch has it
+            if self.count_key is not None:
+                st[self.count_key] = torch.tensor(float(step - 1), dtype=self._step_dtype,
+                                                  device=where(self.count_key))
+            st.update(zip((r.name for r in self.rows), rows))
+            if self._scalars and step > 1:
+                st.update((k, v.clone().to(where(k))) for k, v in self._replayed(step - 1, lr, wd).items())
+        p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+        try:
+            opt.step()
+        finally:
+            p.grad = None
+        for r, row in zip(self.rows, rows):
+            if st[r.name] is not row:  # replaced, not updated in place (a first momentum buffer, a fresh state)
+                row.copy_(st[r.name])
+
+    def _placement(self, device: torch.device) -> dict:
+        """Which of X's 0-dim state tensors (``step``, the scalars) X keeps on the parameter's device rather than
+        the CPU (torch keeps ``step`` on the CPU unless capturable, ASGD's ``eta`` on the device): read once per
+        device from a probe step there, as X places them itself. On the CPU, nothing to tell apart."""
+        if device.type == "cpu":
+            return {}
+        r = self.replays
+        with r.lock:
+            if str(device) not in r.devices:
+                q = torch.zeros(3, device=device)
+                opt = self.cls([q], **self._kw(_probe_lr(self.lr), self.weight_decay))
+                q.grad = torch.full_like(q, 0.5)
+                opt.step()
+                r.devices[str(device)] = {k: v.device == q.device for k, v in opt.state[q].items() if v.dim() == 0}
+            return r.devices[str(device)]
+
+    def saved_scalars(self, count: int, updates: int, weight_decay: float) -> dict:
+        """The per-parameter scalars after ``count`` updates (at the rate after ``updates``), which a checkpoint
+        holds beside the rows as torch's ``get_optimizer_state_dict`` does (a load recomputes them)."""
+        if not self._scalars:
+            return {}
+        return {k: v.clone() for k, v in self._replayed(count, self.lr_at(updates), weight_decay).items()}
+
+    def _replayed(self, count: int, lr: float, wd: float) -> dict:
+        """The per-parameter scalars after ``count`` updates at ``lr``: a one-element parameter stepped ``count``
+        times with a zero gradient (they follow the count, not the data), continued from the last replay."""
+        r = self.replays
+        if self._rate_free:  # (NAdam's mu_product: one replay serves every rate and decay)
+            lr, wd = _probe_lr(self.lr), self.weight_decay
+        with r.lock:
+            hit = r.memo.get((lr, wd, count))
+            if hit is not None:
+                return hit
+            opt, q, done = r.runs.get((lr, wd), (None, None, count + 1))
+            if done > count:  # a new rate, or a count below the replay's: start again
+                q = torch.zeros(1)
+                opt, done = self.cls([q], **self._kw(lr, wd)), 0
+            while done < count:
+                q.grad = torch.zeros(1)
+                opt.step()
+                done += 1
+            r.runs.pop((lr, wd), None)
+            if len(r.runs) >= _RUNS:  # (a schedule: a new rate each step; the oldest replays go)
+                r.runs.pop(next(iter(r.runs)))
+            r.runs[(lr, wd)] = (opt, q, done)
+            out = {k: opt.state[q][k].clone() for k in self._scalars}
+            if len(r.memo) >= _MEMO:
+                r.memo.pop(next(iter(r.memo)))
+            r.memo[(lr, wd, count)] = out
+            return out
+
+
+def _rate_free(cls: type, kw: dict, scalars) -> bool:
+    """Do ``cls``'s per-parameter scalars not depend on the learning rate and weight decay (NAdam's do not, ASGD's
+    ``eta`` does)? Three steps at two rates and decays, compared."""
+    seen = []
+    for lr, wd in ((1e-3, 0.0), (3e-2, 0.1)):
+        q = torch.zeros(1)
+        opt = cls([q], **kw, lr=lr, **({"weight_decay": wd} if _takes(cls, "weight_decay") else {}))
+        for _ in range(3):
+            q.grad = torch.zeros(1)
+            opt.step()
+        seen.append([opt.state[q][k].item() for k in scalars])
+    return seen[0] == seen[1]
+
+
+def _takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
+def _probe_lr(lr) -> float:
+    return 1e-3 if callable(lr) else float(lr)
+
+
+def _probe(cls: type, kw: dict) -> tuple[dict, dict, dict]:
+    """One step of ``cls`` on a 3-element parameter: its state after the step, its state before it (non-empty for
+    an optimizer that makes it when built: Adagrad), and its param group's fields but ``params`` and ``lr``."""
+    p = torch.zeros(3)
+    try:
+        opt = cls([p], **kw)
+    except (TypeError, ValueError) as e:
+        raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}, ...): torch refused the arguments "
+                            f"{kw}: {e}") from None
+    eager = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    p.grad = torch.full((3,), 0.5)
+    opt.step()
+    state = dict(opt.state[p])
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor) or (t.dim() != 0 and t.shape != p.shape):
+            raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): its state {name!r} is "
+                                f"{type(t).__name__ if not isinstance(t, torch.Tensor) else tuple(t.shape)}, not "
+                                "shaped like the parameter, so it is not elementwise and cannot run on flat shards.")
+    group = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "lr")}
+    return state, eager, group
+
+
+def from_torch(cls: type, **kwargs) -> FromTorch:
+    """``cls`` (an elementwise ``torch.optim`` optimizer class: NAdam, RAdam, Adamax, ASGD, ...) with ``kwargs`` as
+    torch takes them, run on flat shards by torch's own implementation (module docstring). ``lr`` may be a schedule
+    (``fs.schedules``), and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay where
+    ``cls`` has a ``weight_decay``."""
+    if not isinstance(cls, type):
+        raise ArgumentTypeError(f"fs.optim.from_torch({cls!r}): pass the torch optimizer class and its arguments, "
+                                "e.g. fs.optim.from_torch(torch.optim.NAdam, lr=2e-3), not an instance.")
+    if cls.__name__ in _REFUSED:
+        raise ArgumentError(f"fs.optim.from_torch({cls.__name__}): {cls.__name__} is not elementwise, so it cannot "
+                            f"run on runs of flat shards; use {_REFUSED[cls.__name__]}.")
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise ArgumentTypeError(f"fs.optim.from_torch({cls.__qualname__}): not a torch.optim.Optimizer class.")
+    if "params" in kwargs:
+        raise ArgumentError("fs.optim.from_torch(..., params=...): fshard passes the parameters; give only the "
+                            "optimizer's hyperparameters.")
+    sig = inspect.signature(cls.__init__).parameters
+    lr = kwargs.pop("lr", sig["lr"].default if "lr" in sig else 1e-3)
+    wd = kwargs.pop("weight_decay", sig["weight_decay"].default if "weight_decay" in sig else 0.0)
+    mask = kwargs.pop("weight_decay_mask", None)
+    if mask is not None and "weight_decay" not in sig:
+        raise ArgumentError(f"fs.optim.from_torch({cls.__name__}, weight_decay_mask=...): {cls.__name__} has no "
+                            "weight_decay to mask.")
+    return FromTorch(cls, tuple(kwargs.items()), lr, wd, mask)
