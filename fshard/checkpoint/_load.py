@@ -148,7 +148,7 @@ def _new_params(like: TrainState, offload, targets: dict) -> dict:
     a store loads. The head is chunked as the unit's moments, the tail (frozen parameters) apart, as
     state/_stored.py lays them out; the ``order`` keys are the ones fs.save's boxes use (checkpoint/_save.py's
     ``_param_items``)."""
-    spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
+    spec, rank, dev = like.spec, like.spec.mesh.shard_rank, like.spec.mesh.device
     if offload is not None:
         where = choose_stores(spec, like.opt_state, offload.stores, offload.fractions) if offload.params else {}
     else:
@@ -177,7 +177,7 @@ def _new_params(like: TrainState, offload, targets: dict) -> dict:
 def _new_moments(like: TrainState, offload, targets: dict) -> dict:
     """Zeroed optimizer states to load into, one zero row per row the optimizer declares: in memory, or new items in a
     store (``targets`` gets each chunk to fill, in order: ``_target``)."""
-    spec, rank, opt = like.spec, like.spec.mesh.rank, like.spec.optimizer
+    spec, rank, opt = like.spec, like.spec.mesh.shard_rank, like.spec.optimizer
     chosen = {} if offload is None else choose_stores(spec, like.opt_state, offload.stores, offload.fractions)
     tag = uuid.uuid4().hex[:8]
     out = {}

@@ -23,6 +23,7 @@ from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergence
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
 from ..offload._placer import placer
+from ..offload._transform import flat_mesh_only
 from ..state._stored import resident
 from ..state._train_state import ShardSpec, TrainState
 from ..store._checksum import checksum
@@ -68,7 +69,9 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     unit_mods = _find_units(model, units)
     groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
-    layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)
+    if offload is not None:
+        flat_mesh_only(mesh)
+    layouts = _plan(model, unit_mods, owners, aliases, mesh.shard_size, align_bytes)  # (2-D: the shard group's)
     buffers: dict[str, torch.Tensor] = {}
     if abstract:  # shapes and dtypes only
         values = ((u, None) for u in layouts)
@@ -87,10 +90,10 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:
             digests[u.name] = _digest(full[s.name] for s in u.slots)
-        params[u.name] = (shard(u, full, mesh.rank, mesh.device) if not abstract else
+        params[u.name] = (shard(u, full, mesh.shard_rank, mesh.device) if not abstract else
                           torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
-        state = opt.init(u, mesh.rank, params[u.name])
+        state = opt.init(u, mesh.shard_rank, params[u.name])
         if state is not None and place is not None:
             params[u.name], state = place(u, params[u.name], state)
         if state is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol._stages import UpdatePolicy
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, OffloadError
 from ._update import OffloadUpdate
 from ..state._stored import _location
 from ..protocol._transform import Transform
@@ -110,6 +110,10 @@ class offload_state(Transform):
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,
                              self.worker_nice, self.params)
 
+    def init_state(self, spec, old) -> None:
+        """No state of its own; refuses a state on a 2-D mesh before the step runs (``flat_mesh_only``)."""
+        flat_mesh_only(spec.mesh)
+
     def fingerprint(self) -> str:
         """The kinds of store and the placement, not their directories: each rank may offload to a disk of its
         own."""
@@ -123,6 +127,14 @@ class offload_state(Transform):
                     f"{', params=True' if self.params else ''})")
         return (f"fs.offload_state(({', '.join(map(_location, self.stores))}), fraction={self.fractions}"
                 f"{', params=True' if self.params else ''})")
+
+
+def flat_mesh_only(mesh) -> None:
+    """Offload places and streams a rank's moments and shards by its rank of a 1-D mesh: a 2-D mesh is refused."""
+    if mesh.replicas > 1:
+        raise OffloadError(f"fs.offload_state on a 2-D mesh ({mesh}) is not supported yet (issue #41): offloaded moments and "
+                            "parameters are placed and streamed per rank of a 1-D mesh. Offload on a 1-D mesh "
+                            "(fs.Mesh.from_env() without shard_size), or train the 2-D mesh without fs.offload_state.")
 
 
 def _tiers(store, fraction) -> tuple[tuple, tuple]:

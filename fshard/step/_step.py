@@ -306,18 +306,20 @@ class Step:
     def _metrics(self, comm, runs, loss, new, grad_metrics, t0, t1, t2, t3, t4) -> dict:
         gather, exposed = comm.busy_seconds("gather"), comm.seconds.get("gather_exposed", 0.0)
         reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
+        rep_exposed = comm.seconds.get("replica_exposed", 0.0)  # (2-D meshes: the replica all-reduces)
         m = {"loss": loss, "step": int(new.step), "skipped_total": int(new.skipped),
              "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
              "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
              "time/reduce": reduce, "time/reduce_exposed": r_exposed,
              "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
-             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
+             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed - rep_exposed), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
              "mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
              "mem/peak_gathered_bytes_forward": max(r._phase_peak["forward"] for r in runs),
              "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
              "comm/gather_bytes": comm.bytes.get("all_gather", 0),
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+             "comm/replica_bytes": comm.bytes.get("replica", 0),
              "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
                                             for u in new.spec.units if u.trainable})), **grad_metrics}
         if comm.trace is not None:
