@@ -3,7 +3,8 @@ ranks and replicates it over the groups.
 
 - The mesh: its shape in repr, its groups (consecutive ranks; same index in every group), a shard_size that does not
   divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
-  full_state_dict gathered in its shard group.
+  full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
+  RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
 - Against DDP + torch.optim.AdamW on the awkward model at world size 4 (2 x 2) and 6 (3 groups of 2, 2 of 3):
   blocking; gather_ahead + bucket_reduce (buckets small enough to pipeline the replica all-reduces) + clip;
   bucket_reduce(per_unit) + skip_nonfinite; accumulate; and shard_size 1 (DDP with fshard's state). Losses and
@@ -81,6 +82,50 @@ def test_shard_size_on_one_rank():
     assert fs.Mesh.local().shard_size == 1 and "replicas" not in repr(fs.Mesh.local())
     with pytest.raises(fs.errors.ArgumentError, match=r"divisor of the world size \(1\)"):
         fs.Mesh.from_env(shard_size=2)
+
+
+def _together():
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=2)
+    model, loss_fn, batches = oracle_model("awkward", 3)
+    bad = {"raise": False, "nan": False}
+
+    def loss(module, batch):
+        out = loss_fn(module, batch)
+        if mesh.rank == 3 and bad["raise"]:
+            raise ValueError("rank 3's loss failed")
+        return out * float("nan") if mesh.rank == 3 and bad["nan"] else out
+
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    b0, b1, b2 = batches(mesh.rank, mesh.world_size)
+    with fs.compose(loss, fs.bucket_reduce(bucket_mb=0.0002), fs.skip_nonfinite(), timeline=True) as step:
+        state, m = step(state, b0)
+        drawn = fs.timeline(m, mesh=mesh)
+        lanes = {lane for r in range(mesh.world_size) for lane in drawn.lanes(r)}
+        bad["raise"] = True
+        try:
+            step(state, b1)
+            failed = None
+        except fs.FshardError as e:
+            failed = (type(e).__name__, str(e))
+        bad["raise"], bad["nan"] = False, True
+        state, m = step(state, b1)  # rank 3's NaN reaches every replica: every rank skips
+        skipped = (int(state.step), m["skipped_total"])
+        bad["nan"] = False
+        state, m = step(state, b2)
+    return lanes, failed, skipped, int(state.step), {n: t.numpy().tobytes() for n, t in state.params.items()}
+
+
+def test_ranks_fail_and_skip_together():
+    results = run_ranks(_together, 4)
+    for rank, (lanes, failed, skipped, steps, _) in enumerate(results):
+        assert {"replica", "reduce", "gather"} <= lanes, lanes  # the replica all-reduces have their own lane
+        kind, message = failed
+        assert (kind == "StepError") == (rank == 3) and "rank 3's loss failed" in message, failed
+        if rank != 3:
+            assert kind == "RankFailedError" and "rank 3" in message, failed
+        assert skipped == (1, 1) and steps == 2, (skipped, steps)
+    assert results[0][4] == results[2][4] and results[1][4] == results[3][4]  # replicas alike after it all
 
 
 # --- against DDP ----------------------------------------------------------------------------------------------------
