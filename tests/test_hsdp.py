@@ -1,7 +1,8 @@
 """2-D meshes (HSDP, issue #41): ``fs.Mesh.from_env(shard_size=k)`` shards the state over groups of k consecutive
 ranks and replicates it over the groups.
 
-- The mesh: its shape in repr, its groups (consecutive ranks; same index in every group), a shard_size that does not
+- The mesh: its shape in repr, its groups (consecutive ranks; same index in every group; a property test of their
+  planner), a shard_size that does not
   divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
   full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
   RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
@@ -20,6 +21,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _dist import run_ranks
 from models import check_oracle, oracle_model, oracle_step, param_diffs
@@ -126,6 +129,23 @@ def test_ranks_fail_and_skip_together():
             assert kind == "RankFailedError" and "rank 3" in message, failed
         assert skipped == (1, 1) and steps == 2, (skipped, steps)
     assert results[0][4] == results[2][4] and results[1][4] == results[3][4]  # replicas alike after it all
+
+
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.just(n), st.sampled_from([d for d in range(1, n + 1) if n % d == 0]),
+    st.permutations(range(100, 100 + n)))))
+def test_groups_tile_the_ranks(case):
+    from fshard.dist._mesh import groups
+    n, k, ranks = case
+    made = groups(list(ranks), k)
+    shards = [m for kind, m in made if kind == "shard_group"]
+    replicas = [m for kind, m in made if kind == "replica_group"]
+    assert [kind for kind, _ in made] == ["shard_group"] * (n // k) + ["replica_group"] * k  # every rank's order
+    for family, size in ((shards, k), (replicas, n // k)):  # each rank in exactly one group of each kind
+        assert sorted(r for m in family for r in m) == sorted(ranks) and all(len(m) == size for m in family)
+    assert all(len(set(a) & set(b)) == 1 for a in shards for b in replicas)  # one rank per (shard, replica) pair
+    for g, m in enumerate(shards):  # consecutive ranks of the process group; index i of each = replica group i
+        assert m == list(ranks[g * k:(g + 1) * k]) and all(replicas[i][g] == r for i, r in enumerate(m))
 
 
 # --- against DDP ----------------------------------------------------------------------------------------------------

@@ -260,9 +260,16 @@ def _split(group, world_size: int, shard_size: int, timeout: timedelta) -> dict:
     ranks = dist.get_process_group_ranks(group)
     me = ranks[dist.get_rank(group)]
     mine = {}
-    for kind, members in ([("shard_group", ranks[g:g + shard_size]) for g in range(0, world_size, shard_size)]
-                          + [("replica_group", ranks[j::shard_size]) for j in range(shard_size)]):
+    for kind, members in groups(ranks, shard_size):
         made = dist.new_group(members, timeout=timeout)
         if me in members:
             mine[kind] = made
     return {"shard_size": shard_size, **mine}
+
+
+def groups(ranks: list[int], shard_size: int) -> list[tuple[str, list[int]]]:
+    """The 2-D mesh's groups of ``ranks`` (a divisor ``shard_size``), in the order every rank makes them: the shard
+    groups (consecutive ranks), then the replica groups (the same index in every shard group)."""
+    n = len(ranks)
+    return ([("shard_group", ranks[g:g + shard_size]) for g in range(0, n, shard_size)]
+            + [("replica_group", ranks[j::shard_size]) for j in range(shard_size)])
