@@ -12,8 +12,8 @@ ranks and replicates it over the groups.
   parameters within 1e-6; every replica group holds the same bits; each rank's state holds 1/k of the model;
   step.plan's traffic (the replica bytes their own figure) is what the step moves; eval's loss is DDP's.
 - bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh).
-- Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2 and 3 ranks and back onto a 2-D
-  one (4 replicas of 1), every parameter and moment bitwise the saved one.
+- Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2
+  and 3 ranks and back onto a 2-D one (4 replicas of 1), every parameter and moment bitwise the saved one.
 """
 from __future__ import annotations
 

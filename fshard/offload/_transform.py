@@ -132,9 +132,10 @@ class offload_state(Transform):
 def flat_mesh_only(mesh) -> None:
     """Offload places and streams a rank's moments and shards by its rank of a 1-D mesh: a 2-D mesh is refused."""
     if mesh.replicas > 1:
-        raise OffloadError(f"fs.offload_state on a 2-D mesh ({mesh}) is not supported yet (issue #41): offloaded moments and "
-                            "parameters are placed and streamed per rank of a 1-D mesh. Offload on a 1-D mesh "
-                            "(fs.Mesh.from_env() without shard_size), or train the 2-D mesh without fs.offload_state.")
+        raise OffloadError(f"fs.offload_state on a 2-D mesh ({mesh}) is not supported yet (issue #41): offloaded "
+                           "moments and parameters are placed and streamed per rank of a 1-D mesh. Offload on a 1-D "
+                           "mesh (fs.Mesh.from_env() without shard_size), or train the 2-D mesh without "
+                           "fs.offload_state.")
 
 
 def _tiers(store, fraction) -> tuple[tuple, tuple]:

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from ..errors import ArgumentError, ArgumentTypeError
 from ..dist._mesh import Mesh
 
-LANES = ("compute", "gather", "reduce", "replica", "control", "update", "store")  # the drawing order; waits go over compute
-COLORS = {"compute": "#8fb3d9", "gather": "#55a868", "reduce": "#8172b2", "replica": "#c44e52", "control": "#999999",
+LANES = ("compute", "gather", "reduce", "replica", "control", "update", "store")  # drawing order; waits over compute
+COLORS = {"compute": "#8fb3d9", "gather": "#55a868", "reduce": "#8172b2", "replica": "#c44e52",
+          "control": "#999999",
           "update": "#dd8452", "store": "#937860", "wait": "#d62728"}
 DPI, WIDTH_IN, ROW_IN, FRAME_IN = 100, 14.0, 0.45, 2.0  # the PNG is WIDTH_IN x (FRAME_IN + ROW_IN * rows) inches
 MATPLOTLIB = "matplotlib==3.11.2"
