@@ -170,14 +170,15 @@ def check_unchanged(state: TrainState, snap: list[torch.Tensor]) -> None:
 
 
 def check_memory_bound(state: TrainState, moments: int = 2) -> None:
-    """This rank's params + grads + optimizer state <= (those of the whole model) / world size + padding.
+    """This rank's params + grads + optimizer state <= (those of the whole model) / shard size + padding (the
+    world size on a 1-D mesh; on a 2-D mesh each rank holds 1/k of the model, k its shard group's ranks).
 
     ``moments``: optimizer tensors per trainable element (2 for AdamW). Padding is the layout's alignment and
     world-size padding, plus the per-parameter step counts. The bound is for models without frozen parameters:
     frozen parameters sit at the end of their unit, so the ranks holding the trainable prefix hold all of its
     optimizer state (frozen parameters themselves have none).
     """
-    n = state.spec.mesh.world_size
+    n = state.spec.mesh.shard_size
     nb = state.nbytes()
     held = nb["params"] + nb["grads"] + nb["opt_state"]
     total = padding = 0.0

@@ -152,7 +152,7 @@ def _new_params(like: TrainState, where: dict, targets: dict) -> dict:
     as stored moments are (``targets``: rows of one), so a model whose parameters fit only in a store loads. The head
     is chunked as the unit's moments, the tail (frozen parameters) apart, as state/_stored.py lays them out; the
     ``order`` keys are the ones fs.save's boxes use (checkpoint/_save.py's ``_param_items``)."""
-    spec, rank, dev = like.spec, like.spec.mesh.rank, like.spec.mesh.device
+    spec, rank, dev = like.spec, like.spec.mesh.shard_rank, like.spec.mesh.device
     n_units, tag, out = len(spec.units), uuid.uuid4().hex[:8], {}
     for i, u in enumerate(spec.units):
         w = where.get(u.name)
@@ -170,7 +170,7 @@ def _new_params(like: TrainState, where: dict, targets: dict) -> dict:
 def _new_moments(like: TrainState, where: dict, targets: dict) -> dict:
     """Zeroed optimizer states to load into, one zero row per row the optimizer declares: in memory, or new items in
     the store the placement (``where``) names (``targets`` gets each chunk to fill, in order: ``_target``)."""
-    spec, rank, opt = like.spec, like.spec.mesh.rank, like.spec.optimizer
+    spec, rank, opt = like.spec, like.spec.mesh.shard_rank, like.spec.optimizer
     tag = uuid.uuid4().hex[:8]
     out = {}
     for order, u in enumerate(spec.units):

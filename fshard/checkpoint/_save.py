@@ -54,7 +54,7 @@ def _layout_of(state: TrainState) -> dict:
 def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, window: _Chunks):
     """The DCP state dict of a state's tensors (``params``/``opt_state`` may be new tensors to load into); moments
     in a store become boxes of its chunk items, read (save) or filled (load) through ``window``."""
-    spec, rank = state.spec, state.spec.mesh.rank
+    spec, rank = state.spec, state.spec.mesh.shard_rank  # (2-D: replicas write the same boxes; DCP keeps one)
     template = spec.template
     canonical = {id(p): n for n, p in template.named_parameters()}
     buffer_of = {id(b): n for n, b in template.named_buffers()}  # a shared buffer's first name, as state.buffers

@@ -6,6 +6,10 @@ compare at the end of the step so that a divergence is an error rather than sile
 per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
 optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
+On a 2-D mesh (``Mesh.shard_size`` < ``world_size``, HSDP) gathers, reduce-scatters and ``reduce_each`` run in the
+rank's shard group, and ``replicate`` all-reduces a reduced shard in its replica group (phase "replica", its bytes
+their own figure); checks, ``all_reduce`` (unless ``over="shard"``) and the step's agreement stay over every rank.
+
 Gathers are issued asynchronously and return a ``Flight``; the caller waits on it right before the data is used.
 Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy`` the wall time during which at
 least one gather was in flight. Blocking use (issue, then wait at once) makes the two equal.
@@ -113,7 +117,7 @@ class Comm:
         """The recorded spans and one per gather and reduction (issue to completion), in seconds since
         ``origin``, ordered by start."""
         flights = [(p, f.tag, f.t_issue, f.t_done if f.t_done is not None else f.t_issue)
-                   for p in ("gather", "reduce") for f in self.flights[p]]
+                   for p in ("gather", "reduce", "replica") for f in self.flights[p]]
         return tuple(sorted(((lane, label, a - origin, b - origin) for lane, label, a, b in self.spans + flights),
                             key=lambda s: s[2]))
 
@@ -187,10 +191,11 @@ class Comm:
             self.stream.wait_stream(torch.cuda.current_stream())
 
     def gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> Flight:
-        """Start ``out <- concatenation of every rank's shard``; wait on the returned flight before reading out."""
+        """Start ``out <- concatenation of every rank's shard`` (the ranks of this rank's shard group); wait on the
+        returned flight before reading out."""
         self._note("all_gather", tag, out)
         t0 = time.perf_counter()
-        g, n, rank = self.mesh.group, self.mesh.world_size, self.mesh.rank
+        g, n, rank = self.mesh.shard_group, self.mesh.shard_size, self.mesh.shard_rank
         if self.stream is not None and shard.is_cuda:  # made on another stream (a cast): not reused under the gather
             shard.record_stream(self.stream)
         if self.dry:
@@ -249,57 +254,83 @@ class Comm:
 
     def gather_to_first(self, out: torch.Tensor | None, shard: torch.Tensor, tag: str) -> None:
         """Blocking gather of every rank's shard into rank 0's ``out`` (the others pass None and get nothing):
-        fs.full_state_dict(rank0_only=True)."""
+        fs.full_state_dict(rank0_only=True). On a 2-D mesh rank 0's shard group gathers; the other groups hold
+        copies of the same shards and send nothing."""
         self._note("gather_to_first", tag, shard)
-        if self.mesh.group is None:
-            out.copy_(shard)
-        elif not self.dry:  # (waited for as every collective: interruptible, a transport error named)
-            pieces = list(out.split(shard.numel())) if self.mesh.rank == 0 else None
-            wait_works([dist.gather(shard, gather_list=pieces, group_dst=0, group=self.mesh.group, async_op=True)],
+        mesh = self.mesh
+        if mesh.shard_size == 1:  # (the shard is the whole unit)
+            if out is not None:
+                out.copy_(shard)
+        elif not self.dry and mesh.replica_rank == 0:  # (waited for as every collective: interruptible, named)
+            pieces = list(out.split(shard.numel())) if mesh.shard_rank == 0 else None
+            wait_works([dist.gather(shard, gather_list=pieces, group_dst=0, group=mesh.shard_group, async_op=True)],
                        self, lambda: f"its gather of {tag!r} to rank 0")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
-        """Start ``out <- this rank's slice of the sum over ranks of full``; wait on the returned flight."""
+        """Start ``out <- this rank's slice of the sum over the shard group of full``; wait on the returned flight.
+        (On a 2-D mesh the replica groups' sum follows: ``replicate``.)"""
         self._note("reduce_scatter", tag, full)
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
         if self.dry:
             works = []
-        elif self.mesh.world_size == 1:  # one rank: the sum is the gradient; a copy only into another buffer
+        elif self.mesh.shard_size == 1:  # one rank: the sum is the gradient; a copy only into another buffer
             if not _same(out, full):
                 out.copy_(full)
             works = []
         else:
-            works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.group,
+            works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.shard_group,
                                                 async_op=True)]
         return self._flight(works, t0, "reduce", tag)
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
-        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]`` (the
-        others' are scratch). Sections may differ in size, so a bucket can end anywhere in a unit."""
+        """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed over the group into shard rank
+        r's ``sections[r]`` (the others' are scratch). Sections may differ in size, so a bucket can end anywhere in a
+        unit."""
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."),
                      "+".join(str(t.numel()) for t in sections)))  # one check for the call's N reduces
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t, check=False)
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
         t0 = time.perf_counter()
-        g = self.mesh.group
-        works = [] if g is None or self.dry or self.mesh.world_size == 1 else [
+        g = self.mesh.shard_group
+        works = [] if g is None or self.dry or self.mesh.shard_size == 1 else [
             dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True) for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
-    def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself)."""
+    def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
+        """Start the SUM all-reduce of a reduced shard ``t`` over this rank's replica group (2-D meshes: the ranks
+        holding the same shard; nothing on a 1-D mesh). ``sizes``: what every rank checks and hashes in place of
+        ``t``'s size where shard ranks' sizes differ (a bucket's sections), so the entry is the same on every rank."""
+        entry = ("all_reduce_replicas", tag, str(t.dtype).removeprefix("torch."), t.numel() if sizes is None else sizes)
+        self._check(entry)
+        self._hash = zlib.crc32(repr(entry).encode(), self._hash)
+        self.bytes["replica"] += t.nbytes
+        if self.trace is not None:
+            self.trace.append(entry)
+        t0 = time.perf_counter()
+        g = self.mesh.replica_group
+        works = [] if g is None or self.dry or self.mesh.replicas == 1 else [
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)]
+        return self._flight(works, t0, "replica", tag)
+
+    def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM, over: str = "world") -> torch.Tensor:
+        """In-place all-reduce of a small control tensor; not hashed (it carries the hash check itself). ``over``:
+        "world" (every rank) or "shard" (this rank's shard group: a sum over the shards of a 2-D mesh, each counted
+        once, the replica groups each making the same one)."""
         entry = ("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel())
         self._check(entry)
         if self.trace is not None:
             self.trace.append(entry)
         t0 = time.perf_counter()
-        if self.mesh.group is not None and self.mesh.world_size > 1:  # (the sum over one rank is its own value)
+        if over not in ("world", "shard"):
+            raise ArgumentError(f"Comm.all_reduce(over={over!r}): over is 'world' or 'shard'.")
+        g, n = (self.mesh.group, self.mesh.world_size) if over == "world" else \
+            (self.mesh.shard_group, self.mesh.shard_size)
+        if g is not None and n > 1:  # (the sum over one rank is its own value)
             self.bytes["control"] += t.nbytes
             if not self.dry:
-                wait_works([dist.all_reduce(t, op=op, group=self.mesh.group, async_op=True)], self,
-                           lambda: f"its {tag!r}")
+                wait_works([dist.all_reduce(t, op=op, group=g, async_op=True)], self, lambda: f"its {tag!r}")
         t1 = time.perf_counter()
         self.seconds["control"] += t1 - t0
         if self.spans is not None:
@@ -322,9 +353,9 @@ class CollectivesView(Collectives):
     def __init__(self, comm: Comm, before=None):
         self._comm, self.mesh, self._before = comm, comm.mesh, before or (lambda: None)
 
-    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, tag: str, over: str = "world") -> torch.Tensor:
         self._before()
-        return self._comm.all_reduce(t, tag)
+        return self._comm.all_reduce(t, tag, over=over)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         self._before()
@@ -333,3 +364,7 @@ class CollectivesView(Collectives):
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         self._before()
         return self._comm.reduce_each(sections, tag)
+
+    def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
+        self._before()
+        return self._comm.replicate(t, tag, sizes)

@@ -1,5 +1,14 @@
 """Mesh: the ranks a state is sharded over. A thin, immutable wrapper of a torch.distributed process group.
 
+A mesh may be 2-D (HSDP, issue #41): ``shard_size`` k splits its N ranks into N / k shard groups of k consecutive
+ranks. Parameters, gradients and optimizer state are sharded over the k ranks of a shard group (``shard_rank`` of
+``shard_size``: what the flat layout shards over) and replicated over the N / k groups; the ranks with the same
+``shard_rank`` in every shard group form a replica group (``replica_rank`` of ``replicas``). Gathers and
+reduce-scatters run in the shard group; a gradient shard is then all-reduced in the replica group; the ranks'
+agreement checks, the loss and the all-or-none commit stay over all N ranks. ``shard_size == world_size`` (the
+default) is the 1-D mesh; ``shard_size == 1`` is DDP with fshard's state.
+
+
 The environment is read once, when a mesh is made: ``FSHARD_TIMEOUT_S`` (the collective timeout, unless
 ``timeout_s`` is given) and ``FSHARD_GATHER`` (how gathers are done); a bad value is an ``ArgumentError`` naming the
 variable. What a mesh counts and owns while it is used (checks made, tensors held, its background worker) is in its
@@ -106,16 +115,45 @@ class Mesh:
     id: int = field(default_factory=lambda: next(_ids))
     gather_impl: str = field(default_factory=_gather_env)  # FSHARD_GATHER, read once here (dist/_collectives.py)
     runtime: MeshRuntime = field(default_factory=MeshRuntime, repr=False, compare=False)  # the mutable part
+    # 2-D (module docstring): k ranks per shard group (0: all of them), the groups of this rank (None: 1-D)
+    shard_size: int = 0
+    shard_group: Any = None
+    replica_group: Any = None
+
+    def __post_init__(self):
+        if not self.shard_size:  # 1-D: the whole mesh is the one shard group
+            object.__setattr__(self, "shard_size", self.world_size)
+        if self.shard_group is None and self.shard_size == self.world_size:
+            object.__setattr__(self, "shard_group", self.group)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index in its shard group: which 1/``shard_size`` of each unit it holds."""
+        return self.rank % self.shard_size
+
+    @property
+    def replicas(self) -> int:
+        """How many shard groups hold a copy of the state (1: a 1-D mesh)."""
+        return self.world_size // self.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which shard group this rank is in (its index in its replica group)."""
+        return self.rank // self.shard_size
 
     @classmethod
-    def from_env(cls, backend: str | None = None, timeout_s: float | None = None) -> "Mesh":
+    def from_env(cls, backend: str | None = None, timeout_s: float | None = None,
+                 shard_size: int | None = None) -> "Mesh":
         """Join the ranks started by torchrun (gloo on CPU, nccl on CUDA); world size 1 under plain ``python``.
 
-        An already initialised default process group is reused as it is.
+        An already initialised default process group is reused as it is. ``shard_size``: shard the state over
+        groups of that many consecutive ranks and replicate it over the groups (HSDP; the module docstring); by
+        default over every rank. Collective when it is given: every rank makes the groups, in the same order.
         """
         timeout = timedelta(seconds=_timeout(timeout_s))
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if not dist.is_initialized() and env_world <= 1:
+            _check_shard_size(shard_size, 1)
             return cls.local()
         if not dist.is_initialized():
             if backend is None:
@@ -128,19 +166,26 @@ class Mesh:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        return cls(dist.get_rank(), dist.get_world_size(), backend, device, dist.group.WORLD, timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return cls(rank, world, backend, device, dist.group.WORLD, timeout,
+                   **_split(dist.group.WORLD, world, _check_shard_size(shard_size, world), timeout))
 
     @classmethod
-    def from_group(cls, group) -> "Mesh":
-        """A mesh over an existing process group (e.g. one made with torch.distributed.new_group)."""
+    def from_group(cls, group, shard_size: int | None = None) -> "Mesh":
+        """A mesh over an existing process group (e.g. one made with torch.distributed.new_group); ``shard_size``
+        as in ``from_env`` (collective when given: every rank of ``group`` calls it)."""
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
-        return cls(dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group), device, group)
+        world, timeout = dist.get_world_size(group), timedelta(seconds=_timeout())
+        return cls(dist.get_rank(group), world, dist.get_backend(group), device, group, timeout,
+                   **_split(group, world, _check_shard_size(shard_size, world), timeout))
 
     def same_as(self, other: "Mesh") -> bool:
-        """Whether two meshes are the same ranks of the same process group (so shards are interchangeable)."""
+        """Whether two meshes are the same ranks of the same process group, split alike (so shards are
+        interchangeable)."""
         return self is other or (self.group is other.group and self.group is not None
-                                 and (self.rank, self.world_size) == (other.rank, other.world_size))
+                                 and (self.rank, self.world_size, self.shard_size)
+                                 == (other.rank, other.world_size, other.shard_size))
 
     @classmethod
     def local(cls, device: str | torch.device = "cpu") -> "Mesh":
@@ -199,4 +244,44 @@ class Mesh:
             )
 
     def __repr__(self) -> str:
-        return f"Mesh(#{self.id}, rank {self.rank}/{self.world_size}, {self.backend}, {self.device})"
+        shape = ("" if self.replicas == 1 else f", {self.replicas} replicas x {self.shard_size} shards (shard "
+                 f"{self.shard_rank}, replica {self.replica_rank})")
+        return f"Mesh(#{self.id}, rank {self.rank}/{self.world_size}{shape}, {self.backend}, {self.device})"
+
+
+def _check_shard_size(shard_size, world_size: int) -> int:
+    """``shard_size`` (None: ``world_size``), checked: a whole number that divides the world size."""
+    if shard_size is None:
+        return world_size
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size not in divisors:
+        raise ArgumentError(
+            f"fs.Mesh.from_env(shard_size={shard_size!r}): the {world_size} rank(s) cannot be split into shard "
+            f"groups of that many ranks. Pass a divisor of the world size ({', '.join(map(str, divisors))}): "
+            f"shard_size={world_size} shards over every rank (the default), 1 replicates the state on each rank "
+            "(DDP), and the ranks of one node (LOCAL_WORLD_SIZE under torchrun) is the usual HSDP choice.")
+    return shard_size
+
+
+def _split(group, world_size: int, shard_size: int, timeout: timedelta) -> dict:
+    """The 2-D mesh's fields: its shard groups (consecutive ranks of ``group``) and replica groups (the ranks with
+    the same index in every shard group), made with ``dist.new_group`` on every rank in the same order, shard groups
+    first; this rank's of each. Nothing where the mesh is 1-D."""
+    if shard_size == world_size:
+        return {}
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks[dist.get_rank(group)]
+    mine = {}
+    for kind, members in groups(ranks, shard_size):
+        made = dist.new_group(members, timeout=timeout)
+        if me in members:
+            mine[kind] = made
+    return {"shard_size": shard_size, **mine}
+
+
+def groups(ranks: list[int], shard_size: int) -> list[tuple[str, list[int]]]:
+    """The 2-D mesh's groups of ``ranks`` (a divisor ``shard_size``), in the order every rank makes them: the shard
+    groups (consecutive ranks), then the replica groups (the same index in every shard group)."""
+    n = len(ranks)
+    return ([("shard_group", ranks[g:g + shard_size]) for g in range(0, n, shard_size)]
+            + [("replica_group", ranks[j::shard_size]) for j in range(shard_size)])

@@ -27,17 +27,27 @@ class Collectives(Protocol):
     backward, so ranks that issue different ones fail the step instead of mixing data); ``all_reduce``, a small
     control message, is recorded in the trace but not hashed.
 
+    On a 2-D mesh (HSDP) the shards live in the rank's shard group: ``reduce_scatter`` and ``reduce_each`` sum over
+    it, and ``replicate`` then sums each reduced shard over the replica group (ranks holding the same shard).
+
     Attributes:
-      mesh: the ranks of the state (``fs.Mesh``): ``rank``, ``world_size``, ``device``.
+      mesh: the ranks of the state (``fs.Mesh``): ``rank``, ``world_size``, ``device``; ``shard_rank`` of
+        ``shard_size`` (what the layout shards over), ``replicas``.
     """
 
     mesh: Mesh
 
-    def all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """Sum a small control tensor over ranks, in place, blocking. Returns ``t``."""
+    def all_reduce(self, t: torch.Tensor, tag: str, over: str = "world") -> torch.Tensor:
+        """Sum a small control tensor over ranks (``over="shard"``: over the shard group only, each shard once), in
+        place, blocking. Returns ``t``."""
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> InFlight:
-        """Start ``out <- this rank's 1/N slice of the sum over ranks of full``."""
+        """Start ``out <- this rank's 1/k slice of the sum over the shard group's k ranks of full``."""
 
     def reduce_each(self, sections: Sequence[torch.Tensor], tag: str) -> InFlight:
-        """Start one SUM reduce per rank: ``sections[r]`` is summed over ranks into rank r's ``sections[r]``."""
+        """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed into shard rank r's
+        ``sections[r]``."""
+
+    def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> InFlight:
+        """Start the SUM all-reduce of a reduced shard over the replica group (nothing on a 1-D mesh); ``sizes``:
+        the entry every rank checks where the shard ranks' sizes differ."""

@@ -24,7 +24,7 @@ from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergence
 from ..optim._protocol import refuse_unstreamable
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
-from ..state._placement import place_unit, placement_for
+from ..state._placement import flat_mesh_only, place_unit, placement_for
 from ..state._stored import resident
 from ..state._train_state import ShardSpec, TrainState
 from ..store._checksum import checksum
@@ -73,7 +73,9 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     unit_mods = _find_units(model, units)
     groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
-    layouts = _plan(model, unit_mods, owners, aliases, mesh.world_size, align_bytes)
+    if offload is not None:
+        flat_mesh_only(mesh)
+    layouts = _plan(model, unit_mods, owners, aliases, mesh.shard_size, align_bytes)  # (2-D: the shard group's)
     buffers: dict[str, torch.Tensor] = {}
     if abstract:  # shapes and dtypes only
         values = ((u, None) for u in layouts)
@@ -97,12 +99,12 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:
             digests[u.name] = _digest(full[s.name] for s in u.slots)
-        params[u.name] = (shard(u, full, mesh.rank, mesh.device) if not abstract else
+        params[u.name] = (shard(u, full, mesh.shard_rank, mesh.device) if not abstract else
                           torch.empty(u.shard_numel, dtype=u.dtype, device="meta"))
         del full
-        state = opt.init(u, mesh.rank, params[u.name])
+        state = opt.init(u, mesh.shard_rank, params[u.name])
         if state is not None and u.name in where:
-            params[u.name], state = place_unit(where[u.name], u, mesh.rank, params[u.name], state, rows,
+            params[u.name], state = place_unit(where[u.name], u, mesh.shard_rank, params[u.name], state, rows,
                                                f"{u.name}@init-{tag}")
         if state is not None:
             opt_state[u.name] = state

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
+from ..state._placement import flat_mesh_only
 from ._tiers import choose_tiers
 from ..optim._protocol import refuse_unstreamable
 from ._update import OffloadUpdate
@@ -125,7 +126,9 @@ class offload_state(Transform):
                              self.worker_nice, self.params)
 
     def init_state(self, spec, old):
-        """No state of its own; refuses an optimizer it cannot stream (before the first step runs)."""
+        """No state of its own; refuses, before the step runs, an optimizer it cannot stream and a 2-D mesh
+        (``flat_mesh_only``)."""
+        flat_mesh_only(spec.mesh)
         refuse_unstreamable(spec.optimizer, "fs.compose(..., fs.offload_state(...))")
         return None
 

@@ -156,17 +156,22 @@ class BlockingReduce(ReducePolicy):
     """Reduce-scatter each unit's flat gradient as soon as backward has produced it, and wait for it.
 
     Gradients are scaled by 1/world_size before a SUM reduce-scatter, in the order DDP uses, so the average
-    matches DDP's bit for bit wherever the summation order allows it."""
+    matches DDP's bit for bit wherever the summation order allows it. On a 2-D mesh the reduce-scatter sums over the
+    shard group and an all-reduce of the shard over the replica group follows (``Comm.replicate``): the sum over
+    every rank of gradient / world_size, as DDP's."""
 
     def reduce(self, step, unit, grad: torch.Tensor) -> None:
-        n = step.comm.mesh.world_size
+        mesh = step.comm.mesh
         full = grad.contiguous()  # the unit's gradient is the step's own (autograd made it for this unit alone):
-        if n > 1:                 # scaled in place, not into a second unit-sized buffer
-            full.mul_(1.0 / n)
+        if mesh.world_size > 1:   # scaled in place, not into a second unit-sized buffer
+            full.mul_(1.0 / mesh.world_size)
+        if mesh.shard_size > 1:
             out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
         else:  # one rank: the shard is the whole unit, and its reduced gradient the gradient itself (no copy)
             out = full
         step.comm.reduce_scatter(out, full, unit.name).wait()
+        if mesh.replicas > 1:
+            step.comm.replicate(out, unit.name).wait()
         step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
 
 
@@ -182,7 +187,7 @@ class DeviceUpdate(UpdatePolicy):
     holds them, in the same pass)."""
 
     def __call__(self, step, state, grads: Grads, active, donate):
-        rank, params, opt_state = step.spec.mesh.rank, dict(state.params), dict(state.opt_state)
+        rank, params, opt_state = step.spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
         copies = dict(state.copies)
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):

@@ -45,7 +45,7 @@ def check_fields(state, changes) -> None:
     """Raise ``ArgumentError`` for the first field of ``changes`` that does not fit ``state.spec``."""
     spec = state.spec
     units = {u.name: u for u in spec.units}
-    rank = spec.mesh.rank
+    rank = spec.mesh.shard_rank  # (the layout's rank: of the shard group on a 2-D mesh)
     for f in ("step", "skipped"):
         v = getattr(state, f)
         if f in changes and not (isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.dim() == 0):

@@ -61,11 +61,20 @@ class _PlanMesh:
     device: torch.device = torch.device("meta")
     group: object = None
     gather_impl: str = "auto"  # (a dry Comm moves nothing: how it would gather changes no figure)
+    shard_size: int = 0  # the real mesh's shape (2-D: its groups stand-ins too)
+    shard_group: object = None
+    replica_group: object = None
+
+    shard_rank = property(lambda self: self.rank % self.shard_size)
+    replicas = property(lambda self: self.world_size // self.shard_size)
+    replica_rank = property(lambda self: self.rank // self.shard_size)
 
 
 def _dry_comm(mesh, device: str) -> Comm:
-    group = "simulated" if mesh.group is not None else None
-    return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), group), dry=True)
+    def stand_in(g):
+        return "simulated" if g is not None else None
+    return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), stand_in(mesh.group),
+                          mesh.shard_size, stand_in(mesh.shard_group), stand_in(mesh.replica_group)), dry=True)
 
 
 def _copy(policy):
@@ -139,6 +148,7 @@ def plan(step, state, batch, observed=None) -> Plan:
          "mem/param_read_bytes": max(r._read_peak for r in runs),
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+         "comm/replica_bytes": comm.bytes.get("replica", 0),
          "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
          "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
          "mem/new_state_bytes": 0, **state_figures(state)}

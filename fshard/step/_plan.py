@@ -33,6 +33,7 @@ MEMORY = (
 TRAFFIC = (
     ("comm/gather_bytes", "all-gathers (gathered bytes)"),
     ("comm/reduce_bytes", "reductions (bytes reduced)"),
+    ("comm/replica_bytes", "replica all-reduces (2-D meshes: between shard groups)"),
     ("comm/control_bytes", "control all-reduces"),
     ("io/read_bytes", "store reads"),
     ("io/write_bytes", "store writes"),
@@ -167,7 +168,7 @@ class Plan:
             mem.append(("the store at its peak (disk for NVMe), at most", self.bounds["store/peak_bytes"]))
         mem += [("peak of fshard-owned memory", f["mem/peak_bytes"]),
                 ("peak RSS of this process, predicted", self.predicted_rss)]
-        moved = [(what, f[k]) for k, what in TRAFFIC]
+        moved = [(what, f[k]) for k, what in TRAFFIC if k != "comm/replica_bytes" or f[k]]  # (a 1-D mesh: none)
         w = max(len(what) for what, _ in mem + moved) + 2
         row = lambda what, b: f"  {what:<{w}}{_size(b)}"  # noqa: E731
         lines = [f"fshard step plan: rank {self.rank} of {self.world_size}, {self.micro_batches} micro-batch(es), "

@@ -294,18 +294,20 @@ class Step:
         g = env.gather_figures()
         gather, exposed = g["time/gather"], g["time/gather_exposed"]
         reduce, r_exposed = comm.busy_seconds("reduce"), comm.seconds.get("reduce_exposed", 0.0)
+        rep_exposed = comm.seconds.get("replica_exposed", 0.0)  # (2-D meshes: the replica all-reduces)
         m = {"loss": loss, "step": int(new.step), "skipped_total": int(new.skipped),
              "time/step": t4 - t0, "time/check": t1 - t0, "time/gather": gather, "time/gather_exposed": exposed,
              "gather/overlap": 0.0 if gather <= 0 else max(0.0, 1.0 - exposed / gather),
              "time/reduce": reduce, "time/reduce_exposed": r_exposed,
              "reduce/overlap": 0.0 if reduce <= 0 else max(0.0, 1.0 - r_exposed / reduce),
-             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed), "time/update": t4 - t3,
+             "time/compute": max(0.0, t2 - t1 - exposed - r_exposed - rep_exposed), "time/update": t4 - t3,
              "time/control": comm.seconds.get("control", 0.0),
              "mem/peak_gathered_bytes": g["mem/peak_gathered_bytes"],
              "mem/peak_gathered_bytes_forward": max(r._phase_peak["forward"] for r in runs),
              "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
              "comm/gather_bytes": g["comm/gather_bytes"],
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+             "comm/replica_bytes": comm.bytes.get("replica", 0),
              "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
                                             for u in new.spec.units if u.trainable})), **grad_metrics}
         return env.traced(m)

@@ -6,6 +6,7 @@ A step composed with ``timeline=True`` puts ``metrics["trace/timeline"]``: this 
     compute  the step: each micro-batch's "forward" and "backward" (exposed waits included)
     gather   the step's ``Comm``: one span per gather, issue -> completion, labelled with the unit
     reduce   the ``Comm``: one span per reduce_scatter or reduce_each call (a bucket's N reduces are one span)
+    replica  the ``Comm``, on a 2-D mesh: one span per all-reduce of a reduced shard between shard groups
     control  the ``Comm``: each small blocking all-reduce (the rank checks, the gradient norm)
     update   the step: the update stage; offload_state: each unit updated early, in its worker thread
     store    offload_state, through ``StepView.record``: each unit's chunks streamed, moments written
@@ -26,8 +27,9 @@ import torch.distributed as dist
 from ..errors import ArgumentError, ArgumentTypeError
 from ..dist._mesh import Mesh
 
-LANES = ("compute", "gather", "reduce", "control", "update", "store")  # the drawing order; waits go over compute
-COLORS = {"compute": "#8fb3d9", "gather": "#55a868", "reduce": "#8172b2", "control": "#999999",
+LANES = ("compute", "gather", "reduce", "replica", "control", "update", "store")  # drawing order; waits over compute
+COLORS = {"compute": "#8fb3d9", "gather": "#55a868", "reduce": "#8172b2", "replica": "#c44e52",
+          "control": "#999999",
           "update": "#dd8452", "store": "#937860", "wait": "#d62728"}
 DPI, WIDTH_IN, ROW_IN, FRAME_IN = 100, 14.0, 0.45, 2.0  # the PNG is WIDTH_IN x (FRAME_IN + ROW_IN * rows) inches
 MATPLOTLIB = "matplotlib==3.11.2"

@@ -21,6 +21,12 @@ Landing: at each arrival, the flights that have already completed (checked witho
 landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
 on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
 
+On a 2-D mesh (HSDP) the plan is over the shard group (its k ranks' sections), the reduces sum over it, and each
+bucket's section of this rank is then all-reduced over the replica group (``replicate``). Every rank issues those
+in the same order, one bucket behind the reduces: launching bucket i issues its reduces, then waits for bucket
+i - 1's and issues that bucket's replica all-reduce, so the all-reduces run beside backward as the reduces do; the
+end of backward issues the last. A bucket lands once both have completed.
+
 At world size 1 there is nothing to sum: each unit's gradient (cast to the bucket's dtype where that differs) is
 handed over as its shard as soon as it arrives, without a bucket or a copy (design/ARCHITECTURE.md, "One rank"); a
 unit no gradient reached gets a zero shard at the end of backward, as at N > 1.
@@ -141,6 +147,7 @@ class _Pending:
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
         self.next = 0  # the first bucket not launched yet
         self.flights = []  # flights[i] reduces bucket i
+        self.replicas = []  # replicas[i] all-reduces this rank's section of bucket i over the replica group (2-D)
         self.landed = 0  # flights waited for, in launch order
         self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
@@ -160,11 +167,11 @@ class BucketReduce(ReducePolicy):
         # Made once per layout, in the first step's backward, when that step's forward order is known. Ranks run
         # the same forward (or the collective-sequence check fails the step), so they make the same plan.
         mesh = run.comm.mesh
-        key = (run.spec.fingerprint, mesh.world_size)
+        key = (run.spec.fingerprint, mesh.shard_size)
         if self._plan is None or self._plan[0] != key:
             order = backward_order(run.spec.units, run.order)
-            self._plan = (key, _Plan(plan_buckets(order, mesh.world_size, self.bucket_bytes, self.per_unit),
-                                     mesh.rank))
+            self._plan = (key, _Plan(plan_buckets(order, mesh.shard_size, self.bucket_bytes, self.per_unit),
+                                     mesh.shard_rank))
         return self._plan[1]
 
     def _state(self, run) -> _Pending:
@@ -194,8 +201,7 @@ class BucketReduce(ReducePolicy):
         self._launch_ready(run, st, force=False)
         # (On CUDA a wait orders the compute stream after the whole comm stream, prefetched gathers included, so
         # flights land only at the end there.)
-        while (run.comm.mesh.device.type == "cpu" and st.landed < len(st.flights)
-               and st.flights[st.landed].done()):
+        while run.comm.mesh.device.type == "cpu" and self._landable(run, st):
             self._land(run, st)
         self._scatter(run, st)
 
@@ -220,17 +226,40 @@ class BucketReduce(ReducePolicy):
             return self._unreached(run)
         st = self._state(run)
         self._launch_ready(run, st, force=True)
+        self._replicate(run, st, len(st.flights))
         while st.landed < len(st.flights):
             self._land(run, st)
         self._scatter(run, st)
         del run.scratch(self)["pending"]
 
+    def _landable(self, run, st: _Pending) -> bool:
+        """Has the next bucket in launch order completed (its reduces, and on a 2-D mesh its replica all-reduce)?
+        Never blocks."""
+        i = st.landed
+        return i < len(st.flights) and st.flights[i].done() and (
+            run.comm.mesh.replicas == 1 or (i < len(st.replicas) and st.replicas[i].done()))
+
     def _land(self, run, st: _Pending) -> None:
         """Wait for the next flight in launch order; free the sections of its bucket that other ranks own."""
         st.flights[st.landed].wait()
-        sections, rank = st.buffers[st.landed], run.comm.mesh.rank
+        if st.landed < len(st.replicas):
+            st.replicas[st.landed].wait()
+        sections, rank = st.buffers[st.landed], run.comm.mesh.shard_rank
         sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
         st.landed += 1
+
+    def _replicate(self, run, st: _Pending, upto: int) -> None:
+        """2-D meshes: for each bucket before ``upto`` without one, wait for its reduces, then issue the all-reduce
+        of this rank's section over the replica group (the entry every rank checks: all the sections' sizes)."""
+        mesh = run.comm.mesh
+        if mesh.replicas == 1:
+            return
+        while len(st.replicas) < upto:
+            i = len(st.replicas)
+            b = st.plan.buckets[i]
+            st.flights[i].wait()
+            st.replicas.append(run.comm.replicate(st.buffers[i][mesh.shard_rank], f"bucket{b.index}",
+                                                  sizes="+".join(str(k) for _, k in b.sections)))
 
     def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> list:
         if b.index not in st.buffers:
@@ -250,6 +279,7 @@ class BucketReduce(ReducePolicy):
             sections = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
             st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}"))
             st.next += 1
+            self._replicate(run, st, st.next - 1)  # (2-D: the bucket before this one's, once its reduces are done)
 
     def _scatter(self, run, st: _Pending) -> None:
         """Give each unit whose buckets have all landed its reduced gradient shard: a view where its pieces sit
@@ -261,7 +291,7 @@ class BucketReduce(ReducePolicy):
             name = order[st.given]
             st.given += 1
             spots = st.plan.mine[name]
-            rank = run.comm.mesh.rank
+            rank = run.comm.mesh.shard_rank
             if len({i for i, _, _ in spots}) == 1:
                 i, at, _ = spots[0]
                 section = st.buffers[i][rank]

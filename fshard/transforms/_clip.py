@@ -23,6 +23,9 @@ arithmetic, then multiplies every gradient by that fp32 value. ``_global_norm`` 
   parameter's norm is the square root, rounded to the gradients' dtype; then the same ``vector_norm``. Each norm
   is then the correctly rounded one, which torch's differs from by its own drift.
 
+On a 2-D mesh (HSDP) N is the shard group's size and every all-reduce above runs in the shard group: its shards tile
+the model once, and every replica group holds the same reduced shards, so each makes the same sums, bit for bit.
+
 The coefficient (a Python float holding the fp32 value) is handed to the update as ``Grads.scale``: the native
 AdamW kernel multiplies each gradient by it as it reads it (no extra pass); the torch and fused arithmetics multiply
 first, an fp32 product as ``_foreach_mul_`` makes it. With fp16 loss scaling the shards hold scaled gradients: the
@@ -43,7 +46,7 @@ from ..protocol._transform import Transform
 
 def _global_norm(comm, grads: Grads) -> float:
     """clip_grad_norm_'s total norm of the gradients the shards hold (module docstring)."""
-    spec, rank, n = grads.spec, comm.mesh.rank, comm.mesh.world_size
+    spec, rank, n = grads.spec, comm.mesh.shard_rank, comm.mesh.shard_size  # (2-D: the shard group's shards)
     slot_of = {s.name: (u, k, s) for u in spec.units for k, s in enumerate(u.trainable)}
     parts, groups = [], {}  # (unit, slot, this rank's part); (device, dtype) -> indices, as torch groups them
     for name in spec.param_names:
@@ -75,7 +78,7 @@ def _global_norm(comm, grads: Grads) -> float:
 def _chained_norms(comm, parts: list, placeholder: bool) -> torch.Tensor:
     """torch's fp32 norm of each parameter, bitwise, from the ranks' parts (module docstring): rank k continues the
     parameters that rank k - 1 began, after the k-th of n - 1 small all-reduces brings their running states."""
-    rank, n = comm.mesh.rank, comm.mesh.world_size
+    rank, n = comm.mesh.shard_rank, comm.mesh.shard_size
     owner = [_ranks(u, s) for u, s, _ in parts]  # (first rank, last rank) holding each parameter
     states = torch.zeros(len(parts), 8)
     norms = torch.zeros(len(parts))
@@ -96,13 +99,13 @@ def _chained_norms(comm, parts: list, placeholder: bool) -> torch.Tensor:
         if not cross:
             continue
         msg = states[cross] if rank == k else torch.zeros(len(cross), 8)  # one rank's values: the sum is exact
-        msg = comm.all_reduce(msg.contiguous().to(comm.mesh.device), "grad_norm_chain").cpu()
+        msg = comm.all_reduce(msg.contiguous().to(comm.mesh.device), "grad_norm_chain", over="shard").cpu()
         if rank == k + 1:
             states[cross] = msg
             run(cross)
     ends = [i for i, (f, l) in enumerate(owner) if f < l == rank]
     norms[ends] = states[ends, 0]
-    return comm.all_reduce(norms.to(comm.mesh.device), "grad_norm")  # each norm from the rank that finished it
+    return comm.all_reduce(norms.to(comm.mesh.device), "grad_norm", over="shard")  # each from the rank finishing it
 
 
 def _ops():
@@ -124,7 +127,7 @@ def _rounded_norms(comm, parts: list[torch.Tensor], groups: dict) -> list[torch.
     else:
         sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 if p.numel() else
                           torch.zeros((), dtype=torch.float64, device=p.device) for p in parts])
-    roots = comm.all_reduce(sq.to(comm.mesh.device), "grad_norm").sqrt()
+    roots = comm.all_reduce(sq.to(comm.mesh.device), "grad_norm", over="shard").sqrt()
     return [roots[i].to(dtype) for (_, dtype), g in groups.items() for i in g]
 
 

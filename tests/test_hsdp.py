@@ -1,0 +1,339 @@
+"""2-D meshes (HSDP, issue #41): ``fs.Mesh.from_env(shard_size=k)`` shards the state over groups of k consecutive
+ranks and replicates it over the groups.
+
+- The mesh: its shape in repr, its groups (consecutive ranks; same index in every group; a property test of their
+  planner), a shard_size that does not
+  divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
+  full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
+  RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
+- Against DDP + torch.optim.AdamW on the awkward model at world size 4 (2 x 2) and 6 (3 groups of 2, 2 of 3):
+  blocking; gather_ahead + bucket_reduce (buckets small enough to pipeline the replica all-reduces) + clip;
+  bucket_reduce(per_unit) + skip_nonfinite; accumulate; and shard_size 1 (DDP with fshard's state). Losses and
+  parameters within 1e-6; every replica group holds the same bits; each rank's state holds 1/k of the model;
+  step.plan's traffic (the replica bytes their own figure) is what the step moves; eval's loss is DDP's.
+- bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh).
+- Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2
+  and 3 ranks and back onto a 2-D one (4 replicas of 1), every parameter and moment bitwise the saved one.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _dist import run_ranks
+from models import check_oracle, oracle_model, oracle_step, param_diffs
+
+STEPS = 3
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MAX_NORM = 0.05  # small enough that the awkward model's gradients are clipped at every step
+
+
+# --- the mesh -------------------------------------------------------------------------------------------------------
+
+def _mesh_checks():
+    import torch.distributed as dist
+
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=2)
+    groups = (dist.get_process_group_ranks(mesh.shard_group), dist.get_process_group_ranks(mesh.replica_group))
+    flat = fs.Mesh.from_env(shard_size=4)
+    try:
+        fs.Mesh.from_env(shard_size=3)
+        refused = None
+    except fs.errors.ArgumentError as e:
+        refused = str(e)
+    model, loss_fn, batches = oracle_model("awkward", 1)
+    try:
+        fs.init(copy.deepcopy(model), mesh, fs.adamw(), offload=fs.offload_state(fs.CPUStore()))
+        offload_init = None
+    except fs.errors.OffloadError as e:
+        offload_init = str(e)
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    try:
+        fs.compose(loss_fn, fs.offload_state(fs.CPUStore()))(state, next(batches(mesh.rank, 4)))
+        offload_step = None
+    except fs.errors.OffloadError as e:
+        offload_step = str(e)
+    full = fs.full_params(state)
+    sd = fs.full_state_dict(state, rank0_only=True)
+    same = all(torch.equal(sd[n], full[n]) for n in full) if mesh.rank == 0 else sd == {}
+    return (repr(mesh), repr(flat), mesh.shard_rank, mesh.replica_rank, mesh.replicas, groups,
+            flat.shard_group is flat.group, flat.replica_group, refused, offload_init, offload_step, same)
+
+
+def test_mesh_shape_groups_and_refusals():
+    for rank, out in enumerate(run_ranks(_mesh_checks, 4)):
+        shown, flat, shard_rank, replica_rank, replicas, groups, flat_group, flat_replicas, refused, *offload, same \
+            = out
+        assert f"rank {rank}/4, 2 replicas x 2 shards (shard {rank % 2}, replica {rank // 2})" in shown
+        assert "replicas" not in flat and f"rank {rank}/4, gloo" in flat  # a 1-D mesh's repr is as before
+        assert (shard_rank, replica_rank, replicas) == (rank % 2, rank // 2, 2)
+        assert groups == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])
+        assert flat_group and flat_replicas is None
+        assert "shard_size=3" in refused and "divisor of the world size (1, 2, 4)" in refused
+        for message in offload:
+            assert message is not None and "2-D mesh" in message and "without shard_size" in message
+        assert same
+
+
+def test_shard_size_on_one_rank():
+    import fshard as fs
+    assert fs.Mesh.local().shard_size == 1 and "replicas" not in repr(fs.Mesh.local())
+    with pytest.raises(fs.errors.ArgumentError, match=r"divisor of the world size \(1\)"):
+        fs.Mesh.from_env(shard_size=2)
+
+
+def _together():
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=2)
+    model, loss_fn, batches = oracle_model("awkward", 3)
+    bad = {"raise": False, "nan": False}
+
+    def loss(module, batch):
+        out = loss_fn(module, batch)
+        if mesh.rank == 3 and bad["raise"]:
+            raise ValueError("rank 3's loss failed")
+        return out * float("nan") if mesh.rank == 3 and bad["nan"] else out
+
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    b0, b1, b2 = batches(mesh.rank, mesh.world_size)
+    with fs.compose(loss, fs.bucket_reduce(bucket_mb=0.0002), fs.skip_nonfinite(), timeline=True) as step:
+        state, m = step(state, b0)
+        drawn = fs.timeline(m, mesh=mesh)
+        lanes = {lane for r in range(mesh.world_size) for lane in drawn.lanes(r)}
+        bad["raise"] = True
+        try:
+            step(state, b1)
+            failed = None
+        except fs.FshardError as e:
+            failed = (type(e).__name__, str(e))
+        bad["raise"], bad["nan"] = False, True
+        state, m = step(state, b1)  # rank 3's NaN reaches every replica: every rank skips
+        skipped = (int(state.step), m["skipped_total"])
+        bad["nan"] = False
+        state, m = step(state, b2)
+    return lanes, failed, skipped, int(state.step), {n: t.numpy().tobytes() for n, t in state.params.items()}
+
+
+def test_ranks_fail_and_skip_together():
+    results = run_ranks(_together, 4)
+    for rank, (lanes, failed, skipped, steps, _) in enumerate(results):
+        assert {"replica", "reduce", "gather"} <= lanes, lanes  # the replica all-reduces have their own lane
+        kind, message = failed
+        assert (kind == "StepError") == (rank == 3) and "rank 3's loss failed" in message, failed
+        if rank != 3:
+            assert kind == "RankFailedError" and "rank 3" in message, failed
+        assert skipped == (1, 1) and steps == 2, (skipped, steps)
+    assert results[0][4] == results[2][4] and results[1][4] == results[3][4]  # replicas alike after it all
+
+
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.just(n), st.sampled_from([d for d in range(1, n + 1) if n % d == 0]),
+    st.permutations(range(100, 100 + n)))))
+def test_groups_tile_the_ranks(case):
+    from fshard.dist._mesh import groups
+    n, k, ranks = case
+    made = groups(list(ranks), k)
+    shards = [m for kind, m in made if kind == "shard_group"]
+    replicas = [m for kind, m in made if kind == "replica_group"]
+    assert [kind for kind, _ in made] == ["shard_group"] * (n // k) + ["replica_group"] * k  # every rank's order
+    for family, size in ((shards, k), (replicas, n // k)):  # each rank in exactly one group of each kind
+        assert sorted(r for m in family for r in m) == sorted(ranks) and all(len(m) == size for m in family)
+    assert all(len(set(a) & set(b)) == 1 for a in shards for b in replicas)  # one rank per (shard, replica) pair
+    for g, m in enumerate(shards):  # consecutive ranks of the process group; index i of each = replica group i
+        assert m == list(ranks[g * k:(g + 1) * k]) and all(replicas[i][g] == r for i, r in enumerate(m))
+
+
+# --- against DDP ----------------------------------------------------------------------------------------------------
+
+def _configs(fs):
+    return {
+        "blocking": ((), {}),
+        "ahead+buckets+clip": ((fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=0.0002),
+                                fs.clip_by_global_norm(MAX_NORM)), {"max_norm": MAX_NORM}),
+        "per_unit+skip": ((fs.bucket_reduce(per_unit=True), fs.skip_nonfinite()), {}),
+        "accumulate": ((fs.accumulate(2),), {"micro": 2}),
+    }
+
+
+def _against_ddp(shard_size: int, names: tuple):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=shard_size)
+    out = {}
+    for name in names:
+        transforms, how = _configs(fs)[name]
+        model, loss_fn, batches = oracle_model("awkward", STEPS)
+        ref = copy.deepcopy(model)
+        ddp = DDP(ref, find_unused_parameters=True)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HP)
+        state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+        held = {n: (t.numel(), u.numel) for u in state.spec.units for n, t in [(u.name, state.params[u.name])]}
+        ours, theirs, plans = [], [], []
+        with fs.compose(loss_fn, *transforms) as step:
+            for b in batches(mesh.rank, mesh.world_size):
+                micro = how.get("micro", 1)
+                mine = b if micro == 1 else [tuple(x[i::micro] for x in b) for i in range(micro)]
+                plan = step.plan(state, mine)
+                state, m = step(state, mine)
+                plans.append({k: (plan[k], m[k]) for k in ("comm/gather_bytes", "comm/reduce_bytes",
+                                                          "comm/replica_bytes")})
+                ours.append(m["loss"])
+                theirs.append(oracle_step(ddp, opt, loss_fn, b, mesh.world_size, max_norm=how.get("max_norm")))
+            evaluated = step.eval(state, b)[0]
+        with torch.no_grad():
+            ref.eval()
+            mean = loss_fn(ref, b).double()
+            torch.distributed.all_reduce(mean)
+        diffs, _ = param_diffs(fs.full_params(state), ref)
+        shards = {n: t.numpy().tobytes() for n, t in state.params.items()}
+        moments = {n: [r.numpy().tobytes() for r in s.rows] for n, s in state.opt_state.items()}
+        out[name] = (ours, theirs, diffs, held, plans, (evaluated, mean.item() / mesh.world_size),
+                     (mesh.shard_rank, shards, moments), m.get("grad_clip_scale"))
+    return out
+
+
+def _check_against_ddp(world_size: int, shard_size: int, names: tuple):
+    results = run_ranks(_against_ddp, world_size, shard_size, names)
+    for name in names:
+        by_shard = {}
+        for rank, res in enumerate(results):
+            ours, theirs, diffs, held, plans, (evaluated, ddp_eval), (shard_rank, *bits), clip = res[name]
+            label = f"{name} on {world_size // shard_size} x {shard_size}, rank {rank}"
+            check_oracle(label, world_size, "torch", ours, theirs, diffs, bitwise=False)
+            assert abs(evaluated - ddp_eval) <= 1e-6 * max(1.0, abs(ddp_eval)), (label, evaluated, ddp_eval)
+            assert all(n * shard_size == total for n, total in held.values()), (label, held)  # 1/k of each unit
+            for step_plans in plans[1:]:  # step.plan counts what the step moves, the replica bytes apart (after
+                # the first step, whose plan assumes every unit is called: blocks.2 is not)
+                assert all(p == m for p, m in step_plans.values()), (label, step_plans)
+                assert (step_plans["comm/replica_bytes"][1] > 0) == (shard_size < world_size), label
+            if name == "ahead+buckets+clip":
+                assert clip is not None and clip < 1.0, (label, clip)  # the clip did clip
+            # every replica group holds the same shards, bit for bit
+            assert by_shard.setdefault(shard_rank, bits) == bits, label
+
+
+@pytest.mark.parametrize("world_size,shard_size", [(4, 2), (6, 2), (6, 3)])
+def test_matches_ddp_adamw(world_size, shard_size):
+    _check_against_ddp(world_size, shard_size, tuple(_configs_names()))
+
+
+def test_shard_size_one_is_ddp():
+    _check_against_ddp(4, 1, ("blocking", "ahead+buckets+clip"))
+
+
+def _configs_names():
+    return ("blocking", "ahead+buckets+clip", "per_unit+skip", "accumulate")
+
+
+# --- bf16 against FSDP2's HSDP ---------------------------------------------------------------------------------------
+
+def _bf16_against_fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    mesh = fs.Mesh.from_env(shard_size=2)
+    cfg = GPTConfig.tiny(n_layers=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in ref.blocks:
+        fully_shard(block, mesh=dm, mp_policy=policy)
+    fully_shard(ref, mesh=dm, mp_policy=policy)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    fs.testing.check_memory_bound(state)  # 1/k of the model's parameters and moments (+ padding) on each rank
+    ours, theirs = [], []
+    with fs.compose(loss_fn, fs.gather_ahead(1), fs.bucket_reduce(0.01), fs.mixed_precision()) as step:
+        for b in synthetic_batches(cfg, 2, 4, 0, mesh.rank, mesh.world_size):
+            state, m = step(state, b)
+            ours.append(m["loss"])
+            theirs.append(oracle_step(ref, opt, loss_fn, b, mesh.world_size))
+    full = fs.full_params(state)
+    diffs = {n: (full[n] - (p.full_tensor() if isinstance(p, DTensor) else p).detach()).abs().max().item()
+             for n, p in ref.named_parameters()}
+    return ours, theirs, diffs
+
+
+def test_bf16_matches_fsdp2_hsdp():
+    for ours, theirs, diffs in run_ranks(_bf16_against_fsdp2, 4):
+        for a, b in zip(ours, theirs):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (ours, theirs)
+        assert max(diffs.values()) <= 1e-6, diffs
+        assert ours[-1] < ours[0]
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+def _full_state(fs, state) -> dict:
+    """Every parameter, and every unit's optimizer rows over its trainable prefix, whole (the shard group's rows
+    gathered), as bytes: comparable between meshes of any shape."""
+    import torch.distributed as dist
+    mesh = state.spec.mesh
+    out = {f"param {n}": t.numpy().tobytes() for n, t in fs.full_params(state).items()}
+    for u in state.spec.units:
+        st = state.opt_state.get(u.name)
+        if st is None:
+            continue
+        out[f"count {u.name}"] = st.count.tolist()
+        for i, row in enumerate(st.rows):
+            pieces = [torch.zeros(u.shard_numel) for _ in range(mesh.shard_size)]
+            mine = torch.zeros(u.shard_numel)
+            mine[:row.numel()] = row
+            if mesh.shard_size > 1:
+                dist.all_gather(pieces, mine, group=mesh.shard_group)
+            else:
+                pieces = [mine]
+            out[f"row{i} {u.name}"] = torch.cat(pieces)[:u.trainable_numel].numpy().tobytes()
+    out["step"] = int(state.step)
+    return out
+
+
+def _train_and_save(path: str, shard_size: int):
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=shard_size)
+    model, loss_fn, batches = oracle_model("awkward", 2)
+    state = fs.init(model, mesh, fs.adamw(**HP))
+    step = fs.compose(loss_fn)
+    for b in batches(mesh.rank, mesh.world_size):
+        state, _ = step(state, b)
+    fs.save(path, state)
+    fs.save(path + "-async", state, blocking=False).wait()  # over the mesh's background group (1-D, every rank)
+    return _full_state(fs, state)
+
+
+def _load(path: str, shard_size: int | None, save_to: str | None):
+    import fshard as fs
+    mesh = fs.Mesh.from_env(shard_size=shard_size)
+    model, _, _ = oracle_model("awkward", 1)
+    state = fs.load(path, like=fs.init(model, mesh, fs.adamw(**HP)))
+    if save_to is not None:
+        fs.save(save_to, state)
+    return _full_state(fs, state)
+
+
+def test_save_on_2d_loads_on_1d_and_back_bitwise(tmp_path):
+    import json
+    saved = run_ranks(_train_and_save, 4, str(tmp_path / "hsdp"), 2)
+    assert all(r == saved[0] for r in saved)
+    manifest = json.loads((tmp_path / "hsdp" / "fshard.json").read_text())
+    assert manifest["world_size"] == 4
+    for world_size, saved_as, again in ((2, "hsdp", None), (3, "hsdp-async", str(tmp_path / "flat3"))):
+        for got in run_ranks(_load, world_size, str(tmp_path / saved_as), None, again):
+            assert got == saved[0], world_size
+    for got in run_ranks(_load, 4, str(tmp_path / "flat3"), 1, None):  # 1-D (3) -> 2-D (4 replicas of 1)
+        assert got == saved[0]
+    # each shard written once: the 2 x 2 checkpoint's data is no larger than the 1-D one's (two copies would be 2x)
+    data = {d: sum(size for name, (size, _) in json.loads((tmp_path / d / "fshard.json").read_text())["files"].items()
+                   if name.endswith(".distcp")) for d in ("hsdp", "flat3")}
+    assert data["hsdp"] <= 1.1 * data["flat3"], data
