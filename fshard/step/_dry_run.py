@@ -74,7 +74,8 @@ def _dry_comm(mesh, device: str) -> Comm:
     def stand_in(g):
         return "simulated" if g is not None else None
     return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), stand_in(mesh.group),
-                          mesh.shard_size, stand_in(mesh.shard_group), stand_in(mesh.replica_group)), dry=True)
+                          shard_size=mesh.shard_size, shard_group=stand_in(mesh.shard_group),
+                          replica_group=stand_in(mesh.replica_group)), dry=True)
 
 
 def _copy(policy):
