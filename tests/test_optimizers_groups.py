@@ -118,9 +118,9 @@ def _count_ns():
     return calls
 
 
-def _compare(case: str):
+def _compare(case: str, shard_size: int | None = None):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    mesh = fs.Mesh.from_env()
+    mesh = fs.Mesh.from_env(shard_size=shard_size)
     calls = _count_ns()
     model = _model(case)
     ref = copy.deepcopy(model)
@@ -143,6 +143,22 @@ def _compare(case: str):
 
 def _all_cases():
     return {case: _compare(case) for case in CASES}
+
+
+def _on_2d(cases, shard_size):
+    return {case: _compare(case, shard_size) for case in cases}
+
+
+def test_on_a_2d_mesh_the_collective_updates_run_in_the_shard_group():
+    """2 x 2 (HSDP): Muon's matrices dealt over the shard group (each replica group orthogonalises its own, the
+    same), Adafactor's partial statistics summed over it (each shard once): still DDP + the torch twins."""
+    cases = ("muon+adamw", "adafactor")
+    results = run_ranks(_on_2d, 4, cases, 2)
+    for rank_result in results:
+        for case, (ours, theirs, diffs, bitwise, *_) in rank_result.items():
+            check_oracle(case, 4, "sums", ours, theirs, diffs, bitwise)
+    calls = [r["muon+adamw"][4] for r in results]  # 4 matrices a step, each once per replica group
+    assert sum(calls) == 2 * 4 * STEPS and calls[0] + calls[1] == calls[2] + calls[3] == 4 * STEPS, calls
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -197,8 +197,8 @@ class Adafactor:
                 nr = _rows(train[k].shape)
                 part[1:1 + nr].index_add_(0, idx // c, g * g)
                 part[1 + nr:].index_add_(0, (idx // rc) * c + idx % c, g * g)
-        if comm is not None and comm.mesh.world_size > 1:
-            comm.all_reduce(sums, f"{layout.name}/adafactor")
+        if comm is not None and comm.mesh.shard_size > 1:  # (2-D: over the shard group, each shard once)
+            comm.all_reduce(sums, f"{layout.name}/adafactor", over="shard")
         # 2. the statistics (alike on every rank), weight decay, and this rank's elements of the update
         updates_sq = torch.zeros(len(ks), dtype=param.dtype, device=param.device)
         out, alphas = {}, []
@@ -233,8 +233,8 @@ class Adafactor:
             u = est.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
             out[k] = u
             updates_sq[i] = (u * u).sum()
-        if comm is not None and comm.mesh.world_size > 1:  # 3. the update's norm per parameter, then the step
-            comm.all_reduce(updates_sq, f"{layout.name}/adafactor-update")
+        if comm is not None and comm.mesh.shard_size > 1:  # 3. the update's norm per parameter, then the step
+            comm.all_reduce(updates_sq, f"{layout.name}/adafactor-update", over="shard")
         for i, k in enumerate(ks):
             if k not in out:
                 continue

@@ -223,7 +223,7 @@ class Muon:
         ``at`` of the row; the same slots on every rank): ``fs.partition`` calls it for Muon's parameters."""
         (buf,) = rows
         _need_comm("fs.muon", layout, comm)
-        n_ranks = 1 if comm is None else comm.mesh.world_size
+        n_ranks = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
         train, ranges = layout.trainable, layout.trainable_ranges(rank)
         lo0, hi0 = layout.shard_range(rank)
         lr, mom = self.lr_at(updates), self.momentum
