@@ -337,3 +337,56 @@ def test_save_on_2d_loads_on_1d_and_back_bitwise(tmp_path):
     data = {d: sum(size for name, (size, _) in json.loads((tmp_path / d / "fshard.json").read_text())["files"].items()
                    if name.endswith(".distcp")) for d in ("hsdp", "flat3")}
     assert data["hsdp"] <= 1.1 * data["flat3"], data
+
+
+# --- two torchrun agents: two simulated nodes (issue #41) -----------------------------------------------------------
+
+def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path):
+    """Two torchrun agents on this machine, each a node of two ranks (``--nnodes 2 --nproc-per-node 2``, c10d
+    rendezvous on 127.0.0.1, as the README's two-node command), train with ``shard_size=LOCAL_WORLD_SIZE``: within
+    1e-6 of DDP, the replica all-reduce crossing the nodes; both nodes save into one checkpoint path, which a
+    single process then loads, bitwise the state every rank had."""
+    import json
+    import os
+    import socket
+    import sys
+    import threading
+
+    from _proc import run_logged
+
+    import fshard as fs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_two_nodes.py")
+    out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSHARD_TIMEOUT_S": "120"}
+    logs, errors = {}, {}
+
+    def agent(node: int):
+        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fshard-two-nodes", "--local-addr", "127.0.0.1",
+               script, str(out), ckpt]
+        try:
+            logs[node] = run_logged(cmd, timeout=200, what=f"node {node}: ", env=env)
+        except AssertionError as e:
+            errors[node] = str(e)
+    threads = [threading.Thread(target=agent, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(g["node"] for g in got) == [0, 0, 1, 1]
+    for r, g in enumerate(got):
+        assert f"rank {r}/4, 2 replicas x 2 shards" in g["mesh"], g["mesh"]
+        assert g["node"] == r // 2  # consecutive ranks on one node: a shard group is a node
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(g["ours"], g["theirs"])), g
+        assert g["diff"] <= 1e-6 and g["replica_bytes"] > 0, g
+        assert g["full"] == got[0]["full"]
+    model, _, _ = oracle_model("awkward", 1)
+    loaded = _full_state(fs, fs.load(ckpt, like=fs.init(model, fs.Mesh.local(), fs.adamw(**HP))))
+    assert {k: v.hex() if isinstance(v, bytes) else v for k, v in loaded.items()} == got[0]["full"]
