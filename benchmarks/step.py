@@ -132,14 +132,16 @@ def _adamw_kwargs(args) -> dict:
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _torch_runner(ctx: Ctx, model: torch.nn.Module, scaler=None) -> Runner:
+def _torch_runner(ctx: Ctx, model: torch.nn.Module, scaler=None, autocast: torch.dtype | None = None) -> Runner:
     """The peers' step: the wrapped model and torch.optim.AdamW(fused=True); with ``scaler`` (a GradScaler),
-    fp16's scale, unscale_, step and update."""
+    fp16's scale, unscale_, step and update; with ``autocast``, forward under ``torch.autocast`` in that dtype."""
     opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(ctx.args))
+    cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
+        with cast():
+            loss = loss_fn(model, batch)
         if scaler is None:
             loss.backward()
             opt.step()
@@ -157,6 +159,18 @@ def ddp_runner(ctx: Ctx) -> Runner:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return _torch_runner(ctx, DDP(ctx.fresh_model()))
+
+
+# the plain loop, no wrapper (world size 1: what a one-rank step should cost, issue #42), and bf16 autocast peers
+register("torch")(lambda ctx: _torch_runner(ctx, ctx.fresh_model()))
+register("torch+bf16")(lambda ctx: _torch_runner(ctx, ctx.fresh_model(), autocast=torch.bfloat16))
+
+
+@register("ddp+bf16")
+def _ddp_bf16(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _torch_runner(ctx, DDP(ctx.fresh_model()), autocast=torch.bfloat16)
 
 
 @register("fsdp2")
