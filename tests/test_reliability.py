@@ -54,6 +54,8 @@ message (the fix it names), run under a timeout. Cases so far:
   one envelope, and ``Step.__call__`` is one short function; a bad ``FSHARD_MMAP_THRESHOLD`` warns, the import works.
 
 The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are tests/test_reliability_ranks.py.
+- A rank that times out after the store's host (rank 0) has answered and exited still names the ranks that had
+  not arrived: the last poll of the store is the answer, not "unknown" (issue #39's merge, under load).
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import types
 
 import pytest
 import torch
@@ -1169,3 +1173,34 @@ def test_a_bad_mmap_threshold_in_the_environment_warns_and_import_works():
     out = _python("import fshard, warnings; print('imported')", timeout=120, FSHARD_MMAP_THRESHOLD="1MiB")
     assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
     assert "FSHARD_MMAP_THRESHOLD (environment)='1MiB' is not a number of bytes" in out.stderr, out.stderr[-2000:]
+
+
+# --- who had not arrived, when the store's host is gone (issue #39) ---
+
+def test_the_missing_ranks_are_the_last_poll_when_the_store_host_exits(monkeypatch):
+    """Ranks time out a moment apart; rank 0, which hosts torch.distributed's store, answers and exits while rank 1
+    still polls the store for the others' reports: the poll that then fails must leave rank 1 the answer it had
+    (rank 2 missing), not "unknown" (tests/test_reliability_ranks.py's hung-rank test failed so under load)."""
+    import torch.distributed as dist
+
+    from fshard.dist import _agreement
+
+    class Store:  # rank 0 and rank 1 reported; rank 2 is stopped; the store dies at the third poll
+        def __init__(self):
+            self.keys, self.polls = set(), 0
+
+        def set(self, key, value):
+            self.keys.add(key)
+
+        def check(self, keys):
+            self.polls += 1
+            if self.polls > 6:
+                raise RuntimeError("Connection reset by peer")
+            return all(k in self.keys or k.endswith("/0") for k in keys)
+
+    store = Store()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1, 2])
+    mesh = types.SimpleNamespace(rank=1, world_size=3, group=None, runtime=None, checks=7)
+    assert _agreement._absent_ranks(mesh) == [2]
+    assert store.polls > 6  # the store did fail mid-poll

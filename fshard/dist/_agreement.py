@@ -174,7 +174,10 @@ def explain(comm, what: str, error: BaseException) -> str:
 
 
 def _absent_ranks(mesh) -> list[int] | None:
-    """Ranks that did not report being stuck at this rank's last check within ``_REPORT_S`` (None: unknown)."""
+    """Ranks that did not report being stuck at this rank's last check within ``_REPORT_S`` (None: unknown). The
+    store lives in rank 0's process: when rank 0 has answered and exited while this rank still polls (the ranks
+    time out a moment apart), the answer is the last poll's."""
+    absent = None
     try:
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store; no public accessor exists
         prefix = f"fshard/stuck/{getattr(mesh.group, 'group_name', 'g')}/{mesh.checks}"
@@ -182,12 +185,12 @@ def _absent_ranks(mesh) -> list[int] | None:
         ranks = dist.get_process_group_ranks(mesh.group)
         deadline = time.monotonic() + _REPORT_S
         while True:
-            absent = [r for r in range(mesh.world_size) if not store.check([f"{prefix}/{r}"])]
+            absent = [ranks[r] for r in range(mesh.world_size) if not store.check([f"{prefix}/{r}"])]
             if not absent or time.monotonic() > deadline:
-                return [ranks[r] for r in absent]
+                return absent
             time.sleep(0.1)
-    except Exception:  # noqa: BLE001 - no store (or it is gone with a dead rank): the message says less
-        return None
+    except Exception:  # noqa: BLE001 - no store (or it is gone with a dead rank): the last poll, else unknown
+        return absent
 
 
 # --- agreement on the step ---------------------------------------------------------------------------------------

@@ -83,14 +83,19 @@ def _entries(state: TrainState, template, param_of: dict, buffer_of: dict) -> di
 
 
 def _gather(state: TrainState, rank0_only: bool, comm) -> dict[str, torch.Tensor]:
-    """Canonical name -> full parameter with storage of its own; one unit's flat buffer alive at a time (with
-    ``rank0_only``, on rank 0 only: the others return {}). Each gather is checked first (``comm`` verifies); a rank
+    """Canonical name -> full parameter with storage of its own; one flat buffer, the largest unit's, for every
+    gather (with ``rank0_only``, on rank 0 only: the others return {}). Each gather is checked first (``comm`` verifies); a rank
     that fails between them tells the others at their next check."""
     spec, out = state.spec, {}
     receives = not rank0_only or spec.mesh.rank == 0
+    # one buffer for every unit's gather (a view of it per unit): gloo's thread lets go of a finished gather's
+    # tensors a moment after the wait, so a buffer per unit could leave two alive at once
+    dtypes = {u.dtype for u in spec.units}
+    bufs = {d: torch.empty(max(u.numel for u in spec.units if u.dtype == d), dtype=d, device=spec.mesh.device)
+            for d in dtypes} if receives else {}
     try:
         for u in spec.units:
-            flat = torch.empty(u.numel, dtype=u.dtype, device=spec.mesh.device) if receives else None
+            flat = bufs[u.dtype][:u.numel] if receives else None
             if rank0_only:
                 comm.gather_to_first(flat, resident(state.params[u.name]).to(spec.mesh.device), u.name)
             else:
