@@ -233,14 +233,20 @@ def _torch_keys(case: str) -> dict:
     return {f"optim.state.{n}.{k}": tuple(v.shape) for n, e in sd["state"].items() for k, v in e.items()}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_adafactor_checkpoints_as_torch_and_resumes_bitwise(tmp_path, world_size):
+def _resumed_bitwise(tmp_path, world_size: int, case: str):
+    """Trained whole, and trained, saved and resumed: the same losses and parameters. Returns the saving run's."""
     path = str(tmp_path / "ckpt")
-    whole = run_ranks(_resume, world_size, "adafactor", None, "all")[0]
-    first = run_ranks(_resume, world_size, "adafactor", path, "first")[0]
-    second = run_ranks(_resume, world_size, "adafactor", path, "second")[0]
+    whole = run_ranks(_resume, world_size, case, None, "all")[0]
+    first = run_ranks(_resume, world_size, case, path, "first")[0]
+    second = run_ranks(_resume, world_size, case, path, "second")[0]
     assert whole[0] == first[0] + second[0]
     assert all((whole[1][k] == second[1][k]).all() for k in whole[1])
+    return first
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_adafactor_checkpoints_as_torch_and_resumes_bitwise(tmp_path, world_size):
+    first = _resumed_bitwise(tmp_path, world_size, "adafactor")
     ours = {k: v for k, v in first[2].items() if k.startswith("optim.state.")}
     assert ours == _torch_keys("adafactor")  # row_var (R, 1), col_var (1, C), variance, step: torch's keys, shapes
     assert ours["optim.state.up.weight.row_var"] == (37, 1) and "optim.state.prime.variance" in ours
@@ -248,12 +254,7 @@ def test_adafactor_checkpoints_as_torch_and_resumes_bitwise(tmp_path, world_size
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
-    path = str(tmp_path / "ckpt")
-    whole = run_ranks(_resume, world_size, "muon+adamw", None, "all")[0]
-    first = run_ranks(_resume, world_size, "muon+adamw", path, "first")[0]
-    second = run_ranks(_resume, world_size, "muon+adamw", path, "second")[0]
-    assert whole[0] == first[0] + second[0]
-    assert all((whole[1][k] == second[1][k]).all() for k in whole[1])
+    first = _resumed_bitwise(tmp_path, world_size, "muon+adamw")
     keys = set(first[2])
     assert {"optim.state.up.weight.momentum_buffer", "optim.state.emb.weight.exp_avg",
             "optim.state.emb.weight.exp_avg_sq", "optim.state.emb.weight.step"} <= keys
