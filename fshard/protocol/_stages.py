@@ -225,15 +225,17 @@ class ReducePolicy(Protocol):
 
 
 class GradsPolicy(Protocol):
-    """What happens to the reduced gradient shards between the agreement after backward and the update.
+    """A link of the grads chain: what happens to the reduced gradient shards between the agreement after backward
+    and the update. The step runs the links in composition order, each on the previous one's result; no link holds
+    another (a transform adds one with ``Transform.grads`` or ``Transform.grads_link``).
 
-    Attributes:
-      changes_grads: whether this policy (not the ones it wraps) may change what the update does with the shards:
-        their values, ``scale`` or ``skip``. A policy that only reads them and adds metrics says False, and
-        updates may then begin during backward (``StepView.grads_unchanged``).
-      scales_loss: whether this policy (not the ones it wraps) scales the loss before backward (``loss_scale``);
-        at most one policy of a step's chain does.
-      reads_grads: whether this policy reads the shards at all (``StepView.grads_unread`` when none does).
+    Attributes (read by ``fs.compose`` alone, to derive what the step needs of the chain):
+      changes_grads: whether this link may change what the update does with the shards: their values, ``scale``
+        or ``skip``. A link that only reads them and adds metrics says False, and updates may then begin during
+        backward (``StepView.grads_unchanged``).
+      scales_loss: whether this link scales the loss before backward (``loss_scale``); at most one link of a
+        step's chain does.
+      reads_grads: whether this link reads the shards at all (``StepView.grads_unread`` when none does).
     """
 
     changes_grads: bool = True

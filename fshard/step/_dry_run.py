@@ -140,7 +140,9 @@ def plan(step, state, batch, observed=None) -> Plan:
     shards = run._grad_shards()
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
     got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
-    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, spec=spec, active=got, transform_state=state.transform_state))
+    g = Grads(ones, spec=spec, active=got, transform_state=state.transform_state)
+    for link in pol.grads:  # the grads chain, link after link, as the step runs it
+        g = _copy(link)(CollectivesView(ctrl), g)
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
