@@ -139,9 +139,9 @@ class GatherPolicy(Protocol):
     computes on is always its own gather's, so a policy changes when gathers happen, never a result.
 
     Attributes:
-      schedule: the order in which the step acquires units (an ``fs.Schedule``), for policies that follow one;
-        None otherwise. ``step.schedule`` shows it. Before any step, ``step.plan`` sets it, on its copy of the
-        policy, to the schedule a first step records for a model that calls its units in layout order.
+      gather_order: the order in which the step acquires units (an ``fs.GatherOrder``), for policies that follow
+        one; None otherwise. ``step.gather_order`` shows it. Before any step, ``step.plan`` sets it, on its copy of
+        the policy, to the order a first step records for a model that calls its units in layout order.
       param_dtype: the dtype units are gathered and computed in (None: each unit's own, its master dtype). The
         step casts the shard to it for each gather, and the floating-point tensors passed to a unit's call (as
         FSDP2's ``cast_forward_inputs``); gradients then arrive in it (``fs.mixed_precision`` sets it).
@@ -150,7 +150,7 @@ class GatherPolicy(Protocol):
         cast each) and drops them when this is False; the update keeps them equal to the new shards.
     """
 
-    schedule: Any = None
+    gather_order: Any = None
     param_dtype: torch.dtype | None = None
     param_copies: bool = False
 

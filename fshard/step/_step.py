@@ -130,10 +130,10 @@ class Step:
         return state.replace(transform_state=entries, copies=copies) if changed else state
 
     @property
-    def schedule(self):
-        """The order this step's gather policy follows (an ``fs.Schedule`` with gather_ahead, once a step has
+    def gather_order(self):
+        """The order this step's gather policy follows (an ``fs.GatherOrder`` with gather_ahead, once a step has
         recorded it), or None."""
-        return self.policy.gather.schedule
+        return self.policy.gather.gather_order
 
     def close(self) -> None:
         """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong

@@ -69,12 +69,12 @@ class _Precision(GatherPolicy):
         self.inner, self.param_dtype, self.param_copies = inner, param_dtype, param_copies
 
     @property
-    def schedule(self):
-        return self.inner.schedule
+    def gather_order(self):
+        return self.inner.gather_order
 
-    @schedule.setter
-    def schedule(self, schedule):  # (step.plan, on its copy of the policy: the schedule a first step will record)
-        self.inner.schedule = schedule
+    @gather_order.setter
+    def gather_order(self, order):  # (step.plan, on its copy of the policy: the order a first step will record)
+        self.inner.gather_order = order
 
     def start(self, step):
         self.inner.start(step)
