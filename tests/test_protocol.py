@@ -131,6 +131,37 @@ def test_a_grads_method_is_a_link_of_the_grads_chain():
                 return inner
 
 
+def test_the_grads_chain_is_links_run_in_order_and_each_is_closed():
+    """``Policy.grads`` is a tuple of links, none holding another; ``step.close()`` closes each (issue #39)."""
+    closed = []
+
+    class Link(fs.protocol.GradsPolicy):
+        changes_grads = False
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def close(self):
+            closed.append(self.tag)
+
+    class linked(fs.Transform):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def grads_link(self):
+            return Link(self.tag)
+
+    clip = fs.clip_by_global_norm(1.0)
+    step = fs.compose(awkward_loss, linked("a"), clip, linked("b"))
+    assert [getattr(link, "tag", None) for link in step.policy.grads] == ["a", None, "b"]
+    assert step.policy.grads[1].transform is clip and not step.policy.grads_unchanged
+    with fs.compose(awkward_loss, linked("c"), linked("d")) as other:
+        assert other.policy.grads_unchanged  # both links say they change nothing
+    assert closed == ["c", "d"]
+    step.close()
+    assert closed == ["c", "d", "a", "b"]
+
+
 # --- every shipped reduce policy hands every unit over ----------------------------------------------------------
 
 
