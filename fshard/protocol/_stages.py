@@ -1,7 +1,8 @@
 """The stage protocols: what a policy of each stage receives, what it returns, and what it may touch.
 
 A step has five stages (design/ARCHITECTURE.md). A transform changes a stage by giving it a policy: an object
-that follows that stage's protocol below. Every hook a stage may have is declared here, with a no-op default, so
+that follows that stage's protocol below (the grads stage is a chain: a transform adds a link, a
+``GradsPolicy``). Every hook a stage may have is declared here, with a no-op default, so
 a policy subclasses its protocol and overrides what it changes; the step calls the declared hooks and nothing
 else (it never probes a policy for an attribute).
 
