@@ -252,7 +252,7 @@ def trial(args) -> None:
         def step(batch):
             holder[0], m = fstep(holder[0], batch)
             extra["measured"] = {k: v for k, v in m.items() if k.startswith(("mem/", "store/"))}
-            if "predicted_rss_after_first_gib" not in extra:  # with the schedule and activations it observed
+            if "predicted_rss_after_first_gib" not in extra:  # with the gather order and activations it observed
                 extra["predicted_rss_after_first_gib"] = fstep.plan(holder[0], batch).predicted_rss / GIB
             extra.setdefault("io_gb", 0.0)
             extra["io_gb"] += (m.get("io/read_bytes", 0) + m.get("io/write_bytes", 0)) / 1e9

@@ -50,7 +50,7 @@ from .protocol import Transform
 from .state import TrainState
 from .step import Plan, Step, Timeline, compose, timeline
 from .store import CPUStore, NVMeStore, Store
-from .transforms import (Schedule, accumulate, bucket_reduce, clip_by_global_norm, gather_ahead, mixed_precision,
+from .transforms import (GatherOrder, accumulate, bucket_reduce, clip_by_global_norm, gather_ahead, mixed_precision,
                          skip_nonfinite)
 
 __version__ = "0.1.0"
@@ -65,7 +65,7 @@ __all__ = [
     # checkpoints
     "save", "load", "latest", "SaveHandle",
     # the step and its transforms (their state types: fs.transforms; writing one: fs.protocol)
-    "compose", "Step", "Transform", "gather_ahead", "Schedule", "bucket_reduce", "accumulate", "clip_by_global_norm",
+    "compose", "Step", "Transform", "gather_ahead", "GatherOrder", "bucket_reduce", "accumulate", "clip_by_global_norm",
     "skip_nonfinite", "offload_state", "mixed_precision",
     # what a step costs: step.plan(state, batch) before it runs, fs.timeline(...) of one that ran
     "Plan", "timeline", "Timeline",

@@ -79,8 +79,8 @@ class UnboundParameterError(FshardError, RuntimeError):
     """A parameter was used while its unit was not bound (outside a call of the unit module)."""
 
 
-class ScheduleError(FshardError):
-    """The model acquired its units in a different order than the gather_ahead schedule (on_change="error")."""
+class GatherOrderError(FshardError):
+    """The model acquired its units in a different order than gather_ahead's gather order (on_change="error")."""
 
 
 class ArgumentError(FshardError, ValueError):

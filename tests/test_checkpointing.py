@@ -3,7 +3,7 @@
 reentrant or not, with a buffer read in the recompute: losses and parameters bitwise those of the same model
 checkpointed the same way without fshard (DDP at 2 ranks), at world sizes 1 and 2, with the default policies and
 with gather_ahead + bucket_reduce (transformers' models without fshard's transforms: tests/test_hf_matrix.py); the
-gather_ahead schedule replays with prefetch; the units are freed between uses; misuse gets a clear error."""
+gather_ahead gather order replays with prefetch; the units are freed between uses; misuse gets a clear error."""
 from __future__ import annotations
 
 import copy
@@ -131,7 +131,7 @@ def test_checkpointed_custom_model_is_bitwise_the_oracle(mode, frozen):
 def test_checkpointed_custom_model_at_two_ranks_with_gather_ahead(mode):
     for same_loss, same_params, units, replans, prefetched in run_ranks(_custom, 2, mode, "ahead"):
         assert same_loss and same_params, f"{mode}: fshard differs from DDP on the same checkpointed model"
-        assert replans == 0 and prefetched > 0, "the schedule recorded in step 1 did not replay with prefetch"
+        assert replans == 0 and prefetched > 0, "the gather order recorded in step 1 did not replay with prefetch"
         assert units <= 2 + 2, f"{mode}: {units:.2f} units gathered at once besides the root (depth 2: at most 4)"
 
 

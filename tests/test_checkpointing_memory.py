@@ -54,7 +54,7 @@ else:
         global state
         state, m = stepper(state, batch)
         out["gathered"] = m["mem/peak_gathered_bytes"]
-step()  # warm-up: allocator pools, the gather_ahead schedule, torch's optimizer state
+step()  # warm-up: allocator pools, the gather_ahead gather order, torch's optimizer state
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the warm-up freed (below the mmap threshold) leaves the RSS
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS

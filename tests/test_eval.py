@@ -2,8 +2,8 @@
 
 The oracle: the same weights (fs.full_params and the state's buffers) loaded into the torch model, ``model.eval()``,
 the loss on each rank's batch averaged over ranks in float64: bitwise. An eval pass changes no state, does not
-disturb the training schedule, gathers each unit once (gather_ahead prefetching along the forward half of its
-schedule), and a training step runs in train mode whatever mode the model was in at fs.init.
+disturb the training gather order, gathers each unit once (gather_ahead prefetching along the forward half of its
+gather order), and a training step runs in train mode whatever mode the model was in at fs.init.
 """
 from __future__ import annotations
 
@@ -106,13 +106,13 @@ def test_eval_is_torch_eval_mode_and_changes_nothing(transforms, init_mode):
     for out in run_ranks(_run, 2, transforms, init_mode):
         (with_evals, params), (without, params2) = out["train"]
         assert with_evals == without and params == params2  # evals in between change no step's result
-        assert all(r == 0 for _, r in with_evals)  # nor the gather_ahead schedule
+        assert all(r == 0 for _, r in with_evals)  # nor the gather_ahead gather order
         for i, (loss, again, peak, gathered, prefetched, flag) in enumerate(out["evals"]):
             assert loss == again  # dropout off: deterministic
             assert flag == (init_mode == "train")  # the template's flags are restored
             assert gathered == out["numel"]  # each unit gathered once (forward only; no keep for backward)
             if "ahead" in transforms and i > 0:
-                assert prefetched > 0  # along the forward half of the schedule the first step recorded
+                assert prefetched > 0  # along the forward half of the gather order the first step recorded
         assert [e[0] for e in out["evals"]] == out["oracle"]  # bitwise torch's eval mode
         # the training step ran in train mode (dropout on) even from a model in eval mode at fs.init: its loss on
         # the same state and batch is not the eval pass's

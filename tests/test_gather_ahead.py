@@ -1,5 +1,5 @@
 """fs.gather_ahead: same results as blocking (bitwise), same collectives on every rank, bounded live memory, an
-inspectable schedule, and a model whose unit order changes never hangs and never mixes units up."""
+inspectable gather order, and a model whose unit order changes never hangs and never mixes units up."""
 from __future__ import annotations
 
 import warnings
@@ -48,7 +48,7 @@ def _train(name, transforms):
             traces.append(m.pop("trace/collectives"))
             metrics.append(m)
         units = {u.name: u.nbytes for u in state.spec.units}
-        out[key] = (losses, _bytes(fs.full_params(state)), traces, metrics, units, step.schedule)
+        out[key] = (losses, _bytes(fs.full_params(state)), traces, metrics, units, step.gather_order)
     return out
 
 
@@ -74,12 +74,12 @@ def test_bitwise_identical_to_blocking_at_every_depth(world_size):
         ranks = run_ranks(_train, world_size, name, _configs())
         for r, res in enumerate(ranks):
             ref_losses, ref_params = res["blocking"][:2]
-            for key, (losses, params, traces, metrics, units, schedule) in res.items():
+            for key, (losses, params, traces, metrics, units, order) in res.items():
                 assert losses == ref_losses, f"{name} {key} rank {r}: losses differ from blocking"
                 assert params == ref_params, f"{name} {key} rank {r}: parameters differ from blocking"
                 if key.startswith("depth"):
                     d = int(key[5:])
-                    assert schedule is not None and schedule.forward[0] == "<root>"
+                    assert order is not None and order.forward[0] == "<root>"
                     if d > 0:
                         assert sum(m["gather/prefetched"] for m in metrics[1:]) > 0  # it really prefetched
                     if name == "gpt":  # no frozen units (a frozen unit stays gathered in backward)
@@ -101,33 +101,33 @@ def test_deeper_prefetch_holds_more_and_depth_zero_holds_what_blocking_holds():
     assert peak["depth0"] == peak["blocking"] < peak["depth1"] < peak["depth2"]
 
 
-def test_the_schedule_is_an_inspectable_value():
+def test_the_gather_order_is_an_inspectable_value():
     import fshard as fs
     mesh, model, loss_fn, batches = _setup("awkward")
     state = fs.init(model, mesh, fs.adamw())
     step = fs.compose(loss_fn, fs.gather_ahead(2))
-    assert step.schedule is None  # nothing recorded yet
+    assert step.gather_order is None  # nothing recorded yet
     b = next(iter(batches()))
     state, m = step(state, b)
-    s = step.schedule
-    assert isinstance(s, fs.Schedule)
+    s = step.gather_order
+    assert isinstance(s, fs.GatherOrder)
     # blocks.0 is applied twice; blocks.2 is never called
     assert s.forward == ("<root>", "blocks.0", "blocks.1", "blocks.0")
     assert s.backward == ("<root>", "blocks.0", "blocks.1", "blocks.0")
     assert "blocks.1" in repr(s) and s.events == s.forward + s.backward
     with pytest.raises(Exception):
         s.forward = ()  # frozen
-    # an explicit schedule is used from the first step on, and an equal one is kept as it is
-    step2 = fs.compose(loss_fn, fs.gather_ahead(1, schedule=s))
-    assert step2.schedule is s
+    # an explicit gather order is used from the first step on, and an equal one is kept as it is
+    step2 = fs.compose(loss_fn, fs.gather_ahead(1, order=s))
+    assert step2.gather_order is s
     _, m2 = step2(state, b)
-    assert m2["gather/prefetched"] > 0 and m2["gather/replanned"] == 0 and step2.schedule is s
+    assert m2["gather/prefetched"] > 0 and m2["gather/replanned"] == 0 and step2.gather_order is s
     with pytest.raises(ValueError, match="unknown unit names"):
-        fs.compose(loss_fn, fs.gather_ahead(schedule=fs.Schedule(["<root>", "nope"], [])))(state, b)
+        fs.compose(loss_fn, fs.gather_ahead(order=fs.GatherOrder(["<root>", "nope"], [])))(state, b)
     with pytest.raises(ValueError, match="depth"):
         fs.gather_ahead(-1)
-    with pytest.raises(TypeError, match="Schedule"):
-        fs.gather_ahead(schedule=["blocks.0"])
+    with pytest.raises(TypeError, match="GatherOrder"):
+        fs.gather_ahead(order=["blocks.0"])
 
 
 class Switch(nn.Module):
@@ -178,13 +178,13 @@ def _order_change(on_change):
                 warnings.simplefilter("always")
                 try:
                     state, m = step(state, b)
-                except fs.errors.ScheduleError as e:
+                except fs.errors.GatherOrderError as e:
                     errors.append(str(e))
                     # the state is intact: continue this batch with a step that adopts the new order
                     state, m = fs.compose(_switch_loss, fs.gather_ahead(2))(state, b)
             losses.append(m["loss"])
             replans.append((m.get("gather/replanned", 0), len([w for w in caught if "order changed" in str(w.message)])))
-        out[key] = (losses, _bytes(fs.full_params(state)), replans, errors, step.schedule)
+        out[key] = (losses, _bytes(fs.full_params(state)), replans, errors, step.gather_order)
     return out
 
 
@@ -194,15 +194,15 @@ def test_a_changing_unit_order_replans_or_raises_and_never_hangs(on_change):
     ranks = run_ranks(_order_change, 2, on_change, timeout_s=120, collective_timeout_s=30)
     for res in ranks:
         ref_losses, ref_params = res["blocking"][:2]
-        losses, params, replans, errors, schedule = res["ahead"]
+        losses, params, replans, errors, order = res["ahead"]
         assert losses == ref_losses
         assert params == ref_params
         if on_change == "replan":
             # steps 2 (new order), 4 (a shorter order) and 5 (back to the first) change the order; warned once
             assert [r for r, _ in replans] == [0, 0, 1, 0, 1, 1]
             assert sum(w for _, w in replans) == 1
-            assert schedule.forward == ("<root>", "blocks.0", "blocks.1", "blocks.2")
+            assert order.forward == ("<root>", "blocks.0", "blocks.1", "blocks.2")
             assert not errors
         else:
-            assert len(errors) == 3 and "differs from the gather_ahead schedule" in errors[0]
+            assert len(errors) == 3 and "differs from gather_ahead's gather order" in errors[0]
             assert "blocks.2" in errors[0] and "on_change='replan'" in errors[0]

@@ -94,7 +94,7 @@ def _composed():
                 off = [k for k in plan.figures if abs(plan[k] - m[k]) > 0.05 * max(plan[k], m[k])]
                 # a plan assumes the update runs; a skipped step makes no new state and writes nothing
                 skip_only = {"mem/new_state_bytes", "mem/peak_bytes", "io/write_bytes", "io/read_bytes"}
-                # before the first step the plan is of the later steps, which prefetch along the recorded schedule
+                # before the first step the plan is of the later steps, which prefetch along the recorded gather order
                 first = ({"mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes"}
                          if i == 0 and "ahead" in name else set())
                 assert set(off) <= (skip_only if m["skipped"] else set()) | first, (name, [(k, plan[k], m[k])

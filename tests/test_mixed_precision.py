@@ -94,7 +94,7 @@ def _with_others():
                 plan = step.plan(state, [b, b] if "accumulate" in name else b)
                 state, m = step(state, [b, b] if "accumulate" in name else b)
                 losses.append(m["loss"])
-                # (before the first step the plan is of the later steps, which prefetch along the recorded schedule)
+                # (before the first step the plan is of the later steps, which prefetch along the recorded gather order)
                 skip = (("mem/peak_gathered_bytes", "comm/gather_bytes", "mem/peak_bytes")
                         if i == 0 and "ahead" in name else ())
                 assert all(abs(plan[k] - m[k]) <= 0.05 * max(plan[k], m[k])

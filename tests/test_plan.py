@@ -3,8 +3,8 @@
 Every figure of the plan is a metric name; after the step, metrics carries it measured. They must agree within 5%
 (in practice they are equal: the plan runs the step's own gather and reduce policies on a simulated step), with
 gather_ahead, bucket_reduce, offload_state, clipping, accumulation and donation, at world sizes 1 and 2, for the
-first step (no schedule recorded yet: the plan assumes the one it will record, so its gathers are compared with the
-second step's) and the later ones (replaying the recorded schedule).
+first step (no gather order recorded yet: the plan assumes the one it will record, so its gathers are compared with the
+second step's) and the later ones (replaying the recorded gather order).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _compare(name):
             plans.append(step.plan(state, batch))
             state, m = step(state, batch)
             measured.append(m)
-    # Before the first step, gather_ahead has recorded no schedule: the plan assumes the one the first step records
+    # Before the first step, gather_ahead has recorded no gather order: the plan assumes the one the first step records
     # (layout order), so its gathers are those of the later steps, which prefetch along it (the first does not).
     later = lambda i, k: measured[1][k] if i == 0 and "ahead" in name and k in GATHERS else measured[i][k]  # noqa
     return [{k: (p[k], later(i, k)) for k in FIGURES} for i, p in enumerate(plans)], str(plans[1])
@@ -99,9 +99,9 @@ def _planning_is_local_and_pure():
         for _ in range(3):
             step.plan(state, b)
     gather, reduce = step.policy.gather, step.policy.reduce
-    untouched = gather.schedule is None and reduce._plan is None
-    state, m = step(state, b)  # the first real step records the schedule and plans the buckets itself
-    return untouched, gather.schedule is not None, m["loss"]
+    untouched = gather.gather_order is None and reduce._plan is None
+    state, m = step(state, b)  # the first real step records the gather order and plans the buckets itself
+    return untouched, gather.gather_order is not None, m["loss"]
 
 
 def test_plan_is_local_and_changes_no_policy():

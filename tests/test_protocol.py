@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -52,22 +53,25 @@ class _Mine(fs.protocol.GradsPolicy, fs.protocol.ReducePolicy):
     """A policy that changes nothing (the protocols' defaults), to set a stage with."""
 
 
-class _SetGrads(fs.Transform):
-    name = "set_grads"
-    stages = {"grads": "set"}
+class _SetReduce(fs.Transform):
+    name = "set_reduce"
+    stages = {"reduce": "set"}
 
-    def wrap_grads(self, grads):
+    def wrap_reduce(self, reduce):
         return _Mine()
 
 
 def test_wrappers_compose_and_a_setter_after_a_wrapper_is_an_error():
-    step = fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), fs.skip_nonfinite(), fs.clip_by_global_norm(2.0))
-    assert not step.policy.grads_unchanged and step.policy.grads.before.before.before.changes_grads is False
-    fs.compose(awkward_loss, _SetGrads(), fs.clip_by_global_norm(1.0))  # set first, then wrap: fine
+    clips = fs.clip_by_global_norm(1.0), fs.skip_nonfinite(), fs.clip_by_global_norm(2.0)
+    step = fs.compose(awkward_loss, *clips)
+    assert not step.policy.grads_unchanged and tuple(link.transform for link in step.policy.grads) == clips
+    assert fs.compose(awkward_loss).policy.grads == ()  # no link: the shards go to the update as they are
+    mp = fs.mixed_precision(torch.bfloat16)
+    fs.compose(awkward_loss, _SetReduce(), mp)  # set first, then wrap: fine
     with pytest.raises(fs.errors.TransformConflictError,
-                       match=r"sets the grads stage, which fs.clip_by_global_norm\(1.0\) "
-                             r"\(passed before it\) wraps.*Pass set_grads\(\) before"):
-        fs.compose(awkward_loss, fs.clip_by_global_norm(1.0), _SetGrads())
+                       match=re.escape(f"sets the reduce stage, which {mp!r} (passed before it) wraps") +
+                       r".*Pass set_reduce\(\) before"):
+        fs.compose(awkward_loss, mp, _SetReduce())
 
 
 def test_a_transform_must_declare_the_stages_it_changes():
@@ -82,19 +86,18 @@ def test_a_transform_must_declare_the_stages_it_changes():
 
 
 def test_a_policy_must_follow_its_stage_protocol():
-    class OldStyle(fs.Transform):  # a plain function as a grads policy: it lacks the declared hooks
+    class OldStyle(fs.Transform):  # a plain function as a grads link: it lacks the declared hooks
         name = "old_style"
-        stages = {"grads": "wrap"}
 
-        def wrap_grads(self, grads):
-            return lambda comm, g: grads(comm, g)
+        def grads_link(self):
+            return lambda comm, g: g
 
     with pytest.raises(fs.ArgumentTypeError, match=r"which is not a GradsPolicy: subclass fs.protocol.GradsPolicy"):
         fs.compose(awkward_loss, OldStyle())
 
 
 def test_a_grads_method_is_a_link_of_the_grads_chain():
-    """``Transform.grads(comm, grads)``: run in composition order among the wrappers, no inner, no close to
+    """``Transform.grads(comm, grads)``: a link run in composition order among the others, no inner, no close to
     forward; changes_grads from the class (issue #39)."""
     seen = []
 
@@ -108,20 +111,55 @@ def test_a_grads_method_is_a_link_of_the_grads_chain():
             seen.append((self.tag, grads.scale))
             return grads.with_metrics(**{f"note/{self.tag}": len(grads.shards)})
 
-    assert note.stages == {"grads": "wrap"} and fs.Transform.stages == {}
+    assert note.stages == {} and fs.Transform.stages == {}
     step = fs.compose(awkward_loss, note("a"), fs.clip_by_global_norm(1e-3), note("b"))
     assert not step.policy.grads_unchanged
     _, m = step(_state(), next(iter(awkward_batches(2, 1))))
     assert [t for t, _ in seen] == ["a", "b"] and seen[0][1] == 1.0 and seen[1][1] < 1.0  # b runs after the clip
     assert m["note/a"] == m["note/b"] > 0 and m["grad_clip_scale"] < 1.0
     assert fs.compose(awkward_loss, note("a")).policy.grads_unchanged  # it says it changes nothing
-    with pytest.raises(fs.ArgumentTypeError, match=r"defines both grads .* and wrap_grads"):
+    with pytest.raises(fs.ArgumentTypeError, match=r"defines both grads .* and grads_link"):
         class both(fs.Transform):
             def grads(self, comm, grads):
                 return grads
 
+            def grads_link(self):
+                return None
+    with pytest.raises(fs.ArgumentTypeError, match=r"wraps the grads stage.*define grads\(self, comm, grads\)"):
+        class wrapper(fs.Transform):  # the wrapping API before issue #39: refused, naming the fix
             def wrap_grads(self, inner):
                 return inner
+
+
+def test_the_grads_chain_is_links_run_in_order_and_each_is_closed():
+    """``Policy.grads`` is a tuple of links, none holding another; ``step.close()`` closes each (issue #39)."""
+    closed = []
+
+    class Link(fs.protocol.GradsPolicy):
+        changes_grads = False
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def close(self):
+            closed.append(self.tag)
+
+    class linked(fs.Transform):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def grads_link(self):
+            return Link(self.tag)
+
+    clip = fs.clip_by_global_norm(1.0)
+    step = fs.compose(awkward_loss, linked("a"), clip, linked("b"))
+    assert [getattr(link, "tag", None) for link in step.policy.grads] == ["a", None, "b"]
+    assert step.policy.grads[1].transform is clip and not step.policy.grads_unchanged
+    with fs.compose(awkward_loss, linked("c"), linked("d")) as other:
+        assert other.policy.grads_unchanged  # both links say they change nothing
+    assert closed == ["c", "d"]
+    step.close()
+    assert closed == ["c", "d", "a", "b"]
 
 
 # --- every shipped reduce policy hands every unit over ----------------------------------------------------------
@@ -481,14 +519,13 @@ def test_a_failed_update_begun_in_backward_waits_for_the_others_before_touching_
 def test_work_begun_in_backward_is_dropped_when_the_update_is_skipped(tmp_path):
     class Fickle(fs.Transform):  # wrongly says it changes nothing, then skips the step
         name = "fickle"
-        stages = {"grads": "wrap"}
 
-        def wrap_grads(self, inner):
+        def grads_link(self):
             class Policy(fs.protocol.GradsPolicy):
                 changes_grads = False
 
                 def __call__(self, comm, grads):
-                    return inner(comm, grads).replace(skip=True)
+                    return grads.replace(skip=True)
             return Policy()
 
     state, bs = _state(), list(awkward_batches(2, 2))

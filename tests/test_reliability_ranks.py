@@ -622,18 +622,15 @@ def _custom_transform_arguments(kind):
 
     from models import Awkward, awkward_batches, awkward_loss
 
-    class scaled(fs.Transform):  # the long form: a grads policy wrapping the one it was given
-        stages = {"grads": "wrap"}
-
+    class scaled(fs.Transform):  # the long form: a grads link of its own (grads_link)
         def __init__(self, factor):
             self.factor = factor
 
-        def wrap_grads(self, inner):
+        def grads_link(self):
             factor = self.factor
 
             class Scaled(fs.protocol.GradsPolicy):
                 def __call__(self, comm, grads):
-                    grads = inner(comm, grads)
                     return grads.replace(scale=grads.scale * factor)
             return Scaled()
 

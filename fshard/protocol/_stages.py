@@ -1,7 +1,8 @@
 """The stage protocols: what a policy of each stage receives, what it returns, and what it may touch.
 
 A step has five stages (design/ARCHITECTURE.md). A transform changes a stage by giving it a policy: an object
-that follows that stage's protocol below. Every hook a stage may have is declared here, with a no-op default, so
+that follows that stage's protocol below (the grads stage is a chain: a transform adds a link, a
+``GradsPolicy``). Every hook a stage may have is declared here, with a no-op default, so
 a policy subclasses its protocol and overrides what it changes; the step calls the declared hooks and nothing
 else (it never probes a policy for an attribute).
 
@@ -139,9 +140,9 @@ class GatherPolicy(Protocol):
     computes on is always its own gather's, so a policy changes when gathers happen, never a result.
 
     Attributes:
-      schedule: the order in which the step acquires units (an ``fs.Schedule``), for policies that follow one;
-        None otherwise. ``step.schedule`` shows it. Before any step, ``step.plan`` sets it, on its copy of the
-        policy, to the schedule a first step records for a model that calls its units in layout order.
+      gather_order: the order in which the step acquires units (an ``fs.GatherOrder``), for policies that follow
+        one; None otherwise. ``step.gather_order`` shows it. Before any step, ``step.plan`` sets it, on its copy of
+        the policy, to the order a first step records for a model that calls its units in layout order.
       param_dtype: the dtype units are gathered and computed in (None: each unit's own, its master dtype). The
         step casts the shard to it for each gather, and the floating-point tensors passed to a unit's call (as
         FSDP2's ``cast_forward_inputs``); gradients then arrive in it (``fs.mixed_precision`` sets it).
@@ -150,7 +151,7 @@ class GatherPolicy(Protocol):
         cast each) and drops them when this is False; the update keeps them equal to the new shards.
     """
 
-    schedule: Any = None
+    gather_order: Any = None
     param_dtype: torch.dtype | None = None
     param_copies: bool = False
 
@@ -225,15 +226,17 @@ class ReducePolicy(Protocol):
 
 
 class GradsPolicy(Protocol):
-    """What happens to the reduced gradient shards between the agreement after backward and the update.
+    """A link of the grads chain: what happens to the reduced gradient shards between the agreement after backward
+    and the update. The step runs the links in composition order, each on the previous one's result; no link holds
+    another (a transform adds one with ``Transform.grads`` or ``Transform.grads_link``).
 
-    Attributes:
-      changes_grads: whether this policy (not the ones it wraps) may change what the update does with the shards:
-        their values, ``scale`` or ``skip``. A policy that only reads them and adds metrics says False, and
-        updates may then begin during backward (``StepView.grads_unchanged``).
-      scales_loss: whether this policy (not the ones it wraps) scales the loss before backward (``loss_scale``);
-        at most one policy of a step's chain does.
-      reads_grads: whether this policy reads the shards at all (``StepView.grads_unread`` when none does).
+    Attributes (read by ``fs.compose`` alone, to derive what the step needs of the chain):
+      changes_grads: whether this link may change what the update does with the shards: their values, ``scale``
+        or ``skip``. A link that only reads them and adds metrics says False, and updates may then begin during
+        backward (``StepView.grads_unchanged``).
+      scales_loss: whether this link scales the loss before backward (``loss_scale``); at most one link of a
+        step's chain does.
+      reads_grads: whether this link reads the shards at all (``StepView.grads_unread`` when none does).
     """
 
     changes_grads: bool = True

@@ -6,8 +6,11 @@ stages it changes and how (``Transform.stages``):
 
 - ``"set"``: its policy takes the stage over (it may still call the policy it was given, as offload_state does
   for the units it leaves in memory). A stage is set by at most one transform.
-- ``"wrap"``: its policy calls the one it was given and changes its result (clip, skip). Wrappers compose, in
-  the order given. A transform's ``grads`` method is such a wrapper, made by ``fold`` (``_GradsLink``).
+- ``"wrap"``: its policy calls the one it was given and changes its result. Wrappers compose, in the order given.
+
+The grads stage is not wrapped: it is a chain, a tuple of links (``GradsPolicy``) the step runs in order,
+``for link in policy.grads: grads = link(comm, grads)``. A transform adds at most one link
+(``Transform.grads_link``); no link holds another, and ``Policy.close`` closes each.
 
 ``fs.compose`` folds the transforms over the blocking policies, left to right (``fold``). Two transforms that set
 the same stage, or one that sets a stage another already wraps, are a ``TransformConflictError``: the later one
@@ -28,9 +31,8 @@ from ..errors import ArgumentTypeError, FrozenStateError, TransformConflictError
 if TYPE_CHECKING:
     from ..state._train_state import ShardSpec, TrainState
 
-STAGES = ("gather", "reduce", "grads", "update", "batches")
-PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "grads": GradsPolicy, "update": UpdatePolicy,
-             "batches": BatchesPolicy}
+STAGES = ("gather", "reduce", "update", "batches")  # the wrapped stages; grads is a chain of links
+PROTOCOLS = {"gather": GatherPolicy, "reduce": ReducePolicy, "update": UpdatePolicy, "batches": BatchesPolicy}
 
 
 class _TransformType(type):
@@ -52,11 +54,13 @@ class Transform(metaclass=_TransformType):
 
     A subclass changes a stage in one of two ways:
 
-    - ``grads(self, comm, grads) -> grads``, a method: a link of the grads chain, run after the grads policies of
-      the transforms before it (it declares ``stages["grads"] = "wrap"`` by itself). ``changes_grads`` and
-      ``reads_grads`` (class attributes) say what it does to the shards (``fs.protocol.GradsPolicy``).
-    - ``wrap_<stage>(policy) -> policy``, for any stage, declared in ``stages`` (stage -> "set" or "wrap"): a
-      policy following the stage's protocol (fshard/protocol/_stages.py), which may call the one it was given.
+    - ``grads(self, comm, grads) -> grads``, a method: its link of the grads chain, run after the links of the
+      transforms before it. ``changes_grads`` and ``reads_grads`` (class attributes) say what it does to the
+      shards (``fs.protocol.GradsPolicy``). A link with state of its own, or one that scales the loss, is a
+      ``GradsPolicy`` returned by ``grads_link(self)`` instead (fs.mixed_precision's fp16 loss scale).
+    - ``wrap_<stage>(policy) -> policy``, for gather, reduce, update and batches, declared in ``stages`` (stage ->
+      "set" or "wrap"): a policy following the stage's protocol (fshard/protocol/_stages.py), which may call the
+      one it was given.
 
     ``name`` (default: the class's name) keys its entry in ``TrainState.transform_state`` and names it in
     messages."""
@@ -71,13 +75,15 @@ class Transform(metaclass=_TransformType):
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             cls.name = cls.__name__
-        if cls.grads is not Transform.grads:
-            if cls.wrap_grads is not Transform.wrap_grads:
-                raise ArgumentTypeError(
-                    f"{cls.__qualname__} defines both grads (a link of the grads chain) and wrap_grads (a grads "
-                    "policy); define one of them.")
-            if "grads" not in cls.stages:
-                cls.stages = {**cls.stages, "grads": "wrap"}
+        if "wrap_grads" in cls.__dict__ or "grads" in cls.stages:
+            raise ArgumentTypeError(
+                f"{cls.__qualname__} wraps the grads stage, which is a chain of links that hold no other: define "
+                "grads(self, comm, grads) -> grads, or grads_link(self) returning a fs.protocol.GradsPolicy (for a "
+                "link with state), and no wrap_grads or stages['grads'].")
+        if cls.grads is not Transform.grads and cls.grads_link is not Transform.grads_link:
+            raise ArgumentTypeError(
+                f"{cls.__qualname__} defines both grads (its link of the grads chain) and grads_link (a link made "
+                "otherwise); define one of them.")
 
     def __setattr__(self, name: str, value) -> None:
         if self.__dict__.get(FROZEN):
@@ -101,8 +107,11 @@ class Transform(metaclass=_TransformType):
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return reduce
 
-    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
-        return grads if type(self).grads is Transform.grads else _GradsLink(self, grads)
+    def grads_link(self) -> GradsPolicy | None:
+        """This transform's link of the grads chain (None: it adds none). The default is its ``grads`` method, if
+        its class defines one; a transform returns a ``GradsPolicy`` of its own for a link with state, or one that
+        scales the loss."""
+        return None if type(self).grads is Transform.grads else _MethodLink(self)
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return update
@@ -130,18 +139,15 @@ class Transform(metaclass=_TransformType):
         return f"{'fs.' if type(self).__module__.startswith('fshard.') else ''}{self.name}({shown})"
 
 
-class _GradsLink(GradsPolicy):
-    """A transform's ``grads`` method in the grads chain: the policies before it run first."""
+class _MethodLink(GradsPolicy):
+    """A transform's ``grads`` method as a link of the grads chain, with what its class declares."""
 
-    def __init__(self, transform: Transform, before: GradsPolicy):
-        self.transform, self.before = transform, before
+    def __init__(self, transform: Transform):
+        self.transform = transform
         self.changes_grads, self.reads_grads = transform.changes_grads, transform.reads_grads
 
     def __call__(self, comm, grads: Grads) -> Grads:
-        return self.transform.grads(comm, self.before(comm, grads))
-
-    def close(self) -> None:
-        self.before.close()
+        return self.transform.grads(comm, grads)
 
     def __repr__(self) -> str:
         return f"{self.transform!r}.grads"
@@ -173,13 +179,6 @@ class BlockingReduce(ReducePolicy):
         if mesh.replicas > 1:
             step.comm.replicate(out, unit.name).wait()
         step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
-
-
-class IdentityGrads(GradsPolicy):
-    """Reduced gradient shards go to the update as they are."""
-
-    changes_grads = False
-    reads_grads = False
 
 
 class DeviceUpdate(UpdatePolicy):
@@ -222,14 +221,15 @@ class OneBatch(BatchesPolicy):
 
 @dataclass(frozen=True)
 class Policy:
-    """A composed step's five policies, and what ``fold`` derived from them: ``grads_unchanged`` is True when
-    every policy of the grads chain declares ``changes_grads = False``, ``grads_unread`` when moreover none declares
-    ``reads_grads``; ``loss_scaler`` is the one policy of the
-    grads chain that declares ``scales_loss`` (None: the loss is not scaled)."""
+    """A composed step's policies, and what ``fold`` derived from the grads chain's declarations: ``grads`` is the
+    chain (empty: the reduced shards go to the update as they are); ``grads_unchanged`` is True when every link
+    declares ``changes_grads = False`` (and none scales the loss), ``grads_unread`` when moreover none declares
+    ``reads_grads``; ``loss_scaler`` is the one link that declares ``scales_loss`` (None: the loss is not
+    scaled)."""
 
     gather: GatherPolicy
     reduce: ReducePolicy
-    grads: GradsPolicy
+    grads: tuple[GradsPolicy, ...]
     update: UpdatePolicy
     batches: BatchesPolicy
     grads_unchanged: bool
@@ -243,20 +243,22 @@ class Policy:
     def close(self) -> None:
         for stage in STAGES:
             getattr(self, stage).close()
+        for link in self.grads:
+            link.close()
 
 
 def fold(transforms) -> Policy:
     """The step's policies: the blocking ones, changed by each transform in turn (see the module docstring)."""
-    policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "grads": IdentityGrads(),
-                "update": DeviceUpdate(), "batches": OneBatch()}
+    policies = {"gather": BlockingGather(), "reduce": BlockingReduce(), "update": DeviceUpdate(),
+                "batches": OneBatch()}
     changed: dict[str, list[tuple[Transform, str]]] = {s: [] for s in STAGES}  # stage -> [(transform, how)]
+    links: list[GradsPolicy] = []
     unchanged, unread, scaler = True, True, None
     for t in transforms:
         if not isinstance(t, Transform):
             raise ArgumentTypeError(f"fs.compose: {t!r} is not an fshard transform (fs.gather_ahead(...), ...). Pass "
                                     "transforms after loss_fn: fs.compose(loss_fn, transform, ...).")
-        wrap = {"gather": t.wrap_gather, "reduce": t.wrap_reduce, "grads": t.wrap_grads, "update": t.wrap_update,
-                "batches": t.wrap_batches}
+        wrap = {"gather": t.wrap_gather, "reduce": t.wrap_reduce, "update": t.wrap_update, "batches": t.wrap_batches}
         for stage in STAGES:
             given = policies[stage]
             new = wrap[stage](given)
@@ -273,16 +275,24 @@ def fold(transforms) -> Policy:
                     "default.")
             _check_conflict(t, stage, how, changed[stage])
             changed[stage].append((t, how))
-            if stage == "grads":
-                unchanged = unchanged and not new.changes_grads and not new.scales_loss  # scaled shards change
-                unread = unread and not new.reads_grads  # declared by GradsPolicy (checked above)
-                if new.scales_loss and scaler is not None:
-                    raise TransformConflictError(
-                        f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
-                        "scales it once; pass one of them.")
-                scaler = (t, new) if new.scales_loss else scaler
             policies[stage] = new
-    return Policy(**policies, grads_unchanged=unchanged, loss_scaler=scaler and scaler[1],
+        link = t.grads_link()
+        if link is None:
+            continue
+        if GradsPolicy not in type(link).__mro__:  # the step calls every declared hook: defaults needed
+            raise ArgumentTypeError(
+                f"{t!r}.grads_link() gave {link!r}, which is not a GradsPolicy: subclass fs.protocol.GradsPolicy, "
+                "which declares every hook of a grads link with its default (or define grads(self, comm, grads)).")
+        # what the step needs of the chain, from each link's declarations (read here only, never by another link)
+        unchanged = unchanged and not link.changes_grads and not link.scales_loss  # scaled shards change
+        unread = unread and not link.reads_grads
+        if link.scales_loss and scaler is not None:
+            raise TransformConflictError(
+                f"fs.compose: {scaler[0]!r} and {t!r} both scale the loss (fp16 loss scaling), and a step "
+                "scales it once; pass one of them.")
+        scaler = (t, link) if link.scales_loss else scaler
+        links.append(link)
+    return Policy(**policies, grads=tuple(links), grads_unchanged=unchanged, loss_scaler=scaler and scaler[1],
                   grads_unread=unchanged and unread)
 
 

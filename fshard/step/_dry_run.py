@@ -3,19 +3,19 @@
 The plan runs the step's own policies on a simulated step: units whose shards are meta tensors (no data), the
 gather, reduce and grads policies called in the order a step calls them, and a dry ``Comm`` (``dry=True``: the
 step's own bookkeeping of every collective, with no transport) that counts what each would move. The order is the
-schedule the gather policy holds, else the one the last step of this step function observed (which units forward
+gather order the gather policy holds, else the one the last step of this step function observed (which units forward
 called and backward read, and which parameters got a gradient), else, before any step, the layout's order with
 every unit called once and every parameter used. So a custom policy is planned by the same code that runs it, and
 no stage needs a cost model of another. The update stage, which touches state rather than layouts, says what it
 will write and read through ``UpdatePolicy.plan``. Nothing of the model's compute runs. Activations come from the
 last step's measurement, or before the first step from one forward on the meta device (``activations``); the
-framework's own allocations are not in the plan. Before any step, a gather policy that records its schedule is
+framework's own allocations are not in the plan. Before any step, a gather policy that records its gather order is
 planned with the one the first step will record (layout order), so the plan is of the steps that prefetch. The
 plan assumes the update runs: a step that skips it (non-finite gradients, an fp16 overflow) makes no new state and
 writes nothing to a store.
 
 Every figure is a metric name: after a step, ``metrics`` carries the same names, measured (tests/test_plan.py
-checks they agree within 5%). Policies are copied before the simulation, so planning changes no schedule or
+checks they agree within 5%). Policies are copied before the simulation, so planning changes no gather order or
 bucket plan of the real step.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..protocol._stages import Grads, UpdatePolicy
 from ..dist._agreement import CHECKED, agree
 from ..dist._collectives import Comm, CollectivesView
 from ._eval import train_mode
-from ..transforms._gather_ahead import Schedule
+from ..transforms._gather_ahead import GatherOrder
 from ..state._flat import ROOT
 from ._plan import Plan, peak_bytes, state_figures
 from ..state._stored import in_store
@@ -117,12 +117,12 @@ def plan(step, state, batch, observed=None) -> Plan:
     """What ``step(state, batch)`` will cost on this rank (see the module docstring). Local: no collective.
     ``observed``: ``(forward, backward, active)`` of the last step this step function ran (the units forward called
     and backward read, in order, and which parameters got a gradient): the order used when the gather policy holds
-    no schedule; before any step, the layout's order, reversed in backward, every parameter getting a gradient."""
+    no gather order; before any step, the layout's order, reversed in backward, every parameter getting a gradient."""
     spec, mesh = state.spec, state.spec.mesh
     pol = step.policy
     sim = _simulated(pol)
-    if observed is None and sim.gather.schedule is None:  # the steps after the first follow what it records
-        _assume_schedule(sim.gather, spec)
+    if observed is None and sim.gather.gather_order is None:  # the steps after the first follow what it records
+        _assume_order(sim.gather, spec)
     comm = _dry_comm(mesh, "meta")  # units, gathers, reductions: no data
     ctrl = _dry_comm(mesh, "cpu")  # control messages: tiny real tensors, as agree() and the grads stage make them
     if mesh.world_size > 1:  # the rank check before any gather (check_ranks): five hashes
@@ -140,7 +140,9 @@ def plan(step, state, batch, observed=None) -> Plan:
     shards = run._grad_shards()
     ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
     got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
-    _copy(pol.grads)(CollectivesView(ctrl), Grads(ones, spec=spec, active=got, transform_state=state.transform_state))
+    g = Grads(ones, spec=spec, active=got, transform_state=state.transform_state)
+    for link in pol.grads:  # the grads chain, link after link, as the step runs it
+        g = _copy(link)(CollectivesView(ctrl), g)
     f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
          "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
          "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
@@ -179,14 +181,14 @@ def plan(step, state, batch, observed=None) -> Plan:
                 max(0, _rss() - held), tiers, mesh.device.type)
 
 
-def _assume_schedule(gather, spec) -> None:
-    """Before any step, a gather policy that follows a schedule it records (gather_ahead) is planned with the one
+def _assume_order(gather, spec) -> None:
+    """Before any step, a gather policy that follows a gather order it records (gather_ahead) is planned with the one
     the first step will record for a model that calls its units in layout order: forward the root then the units,
     backward the root then the units reversed (its prefetch in the later steps is what the plan is for)."""
     forward, backward = _layout_order(spec)
     try:
-        gather.schedule = Schedule(([ROOT] if backward[:1] == [ROOT] else []) + forward, backward)
-    except AttributeError:  # a policy whose schedule cannot be set: planned as it is
+        gather.gather_order = GatherOrder(([ROOT] if backward[:1] == [ROOT] else []) + forward, backward)
+    except AttributeError:  # a policy whose gather order cannot be set: planned as it is
         pass
 
 
@@ -214,12 +216,12 @@ def activations(step, state, batch) -> int | None:
 
 def _simulate(pol, run: StepRun, observed) -> None:
     """One micro-batch's gather and reduce events, in the order a step makes them: the root bound around the
-    whole forward, each unit called in the schedule's order; in backward each unit read, its use finished, its
+    whole forward, each unit called in the gather order; in backward each unit read, its use finished, its
     gradient handed to the reduce policy (the root's at the end), then the reduce policy's finish."""
     gather, units = pol.gather, run.units
-    schedule = gather.schedule
-    if schedule is not None:
-        forward, backward = [n for n in schedule.forward if n != ROOT], list(schedule.backward)
+    order = gather.gather_order
+    if order is not None:
+        forward, backward = [n for n in order.forward if n != ROOT], list(order.backward)
     elif observed is not None:
         forward, backward = list(observed[0]), list(observed[1])
     else:

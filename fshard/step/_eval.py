@@ -1,7 +1,7 @@
 """``step.eval(state, batch)``: forward only, with the step's gathers, in eval mode; and the mode of each call.
 
 An eval pass runs ``loss_fn(module, batch)`` as a training step's forward does: each unit gathered by the step's
-gather policy (``gather_ahead`` prefetches along the forward half of its schedule), bound, computed and freed, in
+gather policy (``gather_ahead`` prefetches along the forward half of its gather order), bound, computed and freed, in
 ``param_dtype`` under ``fs.mixed_precision`` (from the parameter copies when the state has them). It takes no
 gradient (``torch.no_grad``: no autograd graph, no saved tensors, no re-gathers), reduces nothing, changes no
 state, and returns the loss averaged over ranks.

@@ -6,7 +6,7 @@ The data flow of one step, as the code below reads:
     forward gather each unit, bind it, compute, free it                     (policy.gather)
     backward re-gather units autograd needs; reduce each unit's gradient     (policy.gather, policy.reduce)
     agree   mean loss, which parameters got a gradient, same collectives     (one tiny all-reduce)
-    grads   transform the gradient shards                                    (policy.grads)
+    grads   transform the gradient shards, link after link                   (policy.grads)
     update  optimizer on the shards -> new TrainState                        (policy.update)
     commit  did any rank fail? every rank returns, or every rank raises     (one tiny all-reduce)
 
@@ -130,10 +130,10 @@ class Step:
         return state.replace(transform_state=entries, copies=copies) if changed else state
 
     @property
-    def schedule(self):
-        """The order this step's gather policy follows (an ``fs.Schedule`` with gather_ahead, once a step has
+    def gather_order(self):
+        """The order this step's gather policy follows (an ``fs.GatherOrder`` with gather_ahead, once a step has
         recorded it), or None."""
-        return self.policy.gather.schedule
+        return self.policy.gather.gather_order
 
     def close(self) -> None:
         """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong
@@ -175,8 +175,10 @@ class Step:
             loss, active = self._agree(comm, run, acc, loss)
             acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
             self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
-            grads = self.policy.grads(run.comm, Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale,
-                                                  spec=spec, active=active, transform_state=state.transform_state))
+            grads = Grads(run._grad_shards(), scale=1.0 / loss_scale, loss_scale=loss_scale, spec=spec, active=active,
+                          transform_state=state.transform_state)
+            for link in self.policy.grads:  # the grads chain, in composition order
+                grads = link(run.comm, grads)
             t3 = time.perf_counter()
             new, update_metrics = self._update(run, state, grads, active, buffers)
             t4 = time.perf_counter()

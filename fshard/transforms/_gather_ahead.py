@@ -1,6 +1,6 @@
 """fs.gather_ahead: gather the next units while the current one computes, in forward and in backward.
 
-The schedule is a value, not a trace cache: ``Schedule(forward, backward)`` lists the units in the order the step
+The gather order is a value, not a trace cache: ``GatherOrder(forward, backward)`` lists the units in the order the step
 acquires them. A step walks it with a cursor; at each position it starts the gathers of the next ``depth`` units
 (async, in the backend's threads or on a CUDA side stream) and waits only on the unit about to compute.
 
@@ -8,14 +8,14 @@ What counts as a position (an "event"): in forward, the root unit at the start a
 backward, the first time backward is about to use a unit (a gradient reaches an output of its call, autograd reads
 one of its saved tensors, or a checkpoint recomputes its call) after that unit's previous backward use finished (or
 after forward); a routed group's members are events at its container's call. The same rule runs when recording
-and when replaying, and it does not depend on which units happen to be gathered, so a schedule recorded in one
+and when replaying, and it does not depend on which units happen to be gathered, so an order recorded in one
 step replays exactly in the next one with the same model order.
 
-The schedule never changes a result, only when gathers are issued: every gather is of the unit whose name the
+The gather order never changes a result, only when gathers are issued: every gather is of the unit whose name the
 position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If
 the model's order changes, the first event that does not match stops all prefetching for the rest of the step
 (in-flight gathers are completed and freed). Then either the step finishes blocking and the observed order
-becomes the schedule (``on_change="replan"``, with a warning), or the step raises ``ScheduleError`` right there,
+becomes the gather order (``on_change="replan"``, with a warning), or the step raises ``GatherOrderError`` right there,
 inside forward or backward (``on_change="error"``), before any update, with the state untouched.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..protocol._stages import GatherPolicy
-from ..errors import ArgumentError, ArgumentTypeError, ScheduleError
+from ..errors import ArgumentError, ArgumentTypeError, GatherOrderError
 from ..protocol._transform import Transform
 
 
 @dataclass(frozen=True)
-class Schedule:
+class GatherOrder:
     """The order in which a step acquires units: ``forward`` then ``backward`` (unit names; a unit used twice
-    appears twice). Inspect it as ``step.schedule``; pass one to ``fs.gather_ahead(schedule=...)`` to override."""
+    appears twice). Inspect it as ``step.gather_order``; pass one to ``fs.gather_ahead(order=...)`` to override."""
 
     forward: tuple[str, ...]
     backward: tuple[str, ...]
@@ -41,7 +41,7 @@ class Schedule:
         for f in ("forward", "backward"):
             v = getattr(self, f)
             if isinstance(v, str) or not all(isinstance(n, str) for n in v):
-                raise ArgumentTypeError(f"Schedule.{f} must be a sequence of unit names, got {v!r}.")
+                raise ArgumentTypeError(f"GatherOrder.{f} must be a sequence of unit names, got {v!r}.")
             object.__setattr__(self, f, tuple(v))
 
     @property
@@ -49,16 +49,16 @@ class Schedule:
         return self.forward + self.backward
 
     def __repr__(self) -> str:
-        return f"Schedule(forward={list(self.forward)}, backward={list(self.backward)})"
+        return f"GatherOrder(forward={list(self.forward)}, backward={list(self.backward)})"
 
 
 class _Walk:
-    """One step's progress through the schedule."""
+    """One step's progress through the gather order."""
 
-    def __init__(self, schedule: Schedule | None, training: bool = True):
+    def __init__(self, order: GatherOrder | None, training: bool = True):
         # an eval pass (forward only) walks the forward half; prefetching backward's units would gather for nothing
-        self.plan = () if schedule is None else schedule.events if training else schedule.forward
-        self.on_plan = schedule is not None  # False once an event did not match: blocking from then on
+        self.plan = () if order is None else order.events if training else order.forward
+        self.on_plan = order is not None  # False once an event did not match: blocking from then on
         self.forward: list[str] = []
         self.backward: list[str] = []
         self.active: set[str] = set()  # units with a backward use under way
@@ -73,18 +73,18 @@ class _Walk:
 
 class GatherAhead(GatherPolicy):
     """The gather policy of ``fs.gather_ahead`` (see the module docstring). Per step, its walk and counts live in
-    ``step.scratch(self)``; the schedule, which never changes a result, lives here."""
+    ``step.scratch(self)``; the gather order, which never changes a result, lives here."""
 
-    def __init__(self, depth: int, schedule: Schedule | None, reshard_after_forward, on_change: str):
-        self.depth, self.schedule = depth, schedule
+    def __init__(self, depth: int, order: GatherOrder | None, reshard_after_forward, on_change: str):
+        self.depth, self.gather_order = depth, order
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
         self.replans = 0
-        self._checked = None  # (schedule, unit names) last validated
+        self._checked = None  # (gather order, unit names) last validated
 
     # --- the gather protocol -------------------------------------------------------------------------------------
 
     def start(self, run) -> None:
-        run.scratch(self)["walk"] = _Walk(self.schedule, run.training)
+        run.scratch(self)["walk"] = _Walk(self.gather_order, run.training)
         self._check_names(run)
 
     def before_forward(self, run, unit) -> None:
@@ -115,17 +115,17 @@ class GatherAhead(GatherPolicy):
             unit.release()
 
     def finish(self, run) -> dict:
-        """After each micro-batch's backward (an eval pass: after its forward): settle the schedule and report the
+        """After each micro-batch's backward (an eval pass: after its forward): settle the gather order and report the
         step's counts so far (the step then releases what is left)."""
         scratch = run.scratch(self)
         w = scratch["walk"]
-        observed = Schedule(tuple(w.forward), tuple(w.backward))
-        if run.training:  # an eval pass neither records nor changes the schedule
-            if self.schedule is None:
-                self.schedule = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
-            elif observed != self.schedule:
+        observed = GatherOrder(tuple(w.forward), tuple(w.backward))
+        if run.training:  # an eval pass neither records nor changes the gather order
+            if self.gather_order is None:
+                self.gather_order = observed  # first step: recorded with no prefetch (a warm-up, as Gemini does)
+            elif observed != self.gather_order:
                 self._changed(run, observed)  # raises with on_change="error"
-                self.schedule = observed
+                self.gather_order = observed
                 scratch["replanned"] = scratch.get("replanned", 0) + 1
         scratch["prefetched"] = scratch.get("prefetched", 0) + w.prefetched
         return {"gather/depth": self.depth, "gather/prefetched": scratch["prefetched"],
@@ -174,22 +174,22 @@ class GatherAhead(GatherPolicy):
             if u.in_flight and u.name not in current:
                 u.release()
 
-    def _changed(self, run, observed: Schedule | None, at: int | None = None, got: str | None = None) -> None:
-        old = self.schedule
+    def _changed(self, run, observed: GatherOrder | None, at: int | None = None, got: str | None = None) -> None:
+        old = self.gather_order
         if self.on_change == "error":
-            where = (f"at position {at} the step acquired {got!r} where the schedule has "
+            where = (f"at position {at} the step acquired {got!r} where the gather order has "
                      f"{old.events[at]!r}" if at is not None and at < len(old.events) else
-                     f"the step acquired {got!r} after the schedule's last position" if at is not None else
+                     f"the step acquired {got!r} after the gather order's last position" if at is not None else
                      f"the step acquired units in the order {observed!r}")
-            raise ScheduleError(
-                f"the model's unit order differs from the gather_ahead schedule: {where}. The schedule was "
+            raise GatherOrderError(
+                f"the model's unit order differs from gather_ahead's gather order: {where}. The order was "
                 f"{old!r}. Nothing was updated. If the order legitimately changes between steps, use "
                 "fs.gather_ahead(on_change='replan') (the default), which finishes such a step without prefetch "
-                "and adopts the new order; or pass the right order with fs.gather_ahead(schedule=fs.Schedule(...)).")
+                "and adopts the new order; or pass the right order with fs.gather_ahead(order=fs.GatherOrder(...)).")
         self.replans += 1
         if self.replans == 1:
             warnings.warn(f"fshard gather_ahead: the model's unit order changed; the step ran without prefetch "
-                          f"from the first difference and the schedule is now {observed!r} (was {old!r}). Further "
+                          f"from the first difference and the gather order is now {observed!r} (was {old!r}). Further "
                           "changes are counted in metrics['gather/replanned'] without a warning.", stacklevel=4)
 
     def _reshard(self, name: str) -> bool:
@@ -201,11 +201,11 @@ class GatherAhead(GatherPolicy):
         return bool(r(name))
 
     def _check_names(self, run) -> None:
-        key = (self.schedule, tuple(run.units))
+        key = (self.gather_order, tuple(run.units))
         if self._checked == key:
             return
         known = set(run.units)
-        names = set(self.schedule.events) if self.schedule is not None else set()
+        names = set(self.gather_order.events) if self.gather_order is not None else set()
         if isinstance(self.reshard_after_forward, Mapping):
             names |= set(self.reshard_after_forward)
         unknown = sorted(names - known)
@@ -218,13 +218,13 @@ class GatherAhead(GatherPolicy):
 class gather_ahead(Transform):
     """Prefetch the all-gathers of the next ``depth`` units while the current one computes.
 
-    depth: how many units ahead to gather (0: none; the schedule is still recorded and checked).
-    schedule: an ``fs.Schedule``; by default the first step records it, without prefetch.
+    depth: how many units ahead to gather (0: none; the gather order is still recorded and checked).
+    order: an ``fs.GatherOrder``; by default the first step records it, without prefetch.
     reshard_after_forward: True (free each unit after its forward), False (keep every unit gathered from forward to
         backward: one all-gather per unit instead of two, for more memory), or a mapping / callable from unit name
         to bool, per unit.
-    on_change: what a step does when the model's order differs from the schedule: "replan" (finish the step
-        without prefetch, adopt the new order, warn once) or "error" (raise ``fs.errors.ScheduleError``).
+    on_change: what a step does when the model's order differs from the gather order: "replan" (finish the step
+        without prefetch, adopt the new order, warn once) or "error" (raise ``fs.errors.GatherOrderError``).
 
     Live memory: at most depth + 1 gathered units besides the root unit in forward (the current one and the
     prefetched ones), one more in backward; ``metrics["mem/peak_gathered_bytes"]`` measures it.
@@ -233,25 +233,25 @@ class gather_ahead(Transform):
     name = "gather_ahead"
     stages = {"gather": "set"}
 
-    def __init__(self, depth: int = 2, schedule: Schedule | None = None,
+    def __init__(self, depth: int = 2, order: GatherOrder | None = None,
                  reshard_after_forward: bool | Mapping[str, bool] | Callable[[str], bool] = True,
                  on_change: str = "replan"):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ArgumentError(f"fs.gather_ahead: depth must be an int >= 0 (units gathered ahead), got {depth!r}.")
-        if schedule is not None and not isinstance(schedule, Schedule):
-            raise ArgumentTypeError(f"fs.gather_ahead: schedule must be an fs.Schedule (or None to record one), got "
-                                    f"{type(schedule).__name__}.")
+        if order is not None and not isinstance(order, GatherOrder):
+            raise ArgumentTypeError(f"fs.gather_ahead: order must be an fs.GatherOrder (or None to record one), got "
+                                    f"{type(order).__name__}.")
         if on_change not in ("replan", "error"):
             raise ArgumentError(f"fs.gather_ahead: on_change must be 'replan' or 'error', got {on_change!r}.")
         if not isinstance(reshard_after_forward, (bool, Mapping)) and not callable(reshard_after_forward):
             raise ArgumentTypeError("fs.gather_ahead: reshard_after_forward must be a bool, a mapping from unit name "
                                     f"to bool, or a callable, got {type(reshard_after_forward).__name__}.")
-        self.depth, self.schedule = depth, schedule
+        self.depth, self.order = depth, order
         self.reshard_after_forward, self.on_change = reshard_after_forward, on_change
 
     def wrap_gather(self, gather: GatherPolicy) -> GatherPolicy:
-        # Each composed step gets its own policy, so two steps built from one transform keep their own schedule.
-        return GatherAhead(self.depth, self.schedule, self.reshard_after_forward, self.on_change)
+        # Each composed step gets its own policy, so two steps built from one transform keep their own gather order.
+        return GatherAhead(self.depth, self.order, self.reshard_after_forward, self.on_change)
 
     def __repr__(self) -> str:
         return f"fs.gather_ahead(depth={self.depth})"

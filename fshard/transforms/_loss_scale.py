@@ -10,7 +10,7 @@ Where each part runs:
 
 - the scale is training state: ``LossScaleState`` in ``TrainState.transform_state`` (under ``fs.mixed_precision``'s
   entry), so a resumed run goes on with its scale, and a pure step returns the new one;
-- backward's scaling: this grads policy declares ``scales_loss``, and the step multiplies the loss before backward
+- backward's scaling: this grads link declares ``scales_loss``, and the step multiplies the loss before backward
   (``GradsPolicy.loss_scale``);
 - the unscale: the step starts ``Grads.scale`` at ``1 / scale``, and the update fuses it into its kernel (the
   native AdamW multiplies each gradient as it reads it): no pass over the gradients, where GradScaler's
@@ -86,20 +86,21 @@ class LossScaling:
 
 
 class LossScale(GradsPolicy):
-    """The grads policy: scales the loss, skips a step whose gradients overflow, and steps the scale. Its
+    """fs.mixed_precision's link of the grads chain (``grads_link``): scales the loss, skips a step whose gradients
+    overflow, and steps the scale. Its
     ``LossScaleState`` is the ``loss_scale`` field of the entry ``key`` of ``transform_state`` (its transform's)."""
 
     changes_grads = True  # skip; the unscale is in Grads.scale
     scales_loss = True
 
-    def __init__(self, inner: GradsPolicy, rules: LossScaling, key: str):
-        self.inner, self.rules, self.key = inner, rules, key
+    def __init__(self, rules: LossScaling, key: str):
+        self.rules, self.key = rules, key
 
     def loss_scale(self, state) -> float:
         return float(state.transform_state[self.key].loss_scale.scale)
 
     def __call__(self, comm, grads: Grads) -> Grads:
-        grads = self.inner(comm, grads).with_sq_norm(comm)
+        grads = grads.with_sq_norm(comm)
         found_inf = not math.isfinite(grads.sq_norm)  # the same on every rank: one global sum
         entry = grads.transform_state[self.key]
         new = entry.replace(loss_scale=self.rules.next(entry.loss_scale, found_inf))
@@ -107,6 +108,3 @@ class LossScale(GradsPolicy):
                              transform_state={**grads.transform_state, self.key: new},
                              metrics={**grads.metrics, "loss_scale": float(entry.loss_scale.scale),
                                       "skipped": int(grads.skip or found_inf)})
-
-    def close(self) -> None:
-        self.inner.close()

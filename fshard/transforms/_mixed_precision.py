@@ -12,7 +12,7 @@ step moves and computes with, through two declared seams:
   master dtype, and the update runs there.
 
 - grads (fp16): dynamic loss scaling, as ``torch.amp.GradScaler`` (fshard/transforms/_loss_scale.py), with the scale in
-  the state.
+  the state: a link of the grads chain (``grads_link``), which holds no other.
 
 With ``param_copies=True`` (the default) the gather policy also declares ``param_copies``: the state holds a
 persistent ``param_dtype`` copy of every shard (``TrainState.copies``, made once by the step), gathers send it
@@ -69,12 +69,12 @@ class _Precision(GatherPolicy):
         self.inner, self.param_dtype, self.param_copies = inner, param_dtype, param_copies
 
     @property
-    def schedule(self):
-        return self.inner.schedule
+    def gather_order(self):
+        return self.inner.gather_order
 
-    @schedule.setter
-    def schedule(self, schedule):  # (step.plan, on its copy of the policy: the schedule a first step will record)
-        self.inner.schedule = schedule
+    @gather_order.setter
+    def gather_order(self, order):  # (step.plan, on its copy of the policy: the order a first step will record)
+        self.inner.gather_order = order
 
     def start(self, step):
         self.inner.start(step)
@@ -126,7 +126,7 @@ def _widening(src: torch.dtype, dst: torch.dtype) -> bool:
 class mixed_precision(Transform):
     """Gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype`` (None: in ``param_dtype``), and
     update the master state in its own dtype (see the module docstring). Wraps the gather and reduce stages (and
-    the grads stage, with loss scaling), so it comes after the transforms that set them:
+    adds a link to the grads chain, with loss scaling), so it comes after the transforms that set them:
     ``fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), fs.mixed_precision())``.
 
     ``param_copies``: keep persistent ``param_dtype`` copies of the shards, written by the update, instead of a
@@ -139,7 +139,7 @@ class mixed_precision(Transform):
     """
 
     name = "mixed_precision"
-    stages = {"gather": "wrap", "reduce": "wrap", "grads": "wrap"}
+    stages = {"gather": "wrap", "reduce": "wrap"}
 
     def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = torch.float32,
                  *, loss_scale: str | float | None = "auto", init_scale: float = 2.0 ** 16,
@@ -171,8 +171,8 @@ class mixed_precision(Transform):
     def wrap_reduce(self, reduce: ReducePolicy) -> ReducePolicy:
         return _ReduceIn(reduce, self.reduce_dtype)
 
-    def wrap_grads(self, grads: GradsPolicy) -> GradsPolicy:
-        return grads if self.scaling is None else LossScale(grads, self.scaling, self.name)
+    def grads_link(self) -> GradsPolicy | None:
+        return None if self.scaling is None else LossScale(self.scaling, self.name)
 
     def init_state(self, spec, old):
         if old is not None and not isinstance(old, MixedPrecisionState):
