@@ -41,11 +41,21 @@ from run_io import RunLog, batches_for, evaluate, generate_sample, prepare_data 
 _RUNS = os.path.join(os.path.dirname(_HERE), "runs")
 
 
+# --optimizer -> (peak lr, peak lr with --small)
+_LR = {"adamw": (1e-3, 3e-3), "muon": (1e-3, 3e-3), "lion": (1e-4, 3e-4), "sgd": (0.1, 0.1), "adafactor": (1e-2, 1e-2)}
+_MUON_LR = 0.02  # Muon's own rate for the hidden matrices (torch.optim.Muon's examples; adjust_lr_fn None)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train the example GPT with fshard.")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3 --small, else 1e-3)")
+    p.add_argument("--optimizer", choices=tuple(_LR), default="adamw",
+                   help="adamw; muon (fs.partition: Muon for the blocks' matrices, AdamW for embeddings, head, norms "
+                        "and biases); lion, sgd (momentum 0.9), adafactor (fs.optim / fs.adafactor)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default per --optimizer: adamw 1e-3, 3e-3 --small; muon's AdamW part the "
+                        "same and its Muon part 0.02; lion a tenth of adamw's; sgd 0.1; adafactor 0.01)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                    help="cosine: linear warmup over --warmup-steps, then cosine decay to lr/10 at the last step")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
@@ -99,23 +109,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.offload_params and not args.nvme_dir:
         p.error("--offload-params keeps the parameter shards in the NVMe store: give --nvme-dir DIR too")
+    if args.nvme_dir and args.optimizer in ("muon", "adafactor"):
+        p.error(f"--optimizer {args.optimizer} updates whole matrices, which fs.offload_state cannot stream: "
+                "drop --nvme-dir, or use adamw, lion or sgd")
     if args.lr is None:
-        args.lr = 3e-3 if args.small else 1e-3
+        args.lr = _LR[args.optimizer][1 if args.small else 0]
     args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.run_dir, "ckpt")
     return args
 
 
 def _optimizer(args):
-    lr = args.lr
-    if args.schedule == "cosine" and args.steps > 1:
+    """The optimizer of --optimizer, its rate a warmup-cosine schedule of --lr (or constant); returns it and the
+    schedule of --lr (what the log shows)."""
+    def rate(peak):
+        if args.schedule != "cosine" or args.steps <= 1:
+            return peak
         warmup = min(args.steps - 1, args.warmup_steps if args.warmup_steps is not None else args.steps // 10)
-        lr = fs.schedules.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+        return fs.schedules.warmup_cosine_decay_schedule(0.0, peak, warmup, args.steps, end_value=peak / 10)
 
     def matrices(name, p):  # a named function: print(state) shows the mask as "matrices"
         return p.ndim >= 2
 
-    return fs.adamw(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
-                    weight_decay_mask=None if args.decay_all else matrices), lr
+    def hidden(name, p):  # Muon's: the blocks' 2-D weights, not the embeddings or the head
+        return "muon" if p.ndim == 2 and name.startswith("blocks.") else "adamw"
+
+    lr, wd, mask = rate(args.lr), args.weight_decay, None if args.decay_all else matrices
+    adamw = fs.adamw(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, weight_decay_mask=mask)
+    opt = {"adamw": lambda: adamw,
+           "muon": lambda: fs.partition({"muon": fs.muon(lr=rate(_MUON_LR), weight_decay=wd), "adamw": adamw},
+                                        hidden),
+           "lion": lambda: fs.optim.lion(lr=lr, weight_decay=wd * 10, weight_decay_mask=mask),
+           "sgd": lambda: fs.optim.sgd(lr=lr, momentum=0.9, weight_decay=wd / 100, weight_decay_mask=mask),
+           "adafactor": lambda: fs.adafactor(lr=lr, weight_decay=wd / 10)}[args.optimizer]()
+    return opt, lr
 
 
 def _transforms(args, offload):
