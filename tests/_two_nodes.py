@@ -39,6 +39,10 @@ def main(out: str, ckpt: str) -> None:
         json.dump({"mesh": repr(mesh), "node": int(os.environ["GROUP_RANK"]), "ours": ours, "theirs": theirs,
                    "diff": max(diffs.values()), "replica_bytes": m["comm/replica_bytes"],
                    "full": {k: v.hex() if isinstance(v, bytes) else v for k, v in full.items()}}, f)
+    # _full_state's all_gathers are plain torch collectives on gloo: their tensors would be freed by gloo's thread at
+    # interpreter exit (std::terminate, design/ARCHITECTURE.md "Exit and teardown"); a script that calls torch's own
+    # collectives ends its process group itself
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
