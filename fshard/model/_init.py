@@ -8,7 +8,6 @@ same way, unit by unit. tests/test_init_memory.py measures the peak.
 from __future__ import annotations
 
 import copy
-import ctypes
 import ctypes.util
 import functools
 import uuid
@@ -73,8 +72,9 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     unit_mods = _find_units(model, units)
     groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
-    if offload is not None:
+    if offload is not None:  # refused before any work: a 2-D mesh; rows that cannot stream through its updates
         flat_mesh_only(mesh)
+        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     layouts = _plan(model, unit_mods, owners, aliases, mesh.shard_size, align_bytes)  # (2-D: the shard group's)
     buffers: dict[str, torch.Tensor] = {}
     if abstract:  # shapes and dtypes only
@@ -91,8 +91,6 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
 
     params, opt_state, digests = {}, {}, {}
     # where offload= keeps each unit: written there as the unit is made (the units the optimizer makes state for)
-    if offload is not None:  # (its rows must stream through the offload's per-run updates)
-        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     where = ({} if abstract or offload is None else
              placement_for(offload, [u for u in layouts if u.trainable], mesh.rank, "fs.init(..., offload=)"))
     rows, tag = tuple(r.name for r in opt.rows), uuid.uuid4().hex[:8]
