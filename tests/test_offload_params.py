@@ -195,9 +195,8 @@ def test_with_parameters_in_the_store_a_step_holds_a_few_units_not_the_model(tmp
     # queued gradient shards), the store's stream buffers 12 MB; measured 51 MB quiet (408 without
     # fs.set_mmap_threshold), but 55-59 MB with three busy loops beside it and 61.9 MB beside pytest-xdist's other
     # worker (session 22's CI rehearsal; the code before that session measures the same under the same load): the
-    # peak depends on timing, an open question (the update's queue and the reads are bounded by depth). 0.7 x the
-    # model still says what the test is for: the parameters are not held, a few units are.
-    assert g_p <= 0.7 * n and g_p <= g_m / 3, (g_p, g_m, n)
+    # peak depends on timing, an open bug (the update's queue and the reads are bounded by depth)
+    assert g_p <= 0.6 * n and g_p <= g_m / 3, (g_p, g_m, n)
 
 
 def test_the_plan_counts_what_parameter_offload_holds_and_refuses_a_budget_it_cannot_meet(tmp_path):
