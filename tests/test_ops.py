@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -177,7 +178,7 @@ def test_isa_choice_is_checked_and_the_env_caps_it(native, monkeypatch):
         with pytest.raises(ValueError, match="runs at most"):
             ops.adamw_(p, g, m, v, step=1, isa="avx512", **HP)
     assert torch.equal(p[0], before[0])
-    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "scalar")
+    monkeypatch.setattr(ops, "_cap", "scalar")  # what load() took from FSHARD_OPS_CPU_ISA=scalar
     assert ops.backend_info()["cpu_isa"] == "scalar"
     calls = []
     monkeypatch.setattr(ops, "_lib", type("Spy", (), {  # what adamw_ hands the kernel under the cap
@@ -186,12 +187,34 @@ def test_isa_choice_is_checked_and_the_env_caps_it(native, monkeypatch):
     ops.adamw_(p, g, m, v, step=1, isa="auto", **HP)
     ops.adamw_(p, g, m, v, step=1, isa="avx2", **HP)  # an explicit choice is not capped
     assert calls == ["scalar", "scalar", "avx2"]
-    monkeypatch.setattr(ops, "_lib", native)
-    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "avx512")  # a cap above the CPU is no error
-    assert ops.backend_info()["cpu_isa"] == native.cpu_isas()[-1]
-    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "neon")
-    with pytest.raises(ValueError, match="FSHARD_OPS_CPU_ISA='neon'"):
-        ops.adamw_(p, g, m, v, step=1, **HP)
+
+
+_READ_CAP = """
+import os, sys
+import fshard.ops as ops
+try:
+    first = ops.backend_info()["cpu_isa"]
+except ValueError as e:
+    print("error:", e); sys.exit(0)
+os.environ["FSHARD_OPS_CPU_ISA"] = "scalar"  # changed mid-run: the running job keeps its kernel
+print(first, ops.backend_info()["cpu_isa"], ops.cpu_isas()[-1])
+"""
+
+
+@pytest.mark.parametrize("cap", ["scalar", "avx512", "neon"])
+def test_the_isa_cap_is_read_once_when_the_kernels_load(native, cap):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FSHARD_OPS_CPU_ISA": cap}
+    out = subprocess.run([sys.executable, "-c", _READ_CAP], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    if cap == "neon":  # a bad value is an fshard error naming the variable, at the first use
+        assert "FSHARD_OPS_CPU_ISA='neon'" in " ".join(out)
+        return
+    first, later, best = out
+    assert later == first  # read once
+    assert first == ("scalar" if cap == "scalar" else best)  # a cap above the CPU's best is no error
 
 
 def test_grad_scale_overflow_counts_as_nonfinite(native):
@@ -473,7 +496,7 @@ def test_sq_norm_errors_and_isa(native, monkeypatch):
     with pytest.raises(TypeError, match="tensors must be a Tensor or a list"):
         ops.sq_norm(3.0)
     calls = []
-    monkeypatch.setenv("FSHARD_OPS_CPU_ISA", "scalar")
+    monkeypatch.setattr(ops, "_cap", "scalar")
     monkeypatch.setattr(ops, "_lib", type("Spy", (), {
         "cpu_isas": native.cpu_isas, "sq_norm": staticmethod(lambda ts, isa: calls.append(isa) or 0.0)})())
     ops.sq_norm(torch.ones(3))

@@ -21,7 +21,8 @@ parts of a parameter that different ranks hold, passing the running state from p
 
 On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
 bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
-``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code.
+``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code; it is read once,
+when the kernels load.
 """
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ _lock = threading.Lock()
 _lib = None
 _error: BaseException | None = None
 _warned = False
+_cap = "auto"  # $FSHARD_OPS_CPU_ISA, read once when the kernels load (a running job keeps its kernel)
 _metrics = {"native_calls": 0, "fallback_calls": 0, "found_inf": 0, "sq_norm_native_calls": 0,
             "sq_norm_fallback_calls": 0}
 
 
 def load(verbose: bool = False):
     """Build (once, cached) and return the native extension module; raises BuildError."""
-    global _lib, _error
+    global _lib, _error, _cap
     with _lock:
         if _lib is not None:
             return _lib
@@ -57,10 +59,12 @@ def load(verbose: bool = False):
         from ._build import build
 
         try:
-            _lib = build(verbose=verbose)
+            lib = build(verbose=verbose)
         except BuildError as e:
             _error = e
             raise
+        _cap = _capped_isa(lib)  # a bad value raises here, naming the variable, and nothing is loaded
+        _lib = lib
         return _lib
 
 
@@ -76,7 +80,7 @@ def native_available() -> bool:
 def backend_info() -> dict:
     """Which backend adamw_ uses, the CPU kernel isa=None runs, CUDA support, and the build error if any."""
     ok = native_available()
-    isa = _capped_isa(_lib) if ok else None
+    isa = _cap if ok else None
     return {
         "backend": "native" if ok else "reference",
         "cpu_isa": _lib.cpu_isas()[-1] if isa == "auto" else isa,
@@ -112,7 +116,7 @@ _ISAS = ("scalar", "avx2", "avx512")
 
 def _capped_isa(lib) -> str:
     """'auto' (the best kernel the CPU runs), or the one $FSHARD_OPS_CPU_ISA caps it to (a cap above the CPU's
-    best is no error). Read per call, so a change of the variable takes effect; unset, it costs no binding call."""
+    best is no error). Called once, by load(): a change of the variable later does not change a running job."""
     cap = os.environ.get("FSHARD_OPS_CPU_ISA", "")
     if not cap:
         return "auto"
@@ -159,7 +163,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
         _metrics["native_calls"] += 1
         found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
                           float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
-                          _capped_isa(lib) if isa in (None, "auto") else isa)
+                          _cap if isa in (None, "auto") else isa)
     if found:
         _metrics["found_inf"] += 1
     return found
@@ -187,7 +191,7 @@ def sq_norm(tensors, *, isa: str | None = None) -> float:
         return sq_norm_reference(ts)
     check_sq_norm_dtypes(ts)
     _metrics["sq_norm_native_calls"] += 1
-    return lib.sq_norm(ts, _capped_isa(lib) if isa in (None, "auto") else isa)
+    return lib.sq_norm(ts, _cap if isa in (None, "auto") else isa)
 
 
 def norm_continue_(xs: list, starts: list[int], totals: list[int], states: torch.Tensor) -> None:
