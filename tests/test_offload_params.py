@@ -158,18 +158,18 @@ def test_a_checkpoint_of_stored_parameters_resumes_bitwise(tmp_path):
         step.close()
 
 
-def _peak_growth(directory, params: bool):
-    """Peak RSS over what the process held before fs.init, for init plus two donated steps of a 24-unit MLP whose
-    moments (and, with ``params``, parameters) fs.init puts in an NVMeStore; and the model's fp32 bytes."""
+def _peak_growth(directory, params: bool, units: int = 24):
+    """Peak RSS over what the process held before fs.init, for init plus two donated steps of an MLP of ``units``
+    units whose moments (and, with ``params``, parameters) fs.init puts in an NVMeStore; and the model's fp32 bytes."""
     import fshard as fs
     from _memory import reset_peak, status
     assert fs.set_mmap_threshold(1 << 20)  # (this process only: freed blocks go back to the OS, fshard/_malloc.py)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(units)])
     x, y = torch.randn(4, 1024), torch.randn(4, 1024)
     nbytes = sum(p.nbytes for p in model.parameters())
     with torch.device("meta"):
-        meta = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+        meta = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(units)])
     del model
     with fs.NVMeStore(directory) as store:
         off = fs.offload_state(store, chunk_mb=1, params=params)
@@ -186,17 +186,25 @@ def _peak_growth(directory, params: bool):
 def test_with_parameters_in_the_store_a_step_holds_a_few_units_not_the_model(tmp_path):
     """The memory claim of design/OFFLOAD.md: with params=True the state holds no parameter in memory, and init
     plus a step hold a few units' worth (the gathered unit, its gradient, the shard read for it, at most depth
-    gradient shards queued behind the worker), where moments-only offload holds the parameters and more."""
-    (g_p, n, resident_p, early_p), = run_ranks(_peak_growth, 1, str(tmp_path / "p"), True, fresh=True)
-    (g_m, _, resident_m, early_m), = run_ranks(_peak_growth, 1, str(tmp_path / "m"), False, fresh=True)
-    assert resident_p == 0 and resident_m == n and early_p == early_m == 24
-    assert g_m >= n, (g_m, n)  # the parameters alone
-    # 24 units of 4.2 MB: the plan's peak is 24 MB (a gathered unit, its gradient, the shard read for it, depth
-    # queued gradient shards), the store's stream buffers 12 MB; measured 51 MB quiet (408 without
-    # fs.set_mmap_threshold), but 55-59 MB with three busy loops beside it and 61.9 MB beside pytest-xdist's other
-    # worker (session 22's CI rehearsal; the code before that session measures the same under the same load): the
-    # peak depends on timing, an open bug (the update's queue and the reads are bounded by depth)
-    assert g_p <= 0.6 * n and g_p <= g_m / 3, (g_p, g_m, n)
+    gradient shards queued behind the worker, the store's stream buffers), whatever the model's size; moments-only
+    offload holds the parameters, so its peak grows with the model."""
+    grow = {}
+    for params in (True, False):
+        for units in (24, 48):
+            (g, n, resident, early), = run_ranks(_peak_growth, 1, str(tmp_path / f"{params}{units}"), params, units,
+                                                 fresh=True)
+            assert resident == (0 if params else n) and early == units
+            grow[params, units] = g
+    n24 = n // 2  # 24 units of 4.2 MB
+    # Doubling the model (24 more units, 100 MB) adds to the moments-only peak at least their parameters (measured
+    # +204 MB), and to the parameter-offload peak little (measured +5.7 MB). The peak itself is 51 MB quiet and up to
+    # 65 MB beside busy loops or pytest-xdist's other worker: in those runs the large tensors alive at the peak
+    # (glibc's mmapped blocks) stayed within step.plan's 28 MiB and the store's pool at 17-19 MB; the rest is
+    # process memory whose peak depends on how the threads interleave. So the test bounds the slope (a quarter of
+    # what the units added, room for that spread between two runs), and the level only loosely.
+    assert grow[False, 48] - grow[False, 24] >= n24, grow
+    assert grow[True, 48] - grow[True, 24] <= n24 / 4, grow
+    assert grow[True, 24] <= 0.8 * n24 and grow[True, 48] <= 0.4 * n, (grow, n)  # a few units, not the model
 
 
 def test_the_plan_counts_what_parameter_offload_holds_and_refuses_a_budget_it_cannot_meet(tmp_path):
