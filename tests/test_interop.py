@@ -1,7 +1,6 @@
-"""FSDP2 and fshard continue each other's checkpoints (issues #40 and #41), beyond AdamW on a 1-D mesh
-(tests/test_checkpoint.py): FSDP2 is fully_shard per block and on the root, torch's optimizers, and DCP with
-get_state_dict / set_state_dict, on the awkward model (tests/models.py: tied, frozen, unused, 0-dim, prime, a block
-applied twice, a block never called).
+"""FSDP2 and fshard continue each other's checkpoints (issues #21, #40 and #41): FSDP2 is fully_shard per block and
+on the root, torch's optimizers, and DCP with get_state_dict / set_state_dict, on the awkward model (tests/models.py:
+tied, frozen, unused, 0-dim, prime, a block applied twice, a block never called).
 
 Each case runs both directions, 3 steps on one side, a checkpoint, 3 steps on both sides from it:
 - "from_fsdp2": FSDP2 saves (model and optimizer), fs.load, and fshard continues as FSDP2 does;
@@ -17,6 +16,7 @@ entry (fshard's saved again, read back whole, against get_optimizer_state_dict's
   way round; FSDP2 cannot load fshard's that way (the test's docstring says why).
 - HSDP: fshard on a 2 x 2 mesh (shard_size=2, world size 4) <-> FSDP2 on init_device_mesh (replicate=2, shard=2),
   AdamW.
+- AdamW (fs.adamw <-> torch.optim.AdamW) on a 1-D mesh of 2, on the example GPT (tests/test_checkpoint.py's before).
 All bitwise. fshard's checkpoint format is unchanged: these load as they are. Two things differ from the model's
 own awkwardness: its 0-dim ``scale`` is made 1-dim (fully_shard refuses scalars), and FSDP2's load of a checkpoint
 needs ``allow_partial_load`` (see _interop).
@@ -30,7 +30,7 @@ import torch
 
 import fshard as fs
 from _dist import run_ranks
-from models import Awkward, awkward_batches, awkward_loss
+from models import oracle_model
 
 STEPS = 6  # 3 before the checkpoint, 3 after
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
@@ -74,17 +74,17 @@ class _FullMuon(torch.optim.Muon):
                     dst.to_local().copy_(distribute_tensor(src, dst.device_mesh, dst.placements).to_local())
 
 
-TRAINED = ("emb.weight", "blocks.0.lin.weight", "blocks.1.ln.bias", "scale", "up.weight", "prime", "down.bias")
 KEYS = {  # entries each case's optimizer state must hold (torch's names), and entries it must not
     "sgd": {"up.weight.momentum_buffer", "scale.momentum_buffer"},
     "muon+adamw": {"up.weight.momentum_buffer", "blocks.0.lin.weight.momentum_buffer", "emb.weight.exp_avg",
                    "emb.weight.exp_avg_sq", "emb.weight.step", "prime.step"},
     "hsdp": {"up.weight.exp_avg", "up.weight.exp_avg_sq", "up.weight.step", "scale.exp_avg"},
+    "adamw-gpt": {"tok_emb.weight.exp_avg", "blocks.1.attn.qkv.bias.exp_avg_sq", "lm_head.weight.step"},
 }
 KEYS["adamw,muon"] = KEYS["muon+adamw"]
 NOT_KEYS = {"sgd": {"up.weight.step", "up.weight.exp_avg"},  # (torch's SGD keeps no step)
             "muon+adamw": {"up.weight.exp_avg", "up.weight.step", "emb.weight.momentum_buffer"},
-            "hsdp": {"up.weight.momentum_buffer", "frozen.exp_avg"}}
+            "hsdp": {"up.weight.momentum_buffer", "frozen.exp_avg"}, "adamw-gpt": set()}
 NOT_KEYS["adamw,muon"] = NOT_KEYS["muon+adamw"]
 CASES = {  # name -> (shard_size, fshard optimizer, torch optimizers of the FSDP2 model's parameters)
     "sgd": (None, lambda: fs.optim.sgd(**SGD), lambda m: [torch.optim.SGD(m.parameters(), **SGD)]),
@@ -94,19 +94,21 @@ CASES = {  # name -> (shard_size, fshard optimizer, torch optimizers of the FSDP
                               torch.optim.AdamW([p for n, p in m.named_parameters() if _matrix(n, p) == "adamw"],
                                                 **ADAMW)]),
     "hsdp": (2, lambda: fs.adamw(**ADAMW, impl="torch"), lambda m: [torch.optim.AdamW(m.parameters(), **ADAMW)]),
+    "adamw-gpt": (None, lambda: fs.adamw(**ADAMW, impl="torch"),  # (on the example GPT: the other model)
+                  lambda m: [torch.optim.AdamW(m.parameters(), **ADAMW)]),
 }
 # FSDP2's two optimizers listed AdamW first: fs.load takes the state by parameter name and each group by its
 # "params", so the order FSDP2 listed them in does not matter to fshard
 CASES["adamw,muon"] = (None, CASES["muon+adamw"][1], lambda m: CASES["muon+adamw"][2](m)[::-1])
 
 
-def _model():
-    """The awkward model with ``scale`` of shape (1,), not 0-dim: fully_shard refuses a scalar parameter ("Change
-    scale to a 1D tensor with numel equal to 1"), so both sides train this one."""
-    torch.manual_seed(0)
-    model = Awkward()
-    model.scale = torch.nn.Parameter(model.scale.detach().reshape(1))
-    return model
+def _model(name: str):
+    """``oracle_model(name)``; the awkward model with ``scale`` of shape (1,), not 0-dim: fully_shard refuses a
+    scalar parameter ("Change scale to a 1D tensor with numel equal to 1"), so both sides train this one."""
+    model, loss_fn, batches = oracle_model(name, STEPS)
+    if name == "awkward":
+        model.scale = torch.nn.Parameter(model.scale.detach().reshape(1))
+    return model, loss_fn, batches
 
 
 def _fsdp2_model(model, shard_size):
@@ -140,20 +142,20 @@ def _interop(directory: str, case: str, direction: str):
                                                          get_state_dict, set_state_dict)
     shard_size, make_ours, make_theirs = CASES[case]
     mesh = fs.Mesh.from_env(shard_size=shard_size)
-    model = _model()
-    batches = list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))
+    model, loss_fn, batches = _model("gpt" if case == "adamw-gpt" else "awkward")
+    batches = list(batches(mesh.rank, mesh.world_size))
     ref = _fsdp2_model(model, shard_size)
     opts = make_theirs(ref)
 
     def fsdp_steps(bs):
         for b in bs:
-            awkward_loss(ref, b).backward()
+            loss_fn(ref, b).backward()
             for o in opts:
                 o.step()
                 o.zero_grad()
 
     state = fs.init(model, mesh, make_ours())
-    step = fs.compose(awkward_loss)
+    step = fs.compose(loss_fn)
     path = f"{directory}/ckpt"
     if direction == "from_fsdp2":
         fsdp_steps(batches[:3])
@@ -190,9 +192,10 @@ def _interop(directory: str, case: str, direction: str):
     mine = _full_optim(f"{directory}/after", common)
     state_diff = max((mine[n][k].float() - v.float()).abs().max().item() for n, e in common.items()
                      for k, v in e.items())
-    moved = min((ours[n] - saved[n]).abs().max().item() for n in TRAINED)  # (the continuation is not a no-op)
+    updated = {k.rsplit(".", 1)[0] for k in our_keys}  # (the continuation is not a no-op: each of them moved)
+    moved = min((ours[n] - saved[n]).abs().max().item() for n in saved if n in updated)
     return dict(load=load_diff, params=param_diff, state=state_diff, moved=moved, ours=our_keys, theirs=their_keys,
-                mesh=(mesh.replicas, mesh.shard_size), fsdp2=tuple(ref.emb.weight.placements))
+                mesh=(mesh.replicas, mesh.shard_size), fsdp2=tuple(next(ref.parameters()).placements))
 
 
 @pytest.mark.parametrize("case,direction", [(c, d) for c in CASES for d in ("from_fsdp2", "to_fsdp2")
