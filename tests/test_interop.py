@@ -16,7 +16,8 @@ entry (fshard's saved again, read back whole, against get_optimizer_state_dict's
   way round; FSDP2 cannot load fshard's that way (the test's docstring says why).
 - HSDP: fshard on a 2 x 2 mesh (shard_size=2, world size 4) <-> FSDP2 on init_device_mesh (replicate=2, shard=2),
   AdamW.
-- AdamW (fs.adamw <-> torch.optim.AdamW) on a 1-D mesh of 2, on the example GPT (tests/test_checkpoint.py's before).
+- AdamW (fs.adamw <-> torch.optim.AdamW) on a 1-D mesh of 2, on the example GPT (moved here from
+  tests/test_checkpoint.py, where it was held to 1e-6 and compared the parameters only).
 All bitwise. fshard's checkpoint format is unchanged: these load as they are. Two things differ from the model's
 own awkwardness: its 0-dim ``scale`` is made 1-dim (fully_shard refuses scalars), and FSDP2's load of a checkpoint
 needs ``allow_partial_load`` (see _interop).
@@ -201,7 +202,7 @@ def _interop(directory: str, case: str, direction: str):
 @pytest.mark.parametrize("case,direction", [(c, d) for c in CASES for d in ("from_fsdp2", "to_fsdp2")
                                             if (c, d) != ("adamw,muon", "to_fsdp2")])
 def test_fsdp2_and_fshard_continue_each_others_checkpoints(tmp_path, case, direction):
-    """Bitwise, all three: the same kernels in the same order on the same values (fs.optim.sgd is torch's
+    """Bitwise, every case: the same kernels in the same order on the same values (fs.optim.sgd is torch's
     _single_tensor_sgd, fs.adamw(impl="torch") torch's single-tensor AdamW, fs.muon torch's Newton-Schulz on the
     whole matrix as _FullMuon runs it), and gradients averaged over 2 (or 2 x 2) ranks, where the sum does not
     depend on the order.
