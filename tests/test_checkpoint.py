@@ -4,14 +4,14 @@
   bitwise, at world sizes 1 and 2, with gather_ahead, bucket_reduce, clipping, bf16 mixed precision with param
   copies, fp16 loss scaling and a schedule (the awkward model: tied, frozen, unused, 0-dim, prime, a buffer).
 - Reshard: saved at 2, loaded at 1, 3 and 4: fs.full_params bitwise, and training continues.
-- Interop: an fshard checkpoint loads into a plain model.state_dict() with dcp.load.
+- Interop: an fshard checkpoint loads into a plain model.state_dict() with dcp.load (FSDP2 and fshard continuing
+  each other's checkpoints: tests/test_interop.py).
 - Atomic and damaged: a save killed before its rename leaves the previous checkpoint and fs.latest returns it;
   a truncated or corrupted file is an error naming it; keep_last rotates.
 - The box tiling of a flat range (property test).
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import os
@@ -174,68 +174,6 @@ def test_boxes_tile_a_flat_range_in_order(shape, data):
         covered += idx
     assert covered == list(range(lo, hi))
     assert len(_boxes(tuple(shape), lo, hi)) <= max(1, 2 * len(shape) - 1)
-
-
-HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-def _fsdp2(path: str, direction: str):
-    """FSDP2 (fully_shard per block and the root) + DCP beside fshard on the example GPT, 3 steps each side of a
-    checkpoint. "from_fsdp2": FSDP2 saves model and optimizer (get_state_dict), fshard loads and continues.
-    "to_fsdp2": fshard saves, FSDP2 loads (set_state_dict) and continues. Returns the largest parameter
-    difference between the two continuations, and the loaded parameters' largest difference from the saved."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from models import oracle_model
-    mesh = fs.Mesh.from_env()
-    model, loss_fn, batches = oracle_model("gpt", STEPS)
-    batches = list(batches(mesh.rank, mesh.world_size))
-    ref = copy.deepcopy(model)
-    dmesh = init_device_mesh("cpu", (mesh.world_size,))
-    for block in ref.blocks:
-        fully_shard(block, mesh=dmesh)
-    fully_shard(ref, mesh=dmesh)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
-
-    def fsdp_steps(bs):
-        for b in bs:
-            loss_fn(ref, b).backward()
-            opt.step()
-            opt.zero_grad()
-
-    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
-    step = fs.compose(loss_fn)
-    if direction == "from_fsdp2":
-        fsdp_steps(batches[:3])
-        msd, osd = get_state_dict(ref, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        saved = {n: p.full_tensor().clone() for n, p in ref.named_parameters()}
-        state = fs.load(path, like=state)
-    else:
-        for b in batches[:3]:
-            state, _ = step(state, b)
-        fs.save(path, state)
-        saved = {k: v.clone() for k, v in fs.full_params(state).items()}
-        msd, osd = get_state_dict(ref, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-        set_state_dict(ref, opt, model_state_dict=msd, optim_state_dict=osd)
-    loaded = fs.full_params(state) if direction == "from_fsdp2" else \
-        {n: p.full_tensor() for n, p in ref.named_parameters()}
-    load_diff = max((loaded[k] - saved[k]).abs().max().item() for k in saved)
-    fsdp_steps(batches[3:])
-    for b in batches[3:]:
-        state, _ = step(state, b)
-    ours = fs.full_params(state)
-    return load_diff, max((ours[n] - p.full_tensor()).abs().max().item() for n, p in ref.named_parameters())
-
-
-@pytest.mark.parametrize("direction", ["from_fsdp2", "to_fsdp2"])
-def test_fsdp2_and_fshard_continue_each_others_checkpoints(tmp_path, direction):
-    for load_diff, diff in run_ranks(_fsdp2, 2, str(tmp_path / "ckpt"), direction):
-        assert load_diff == 0.0 and diff <= 1e-6, (load_diff, diff)
 
 
 def _killed_save(d: str, where: str):
