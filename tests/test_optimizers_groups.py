@@ -67,10 +67,15 @@ CASES = {  # name -> (fshard optimizer, label_fn or None, torch optimizers per l
                                               "adamw": fs.adamw(**ADAMW, impl="torch")}, _bias),
                         _bias, {"factored": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1),
                                 "adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW)}),
+    # a row that starts at a value of its own (Adagrad's initial_accumulator_value) inside a partition
+    "adagrad+adamw": (lambda: fs.partition({"fast": fs.optim.adagrad(lr=0.05, initial_accumulator_value=0.1),
+                                            "slow": fs.adamw(lr=1e-3, weight_decay=0.0, impl="torch")}, _decay),
+                      _decay, {"fast": lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1),
+                               "slow": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)}),
 }
 # Adafactor's whole-parameter norms are sums of the ranks' partial sums in fshard, torch.norm over the tensor in
 # torch: equal up to summation order (1e-7), so it is held to 1e-6, not bitwise
-BITWISE = {"muon", "muon+adamw", "adamw+adamw"}
+BITWISE = {"muon", "muon+adamw", "adamw+adamw", "adagrad+adamw"}
 
 
 def _model(case: str):
@@ -178,7 +183,7 @@ def test_matches_ddp_and_the_torch_twins(world_size):
         assert sum(calls) == per_step * STEPS, (case, calls)
         if world_size == 2:
             assert sorted(calls) == [per_step // 2 * STEPS, (per_step + 1) // 2 * STEPS], (case, calls)
-    assert sum(r[c][4] for r in results for c in ("adamw+adamw", "adafactor", "adafactor+adamw")) == 0
+    assert sum(r[c][4] for r in results for c in ("adamw+adamw", "adafactor", "adafactor+adamw", "adagrad+adamw")) == 0
 
 
 def test_each_parameter_holds_only_its_own_optimizers_rows():
