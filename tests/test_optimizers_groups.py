@@ -456,3 +456,31 @@ def _tensor3():
 def test_adafactor_factors_a_3d_parameter_per_leading_index(world_size):
     for d, shape in run_ranks(_tensor3, world_size):
         assert shape == (3, 5, 1) and d <= 1e-6, (d, shape)
+
+
+# --- Adafactor on a bf16 model (review, session 23) ---
+
+def test_adafactor_on_a_bf16_model_is_bitwise_torchs():
+    """A bf16 model without mixed precision (Adafactor's usual set-up): the row and column statistics and the norms
+    accumulate in fp32 and round to bf16 as torch's norms do (summed in bf16 they drifted 22% off torch's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 8).to(torch.bfloat16)
+    ref, before = copy.deepcopy(model), copy.deepcopy(model)
+    loss_fn = lambda m, b: (m(b[0]).float() - b[1]).pow(2).mean()  # noqa: E731
+    state = fs.init(model, fs.Mesh.local(), fs.adafactor(lr=1e-2, weight_decay=0.1))
+    twin = torch.optim.Adafactor(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    with fs.compose(loss_fn) as step:
+        for _ in range(3):
+            b = (torch.randn(16, 1024, generator=g).bfloat16(), torch.randn(16, 8, generator=g))
+            state, _ = step(state, b)
+            twin.zero_grad()
+            loss_fn(ref, b).backward()
+            twin.step()
+    factors = state.opt_state["<root>"].factors["weight"]
+    assert torch.equal(factors["row_var"], twin.state[ref.weight]["row_var"])
+    assert torch.equal(factors["col_var"], twin.state[ref.weight]["col_var"])
+    full = fs.full_params(state)
+    for name, p in ref.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+        assert not torch.equal(full[name], before.get_parameter(name).detach()), name  # trained, not stood still
