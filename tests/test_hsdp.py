@@ -390,3 +390,26 @@ def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path)
     model, _, _ = oracle_model("awkward", 1)
     loaded = _full_state(fs, fs.load(ckpt, like=fs.init(model, fs.Mesh.local(), fs.adamw(**HP))))
     assert {k: v.hex() if isinstance(v, bytes) else v for k, v in loaded.items()} == got[0]["full"]
+
+
+# --- 2-D meshes of disjoint subgroups (review, session 23) ---
+
+def _disjoint_subgroups():
+    import torch.distributed as dist
+
+    import fshard as fs
+    fs.Mesh.from_env()
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, as torch requires
+    mesh = fs.Mesh.from_group(pairs[rank // 2], shard_size=1)  # each pair at once: 2 replicas of 1 shard
+    t = torch.tensor([float(10 ** rank)])
+    dist.all_reduce(t, group=mesh.replica_group)
+    return t.item(), dist.get_process_group_ranks(mesh.replica_group)
+
+
+def test_meshes_that_disjoint_subgroups_make_at_once_get_groups_of_their_own():
+    """Two pairs of ranks each split their own subgroup (pipeline stages with HSDP inside do this): each pair's
+    replica all-reduce sums that pair only (made with a job-wide counter, the two pairs' groups shared names and
+    summed across pairs, or failed)."""
+    out = run_ranks(_disjoint_subgroups, 4)
+    assert out == [(11.0, [0, 1]), (11.0, [0, 1]), (1100.0, [2, 3]), (1100.0, [2, 3])], out

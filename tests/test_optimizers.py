@@ -348,6 +348,33 @@ def test_from_torch_refuses_what_is_not_elementwise_and_names_the_equivalent(cls
         fs.optim.from_torch(cls, lr=1e-3)
 
 
+class _RenamedAdafactor(torch.optim.Adafactor):
+    pass
+
+
+class _TrustRatioSGD(torch.optim.Optimizer):
+    """LARS-like: SGD whose step is scaled by the ratio of the parameter's norm to the gradient's (whole-tensor)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)).add_(p.grad)
+                p.sub_(group["lr"] * p.norm() / p.grad.norm() * p.grad)
+
+
+def test_from_torch_refuses_a_renamed_subclass_and_an_update_that_reads_norms():
+    with pytest.raises(fs.ArgumentError, match=r"_RenamedAdafactor \(a torch.optim.Adafactor\) is not elementwise"
+                                               r".*fs.adafactor"):
+        fs.optim.from_torch(_RenamedAdafactor, lr=1e-2)
+    with pytest.raises(fs.ArgumentError, match="whole and as two halves gives different results"):
+        fs.optim.from_torch(_TrustRatioSGD, lr=0.1)
+    fs.optim.from_torch(torch.optim.NAdam, lr=1e-3)  # elementwise ones pass the check
+
+
 def test_misuses_are_named():
     with pytest.raises(fs.ArgumentTypeError, match="the torch optimizer class"):
         fs.optim.from_torch(torch.optim.NAdam([torch.zeros(2, requires_grad=True)]))

@@ -264,18 +264,20 @@ def _check_shard_size(shard_size, world_size: int) -> int:
 
 
 def _split(group, world_size: int, shard_size: int, timeout: timedelta) -> dict:
-    """The 2-D mesh's fields: its shard groups (consecutive ranks of ``group``) and replica groups (the ranks with
-    the same index in every shard group), made with ``dist.new_group`` on every rank in the same order, shard groups
-    first; this rank's of each. Nothing where the mesh is 1-D."""
+    """The 2-D mesh's fields: this rank's shard group (consecutive ranks of ``group``) and replica group (the ranks
+    with the same index in every shard group), made with ``dist.new_group`` by their members, in the order of
+    ``groups``. Nothing where the mesh is 1-D."""
     if shard_size == world_size:
         return {}
     ranks = dist.get_process_group_ranks(group)
     me = ranks[dist.get_rank(group)]
     mine = {}
     for kind, members in groups(ranks, shard_size):
-        made = dist.new_group(members, timeout=timeout)
+        # Made by its members only, named by a hash of them (use_local_synchronization): meshes that disjoint
+        # subgroups make at once (from_group) get groups of their own; a job-wide counter would give both the
+        # same names and cross-wire them. Every member makes its groups in this same order, so none deadlocks.
         if me in members:
-            mine[kind] = made
+            mine[kind] = dist.new_group(members, timeout=timeout, use_local_synchronization=True)
     return {"shard_size": shard_size, **mine}
 
 

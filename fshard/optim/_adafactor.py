@@ -186,36 +186,41 @@ class Adafactor:
                             torch.arange(a - s.offset, e - s.offset, device=param.device), a - lo0)
         # 1. one all-reduce: each parameter's sum of squares, and each factored gradient's per row and per column
         sizes = [1 + (_rows(train[k].shape) + _cols(train[k].shape) if _factored(train[k].shape) else 0) for k in ks]
-        sums = torch.zeros(sum(sizes), dtype=param.dtype, device=param.device)
+        # Sums of squares accumulate in fp32 at least (torch's norms do; bf16 partial sums drift: review, session
+        # 23), and each norm is rounded to the parameter's dtype as torch's is before it is used.
+        acc = torch.promote_types(param.dtype, torch.float32)
+        sums = torch.zeros(sum(sizes), dtype=acc, device=param.device)
         for k, part in zip(ks, sums.split(sizes)):
             if k not in local:
                 continue
             p, g, idx, _ = local[k]
-            part[0] = (p * p).sum()
+            part[0] = p.to(acc).square().sum()
             if _factored(train[k].shape):
                 c, rc = train[k].shape[-1], train[k].shape[-2] * train[k].shape[-1]
                 nr = _rows(train[k].shape)
-                part[1:1 + nr].index_add_(0, idx // c, g * g)
-                part[1 + nr:].index_add_(0, (idx // rc) * c + idx % c, g * g)
+                g2 = g.to(acc).square()
+                part[1:1 + nr].index_add_(0, idx // c, g2)
+                part[1 + nr:].index_add_(0, (idx // rc) * c + idx % c, g2)
         if comm is not None and comm.mesh.shard_size > 1:  # (2-D: over the shard group, each shard once)
             comm.all_reduce(sums, f"{layout.name}/adafactor", over="shard")
         # 2. the statistics (alike on every rank), weight decay, and this rank's elements of the update
-        updates_sq = torch.zeros(len(ks), dtype=param.dtype, device=param.device)
+        updates_sq = torch.zeros(len(ks), dtype=acc, device=param.device)
         out, alphas = {}, []
         for i, (k, part) in enumerate(zip(ks, sums.split(sizes))):
             s = train[k]
             step = float(count[k])
             beta_t = step ** self.beta2_decay
             rho = min(lr, 1 / (step ** 0.5))
-            alphas.append(max(eps2, part[0].sqrt().item() / (s.numel ** 0.5)) * rho)
+            alphas.append(max(eps2, _norm(part[0], param.dtype) / (s.numel ** 0.5)) * rho)
             if wd != 0 and k in local:
                 local[k][0].mul_(1 - lr * wd)
             if _factored(s.shape):
                 f = factors[s.name]
                 nr, c = _rows(s.shape), s.shape[-1]
                 rv, cv = f["row_var"].view(-1), f["col_var"].view(-1)
-                rv.lerp_(part[1:1 + nr] / c, beta_t)  # torch: norm(grad, dim=-1) ** 2 / C
-                cv.lerp_(part[1 + nr:] / s.shape[-2], beta_t)
+                # torch: norm(grad, dim=-1) ** 2 / C, in the gradient's dtype
+                rv.lerp_(part[1:1 + nr].sqrt().to(rv.dtype).square_().div_(c), beta_t)
+                cv.lerp_(part[1 + nr:].sqrt().to(cv.dtype).square_().div_(s.shape[-2]), beta_t)
                 if k not in local:
                     continue
                 _, g, idx, _ = local[k]
@@ -232,13 +237,13 @@ class Adafactor:
                 est = v.clone()
             u = est.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
             out[k] = u
-            updates_sq[i] = (u * u).sum()
+            updates_sq[i] = u.to(acc).square().sum()
         if comm is not None and comm.mesh.shard_size > 1:  # 3. the update's norm per parameter, then the step
             comm.all_reduce(updates_sq, f"{layout.name}/adafactor-update", over="shard")
         for i, k in enumerate(ks):
             if k not in out:
                 continue
-            denom = max(1.0, updates_sq[i].sqrt().item() / ((train[k].numel ** 0.5) * self.d))
+            denom = max(1.0, _norm(updates_sq[i], param.dtype) / ((train[k].numel ** 0.5) * self.d))
             p, _, _, lo = local[k]
             p.add_(out[k], alpha=-alphas[i] / denom)
             if copy is not None:
@@ -246,6 +251,12 @@ class Adafactor:
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "adafactor"
+
+
+def _norm(sq: torch.Tensor, dtype: torch.dtype) -> float:
+    """The 2-norm from an accumulated sum of squares, rounded to ``dtype`` as torch's ``norm`` of a tensor of that
+    dtype returns it."""
+    return sq.sqrt().to(dtype).item()
 
 
 def _rows(shape) -> int:

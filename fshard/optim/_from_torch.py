@@ -14,8 +14,9 @@ per-parameter scalars (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) that f
 not stored but replayed, on a one-element parameter stepped as many times (continued from the last count, and
 remembered), with the run's learning rate where they depend on it (ASGD's ``eta``, which then assumes the current
 rate throughout: under a schedule each new rate replays from the first step; NAdam's do not: one replay serves
-all). A state of any other shape is not elementwise and is refused, as are Adafactor, Muon, LBFGS and SparseAdam by
-name, each pointing to what fshard offers instead. X's param-group fields are its own defaults
+all). A state of any other shape, or an update that differs on a matrix stepped whole and as two halves (one that
+reads norms: LAMB, LARS), is not elementwise and is refused, as are Adafactor, Muon, LBFGS and SparseAdam and their
+subclasses by name, each pointing to what fshard offers instead. X's param-group fields are its own defaults
 (``get_optimizer_state_dict``'s).
 """
 from __future__ import annotations
@@ -222,7 +223,33 @@ def _probe(cls: type, kw: dict) -> tuple[dict, dict, dict]:
                                 f"{type(t).__name__ if not isinstance(t, torch.Tensor) else tuple(t.shape)}, not "
                                 "shaped like the parameter, so it is not elementwise and cannot run on flat shards.")
     group = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "lr")}
+    _check_elementwise(cls, kw)
     return state, eager, group
+
+
+def _check_elementwise(cls: type, kw: dict) -> None:
+    """Refuse ``cls`` unless two steps on a (3, 4) matrix equal the same steps on its two halves as parameters of
+    their own: a state not shaped like the parameter (factored statistics) or an update that reads whole-tensor
+    norms (LAMB's and LARS's trust ratios) would make each run of a shard a different optimizer."""
+    g = torch.linspace(-1.0, 2.0, 12).reshape(3, 4)
+    whole = torch.linspace(0.5, -0.5, 12).reshape(3, 4)
+    halves = [h.clone() for h in whole.reshape(-1).split(6)]
+    for params, grads in (([whole], [g]), (halves, list(g.reshape(-1).split(6)))):
+        for p, gp in zip(params, grads):
+            opt = cls([p], **kw)
+            for _ in range(2):
+                p.grad = gp.clone()
+                opt.step()
+            bad = [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
+            if bad:
+                raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): its state {bad[0]!r} on a (3, 4) "
+                                    "matrix is not shaped like the matrix, so it is not elementwise and cannot run on "
+                                    "flat shards.")
+    if not torch.allclose(whole.reshape(-1), torch.cat(halves), rtol=1e-5, atol=1e-7):
+        raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): stepping a matrix whole and as two halves "
+                            "gives different results (its update reads whole-tensor quantities, e.g. a norm), so it "
+                            "is not elementwise and cannot run on runs of flat shards; write it on the optimizer "
+                            "protocol (examples/custom_optimizer.py) with whole-parameter statistics.")
 
 
 def from_torch(cls: type, **kwargs) -> FromTorch:
@@ -233,9 +260,12 @@ def from_torch(cls: type, **kwargs) -> FromTorch:
     if not isinstance(cls, type):
         raise ArgumentTypeError(f"fs.optim.from_torch({cls!r}): pass the torch optimizer class and its arguments, "
                                 "e.g. fs.optim.from_torch(torch.optim.NAdam, lr=2e-3), not an instance.")
-    if cls.__name__ in _REFUSED:
-        raise ArgumentError(f"fs.optim.from_torch({cls.__name__}): {cls.__name__} is not elementwise, so it cannot "
-                            f"run on runs of flat shards; use {_REFUSED[cls.__name__]}.")
+    base = next((c.__name__ for c in cls.__mro__ if c.__name__ in _REFUSED and c.__module__.startswith("torch.")),
+                None)  # (torch's own, or a subclass of it under another name)
+    if base is not None:
+        named = cls.__name__ if base == cls.__name__ else f"{cls.__name__} (a torch.optim.{base})"
+        raise ArgumentError(f"fs.optim.from_torch({cls.__name__}): {named} is not elementwise, so it cannot "
+                            f"run on runs of flat shards; use {_REFUSED[base]}.")
     if not issubclass(cls, torch.optim.Optimizer):
         raise ArgumentTypeError(f"fs.optim.from_torch({cls.__qualname__}): not a torch.optim.Optimizer class.")
     if "params" in kwargs:

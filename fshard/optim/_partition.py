@@ -155,8 +155,9 @@ class Partition:
         ranges, parts, extra = layout.trainable_ranges(rank), {}, {}
         for label, o in self.optimizers:
             n = sum(max(0, hi - lo) for (lo, hi), on in zip(ranges, self._row_mask(layout, label)) if on)
-            parts[label] = FrozenMap({r.name: torch.zeros(n, dtype=r.dtype_for(shard.dtype), device=shard.device)
-                                      for r in o.rows})
+            parts[label] = FrozenMap({r.name: torch.full((n,), r.init, dtype=r.dtype_for(shard.dtype),
+                                                         device=shard.device)
+                                      for r in o.rows})  # (at each row's initial value: Adagrad's is not 0)
             mine = {s.name for s, on in zip(layout.trainable, self._mask(layout, label)) if on}
             own = o.extra_entries(layout, o.init(layout, rank, shard)) if hasattr(o, "extra_entries") else {}
             extra[label] = FrozenMap({name: FrozenMap(e) for name, e in own.items() if name in mine})
