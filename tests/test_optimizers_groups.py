@@ -484,3 +484,50 @@ def test_adafactor_on_a_bf16_model_is_bitwise_torchs():
     for name, p in ref.named_parameters():
         assert torch.equal(full[name], p.detach()), name
         assert not torch.equal(full[name], before.get_parameter(name).detach()), name  # trained, not stood still
+
+
+# --- a partition's checkpoint keys per member (review, session 23) ---
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)
+        self.unused = torch.nn.Parameter(torch.ones(2))  # never gets a gradient
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _nadam_or_adagrad(name, p) -> str:
+    return "nadam" if name.endswith("weight") else "adagrad"
+
+
+def test_a_partitions_checkpoint_has_each_members_keys_as_its_torch_twin(tmp_path):
+    """NAdam (through from_torch: its mu_product is replayed, not stored) for the weights and Adagrad (which makes
+    every parameter's state when built, the unused one's too) for the rest: fs.save writes the keys that
+    get_optimizer_state_dict writes for the two torch optimizers over the same groups."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    ref = copy.deepcopy(model)
+    loss_fn = lambda m, b: (m(b[0]) - b[1]).pow(2).mean()  # noqa: E731
+    opt = fs.partition({"nadam": fs.optim.from_torch(torch.optim.NAdam, lr=1e-3),
+                        "adagrad": fs.optim.adagrad(lr=0.05)}, _nadam_or_adagrad)
+    state = fs.init(model, fs.Mesh.local(), opt)
+    groups = {label: [p for n, p in ref.named_parameters() if _nadam_or_adagrad(n, p) == label]
+              for label in ("nadam", "adagrad")}
+    twins = [torch.optim.NAdam(groups["nadam"], lr=1e-3), torch.optim.Adagrad(groups["adagrad"], lr=0.05)]
+    b = (torch.randn(8, 4), torch.randn(8, 1))
+    with fs.compose(loss_fn) as step:
+        state, _ = step(state, b)
+    loss_fn(ref, b).backward()
+    for t in twins:
+        t.step()
+    fs.save(str(tmp_path), state)
+    ours = {k[len("optim."):] for k in FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+            if k.startswith("optim.state.")}
+    theirs = {f"state.{n}.{k}" for n, entry in get_optimizer_state_dict(ref, twins)["state"].items() for k in entry}
+    assert "state.a.weight.mu_product" in theirs and "state.unused.sum" in theirs  # what the fix is about
+    assert ours == theirs, (sorted(ours ^ theirs))

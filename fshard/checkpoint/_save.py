@@ -39,7 +39,7 @@ from ._dcp import _Boxes, _Chunks, _SavePlanner, slot_boxes
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError
 from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
-from ..optim._protocol import count_key_of, row_names, row_ranges
+from ..optim._protocol import count_key_of, optimizer_of, row_names, row_ranges
 from ..state._stored import StoredParam, in_store, stored_items
 
 __all__ = ["save", "latest", "SaveHandle"]  # fs.load: fshard/checkpoint/_load.py
@@ -71,7 +71,6 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
             model[key] = buffers[buffer_of[id(t)]]
     optim, opt = {}, spec.optimizer
     names = row_names(opt)  # the rows it declares, saved under their names (fshard/optim/_protocol.py)
-    scalars = getattr(opt, "saved_scalars", None)  # 0-dim per-parameter state that follows the count (from_torch's)
     for order, u in enumerate(spec.units):
         st = opt_state.get(u.name)
         if st is None:
@@ -83,15 +82,17 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
         shift = [{k: lo - at for k, lo, _, at in row_ranges(opt, u, rank, i)} for i in range(len(names))]
         extra = opt.extra_entries(u, st) if hasattr(opt, "extra_entries") else {}  # (whole tensors: Adafactor's)
         for k, s in enumerate(u.trainable):
-            if not for_load and int(st.count[k]) == 0 and not getattr(opt, "eager_state", False):
+            own = optimizer_of(opt, s.name)  # (a partition's member for the parameter)
+            if not for_load and int(st.count[k]) == 0 and not getattr(own, "eager_state", False):
                 continue  # never updated: torch keeps no state for it (Adagrad's makes it when built: eager_state)
             key = count_key_of(opt, s.name)
             entry = {} if key is None else {key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
             entry.update((name, _shifted(slot_boxes(u, s, rank, **row), shift[i].get(k, 0)))
                          for i, (name, row) in enumerate(zip(names, rows, strict=True)) if k in shift[i])
             entry.update(extra.get(s.name, {}))
+            scalars = getattr(own, "saved_scalars", None)  # 0-dim state that follows the count (from_torch's)
             if scalars is not None and not for_load and int(st.count[k]) > 0:  # (a load recomputes them)
-                entry.update(scalars(int(st.count[k]), int(state.step), opt.decays(u)[k]))
+                entry.update(scalars(int(st.count[k]), int(state.step), own.decays(u)[k]))
             optim[s.name] = entry
     param_groups = opt.param_groups(spec.units, int(state.step))
     extra = {n: b for n, b in buffers.items() if n not in persistent}

@@ -114,8 +114,12 @@ class Partition:
             {n: FrozenMap({k: torch.zeros_like(t) for k, t in f.items()}) for n, f in part.items()})
             for label, part in state.extra.items()}))
 
+    def optimizer_of(self, name: str):
+        """The optimizer that updates parameter ``name`` (its label's): what a checkpoint asks per parameter."""
+        return dict(self.optimizers)[self._label_of[name]]
+
     def count_key_of(self, name: str) -> str | None:
-        return dict(self.optimizers)[self._label_of[name]].count_key
+        return self.optimizer_of(name).count_key
 
     def fingerprint(self, count: int) -> tuple:
         labels = (len(self.labels), zlib.crc32(repr(self.labels).encode())) if self.labels else None

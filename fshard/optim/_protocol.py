@@ -224,6 +224,13 @@ def streamable(opt: Optimizer) -> bool:
     return not getattr(opt, "collective", False) and getattr(opt, "covers", None) is None
 
 
+def optimizer_of(opt: Optimizer, name: str) -> Optimizer:
+    """The optimizer that updates parameter ``name``: ``opt``, or for one that holds several (``fs.partition``'s
+    ``optimizer_of``) the one for that parameter; its ``eager_state`` and ``saved_scalars`` are the parameter's."""
+    of = getattr(opt, "optimizer_of", None)
+    return opt if of is None else of(name)
+
+
 def count_key_of(opt: Optimizer, name: str) -> str | None:
     """The checkpoint key of parameter ``name``'s step count (``count_key_of`` where declared, else ``count_key``)."""
     of = getattr(opt, "count_key_of", None)
