@@ -2,7 +2,8 @@
 ranks and replicates it over the groups.
 
 - The mesh: its shape in repr, its groups (consecutive ranks; same index in every group; a property test of their
-  planner), a shard_size that does not
+  planner), the default shard_size (one node under torchrun on several nodes, else 1-D: the rule, a property test
+  of it, LOCAL_WORLD_SIZE read when the mesh is made and a bad one refused), a shard_size that does not
   divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
   full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
   RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
@@ -76,7 +77,7 @@ def test_mesh_shape_groups_and_refusals():
         assert flat_group and flat_replicas is None
         assert "shard_size=3" in refused and "divisor of the world size (1, 2, 4)" in refused
         for message in offload:
-            assert message is not None and "2-D mesh" in message and "without shard_size" in message
+            assert message is not None and "2-D mesh" in message and "from_env(shard_size=4)" in message
         assert same
 
 
@@ -85,6 +86,51 @@ def test_shard_size_on_one_rank():
     assert fs.Mesh.local().shard_size == 1 and "replicas" not in repr(fs.Mesh.local())
     with pytest.raises(fs.errors.ArgumentError, match=r"divisor of the world size \(1\)"):
         fs.Mesh.from_env(shard_size=2)
+
+
+def test_default_shard_size_is_a_node_under_torchrun_on_several_nodes():
+    from fshard.dist._mesh import default_shard_size
+    from fshard.errors import ArgumentError
+    assert default_shard_size(16, "8") == 8  # two nodes of 8: a shard group a node
+    assert default_shard_size(8, "8") == 8 and default_shard_size(8, None) == 8  # one node, or no torchrun: 1-D
+    assert default_shard_size(12, "8") == 12  # nodes of different sizes: 1-D
+    assert default_shard_size(4, "1") == 1  # one rank a node: each node holds a replica (DDP with fshard's state)
+    for bad in ("", "two", "0", "-2", "1.5"):
+        with pytest.raises(ArgumentError, match=r"LOCAL_WORLD_SIZE \(environment\)=.*Unset it, or pass shard_"):
+            default_shard_size(4, bad)
+
+
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_default_shard_size_divides_and_is_the_node_only_when_it_can_be(world, local):
+    from fshard.dist._mesh import default_shard_size
+    k = default_shard_size(world, str(local))
+    assert world % k == 0 and k in (local, world)
+    assert (k == local < world) == (local < world and world % local == 0)
+    assert default_shard_size(world, None) == world
+
+
+def _default_meshes():
+    import os
+
+    import fshard as fs
+    mesh = fs.Mesh.from_env()  # LOCAL_WORLD_SIZE=1 (the caller's): two nodes of one rank
+    os.environ["LOCAL_WORLD_SIZE"] = "two"  # read once, when a mesh is made: the mesh above keeps its shape
+    try:
+        fs.Mesh.from_env()
+        refused = None
+    except fs.errors.ArgumentError as e:
+        refused = str(e)
+    explicit = fs.Mesh.from_env(shard_size=2)  # an explicit shard_size reads nothing
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    one_node = fs.Mesh.from_env()
+    return (mesh.shard_size, mesh.replicas), refused, explicit.shard_size, one_node.shard_size
+
+
+def test_from_env_default_reads_local_world_size_when_the_mesh_is_made(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # run_ranks gives the ranks the caller's environment
+    for shape, refused, explicit, one_node in run_ranks(_default_meshes, 2):
+        assert shape == (1, 2) and explicit == 2 and one_node == 2
+        assert refused is not None and "LOCAL_WORLD_SIZE (environment)='two'" in refused, refused
 
 
 def _together():
@@ -343,7 +389,8 @@ def test_save_on_2d_loads_on_1d_and_back_bitwise(tmp_path):
 
 def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path):
     """Two torchrun agents on this machine, each a node of two ranks (``--nnodes 2 --nproc-per-node 2``, c10d
-    rendezvous on 127.0.0.1, as the README's two-node command), train with ``shard_size=LOCAL_WORLD_SIZE``: within
+    rendezvous on 127.0.0.1, as the README's two-node command), train on ``fs.Mesh.from_env()``, whose default
+    is then a shard group a node (as ``shard_size=LOCAL_WORLD_SIZE``, the explicit mesh also made): within
     1e-6 of DDP, the replica all-reduce crossing the nodes; both nodes save into one checkpoint path, which a
     single process then loads, bitwise the state every rank had."""
     import json
@@ -382,7 +429,8 @@ def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path)
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     assert sorted(g["node"] for g in got) == [0, 0, 1, 1]
     for r, g in enumerate(got):
-        assert f"rank {r}/4, 2 replicas x 2 shards" in g["mesh"], g["mesh"]
+        assert f"rank {r}/4, 2 replicas x 2 shards" in g["mesh"], g["mesh"]  # the default picked the node
+        assert g["mesh"].endswith(g["explicit"]), g
         assert g["node"] == r // 2  # consecutive ranks on one node: a shard group is a node
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(g["ours"], g["theirs"])), g
         assert g["diff"] <= 1e-6 and g["replica_bytes"] > 0, g
