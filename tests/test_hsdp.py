@@ -15,6 +15,9 @@ ranks and replicates it over the groups.
 - bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh).
 - Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2
   and 3 ranks and back onto a 2-D one (4 replicas of 1), every parameter and moment bitwise the saved one.
+- Two torchrun agents as two nodes: the default mesh is a shard group a node; against DDP; one shared checkpoint.
+- benchmarks/hsdp.py --quick: the measured bytes between and within the simulated nodes are exactly the replica
+  all-reduces (step.plan's figure), the gathers and reduce-scatters, DDP's 4 bytes a parameter, FSDP2's shards.
 """
 from __future__ import annotations
 
@@ -438,3 +441,37 @@ def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path)
     model, _, _ = oracle_model("awkward", 1)
     loaded = _full_state(fs, fs.load(ckpt, like=fs.init(model, fs.Mesh.local(), fs.adamw(**HP))))
     assert {k: v.hex() if isinstance(v, bytes) else v for k, v in loaded.items()} == got[0]["full"]
+
+
+# --- benchmarks/hsdp.py --quick: the measured bytes are the ones each layout must move (issue #41) ------------------
+
+def test_hsdp_benchmark_quick_bytes_add_up(tmp_path):
+    """The benchmark's tiny run (4 ranks as 2 nodes of 2): fshard's HSDP moves between the nodes exactly its replica
+    all-reduces (step.plan's and the step's own comm/replica_bytes) plus the world's control all-reduces, and within a
+    node exactly its gathers and reduce-scatters; DDP all-reduces 4 bytes a parameter a step, all across the nodes;
+    FSDP2's HSDP all-reduces the same shards as fshard's (up to its padding); the ratio line is printed."""
+    import json
+    import os
+    import sys
+
+    from _proc import run_logged
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "hsdp.json"
+    log = run_logged([sys.executable, os.path.join(root, "benchmarks", "hsdp.py"), "--quick", "--steps", "1",
+                      "--configs", "fshard-hsdp,ddp,fsdp2-hsdp", "--json", str(out)], timeout=120, what="benchmarks/hsdp.py: ",
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    got = json.loads(out.read_text())
+    ours, ddp, fsdp2 = got["fshard-hsdp"], got["ddp"], got["fsdp2-hsdp"]
+    assert all(s["same_on_every_rank"] for s in got.values()), got
+    replica = ours["by_group"]["0,2"]  # rank 0's replica group: {0, 2}, one rank on each node
+    assert replica == ours["planned"]["comm/replica_bytes"] == ours["metrics"]["comm/replica_bytes"] > 0, ours
+    control = ours["by_group"]["0,1,2,3"]  # the checks, the loss and the commit vote: a few hundred bytes
+    assert ours["inter_bytes"] == replica + control and 0 < control < 1024, ours
+    assert ours["intra_bytes"] == ours["by_group"]["0,1"] \
+        == ours["metrics"]["comm/gather_bytes"] + ours["metrics"]["comm/reduce_bytes"], ours
+    assert ddp["inter_bytes"] == 4 * ddp["params"] and ddp["intra_bytes"] == 0, ddp
+    assert replica == ours["metrics"]["comm/reduce_bytes"] / 2  # each node all-reduces its half of the gradient
+    assert 0 <= fsdp2["by_group"]["0,2"] - replica <= 0.01 * replica, (fsdp2, replica)
+    ratio = ours["inter_bytes"] / ddp["inter_bytes"]
+    assert f"ratio fshard-hsdp inter-node bytes / ddp's: {ratio:.5f}" in log, log
+    assert "ratio fshard-hsdp step / fsdp2-hsdp step:" in log, log
