@@ -5,7 +5,8 @@ Run it under the shared benchmark lock (timings need a quiet machine; the byte f
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/hsdp.py
     .venv/bin/python benchmarks/hsdp.py --quick          # tiny model, 2 steps: the byte figures in seconds
 
-Four ranks on gloo, spawned as benchmarks/step.py does, with the environment torchrun gives two nodes of two ranks
+Four ranks on gloo, spawned as benchmarks/step.py does (``--quick``: forked, so that they inherit the parent's
+imports of torch and fshard instead of making them again, four at once on a small machine), with the environment torchrun gives two nodes of two ranks
 (``LOCAL_WORLD_SIZE=2``, ``LOCAL_RANK = rank % 2``, ``GROUP_RANK = rank // 2``): ranks {0, 1} are node 0 and
 {2, 3} node 1. On the 27.4M GPT of benchmarks/step.py (same weights and batches for every config):
 
@@ -353,11 +354,14 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="each config in four new processes")
+    p.add_argument("--start-method", choices=("spawn", "fork"), default=None,
+                   help="how the ranks start (default spawn, as benchmarks/step.py; --quick: fork)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.batch_size = args.batch_size or (2 if args.quick else 4)
+    args.start_method = args.start_method or ("fork" if args.quick else "spawn")
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
@@ -368,11 +372,14 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     import torch.multiprocessing as mp
     args = parse_args(argv)
+    if args.start_method == "fork":  # the ranks inherit the imports instead of making them again, four at once
+        import fshard  # noqa: F401
     everyone = [{} for _ in range(WORLD)]
     with tempfile.TemporaryDirectory(prefix="fshard-hsdp-") as tmp:
         for names in ([[n] for n in args.configs] if args.fresh else [args.configs]):
             out = os.path.join(tmp, "out.pkl")
-            mp.spawn(worker, args=(args, _free_port(), names, out), nprocs=WORLD, join=True)
+            mp.start_processes(worker, args=(args, _free_port(), names, out), nprocs=WORLD, join=True,
+                               start_method=args.start_method)
             with open(out, "rb") as f:
                 for mine, part in zip(everyone, pickle.load(f)):
                     mine.update(part)

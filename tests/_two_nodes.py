@@ -1,7 +1,7 @@
 """One simulated node of tests/test_hsdp.py's two-agent test: run by its own torchrun agent (``--nnodes 2``, c10d
 rendezvous on 127.0.0.1), two ranks a node. Trains the awkward model on ``fs.Mesh.from_env()``, whose default
-on several nodes is one shard group a node (LOCAL_WORLD_SIZE ranks), replicated across the nodes, beside DDP + torch.optim.AdamW on the same
-batches, saves to the checkpoint path both nodes share, and writes what it saw to ``OUT/rank<r>.json``."""
+on several nodes is one shard group a node (LOCAL_WORLD_SIZE ranks), replicated across the nodes, beside DDP +
+torch.optim.AdamW on the same batches, saves to the checkpoint path both nodes share, and writes what it saw to ``OUT/rank<r>.json``."""
 from __future__ import annotations
 
 import copy

@@ -458,7 +458,8 @@ def test_hsdp_benchmark_quick_bytes_add_up(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "hsdp.json"
     log = run_logged([sys.executable, os.path.join(root, "benchmarks", "hsdp.py"), "--quick", "--steps", "1",
-                      "--configs", "fshard-hsdp,ddp,fsdp2-hsdp", "--json", str(out)], timeout=120, what="benchmarks/hsdp.py: ",
+                      "--configs", "fshard-hsdp,ddp,fsdp2-hsdp", "--json", str(out)],
+                     timeout=120, what="benchmarks/hsdp.py: ",
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
     got = json.loads(out.read_text())
     ours, ddp, fsdp2 = got["fshard-hsdp"], got["ddp"], got["fsdp2-hsdp"]

@@ -12,8 +12,9 @@ node under torchrun on several nodes (LOCAL_WORLD_SIZE ranks), else every rank.
 
 The environment is read once, when a mesh is made: ``FSHARD_TIMEOUT_S`` (the collective timeout, unless
 ``timeout_s`` is given), ``FSHARD_GATHER`` (how gathers are done) and, by ``from_env`` without ``shard_size``,
-torchrun's ``LOCAL_WORLD_SIZE``; a bad value is an ``ArgumentError`` naming the variable. What a mesh counts and owns while it is used (checks made, tensors held, its background worker) is in its
-``MeshRuntime``, so that the frozen mesh itself has no mutable field."""
+torchrun's ``LOCAL_WORLD_SIZE``; a bad value is an ``ArgumentError`` naming the variable. What a mesh counts and
+owns while it is used (checks made, tensors held, its background worker) is in its ``MeshRuntime``, so that the
+frozen mesh itself has no mutable field."""
 from __future__ import annotations
 
 import itertools
@@ -284,8 +285,8 @@ def _check_shard_size(shard_size, world_size: int) -> int:
         raise ArgumentError(
             f"fs.Mesh.from_env(shard_size={shard_size!r}): the {world_size} rank(s) cannot be split into shard "
             f"groups of that many ranks. Pass a divisor of the world size ({', '.join(map(str, divisors))}): "
-            f"shard_size={world_size} shards over every rank (the default on one node), 1 replicates the state on each rank "
-            "(DDP), and the ranks of one node (LOCAL_WORLD_SIZE under torchrun) is the usual HSDP choice.")
+            f"shard_size={world_size} shards over every rank (the default on one node), 1 replicates the state on "
+            "each rank (DDP), and the ranks of one node (LOCAL_WORLD_SIZE under torchrun) is the usual HSDP choice.")
     return shard_size
 
 
