@@ -45,12 +45,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import inspect
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -62,11 +60,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (ROOT, os.path.join(ROOT, "examples")):
+for _p in (ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
 from gpt import GPT, GPTConfig, loss_fn, synthetic_batches  # noqa: E402
+from step import _free_port, _peak_rss_bytes, _release_free_memory, _reset_peak_rss  # noqa: E402
 
 WORLD, NODE = 4, 2  # two simulated nodes of two ranks
 CONFIGS = ("fshard-1d", "fshard-hsdp", "ddp", "fsdp2-hsdp", "fsdp2-1d")
@@ -228,23 +227,6 @@ def build(name: str, cfg: GPTConfig, seed: int, rec: Recorder):
 
 # --- one rank ------------------------------------------------------------------------------------------------------
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _reset_peak_rss() -> None:
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _trim() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def worker(rank: int, args, port: int, names: list[str], out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % NODE), WORLD_SIZE=str(WORLD),
                       LOCAL_WORLD_SIZE=str(NODE), GROUP_RANK=str(rank // NODE), MASTER_ADDR="127.0.0.1",
@@ -257,7 +239,7 @@ def worker(rank: int, args, port: int, names: list[str], out: str) -> None:
     batches = list(synthetic_batches(cfg, args.batch_size, args.warmup + args.steps, args.seed, rank, WORLD))
     results = {}
     for name in names:
-        _trim()
+        _release_free_memory()
         step, plan, close = build(name, cfg, args.seed, rec)
         planned = {k: v for k, v in plan(batches[0]).items() if k.startswith("comm/")} if plan else {}
         _reset_peak_rss()
@@ -275,7 +257,7 @@ def worker(rank: int, args, port: int, names: list[str], out: str) -> None:
         results[name] = dict(
             by_group={",".join(map(str, g)): b / args.steps for g, b in rec.by_group.items()},
             calls={f"{n}@{','.join(map(str, g))}": c / args.steps for (n, g), c in rec.calls.items()},
-            times=times[args.warmup:], losses=losses, peak_rss=_peak_rss(),
+            times=times[args.warmup:], losses=losses, peak_rss=_peak_rss_bytes(),
             metrics={k: v for k, v in metrics.items() if k.startswith("comm/") and isinstance(v, (int, float))},
             planned=planned, params=sum(p.numel() for p in GPT(cfg, device="meta").parameters()))
         close()
@@ -300,7 +282,9 @@ def summarize(everyone: list[dict], names: list[str]) -> dict:
         steps = [max(r[name]["times"][i] for r in everyone) for i in range(len(r0["times"]))]
         summary[name] = dict(inter_bytes=inter, intra_bytes=intra, by_group=r0["by_group"], calls=r0["calls"],
                              step_s=statistics.median(steps), peak_rss=[r[name]["peak_rss"] for r in everyone],
-                             losses=r0["losses"], metrics=r0["metrics"], planned=r0["planned"], params=r0["params"],
+                             losses=[statistics.fmean(r[name]["losses"][i] for r in everyone)  # fshard's: the
+                                     for i in range(len(r0["losses"]))],  # mean already; the peers' per rank
+                             metrics=r0["metrics"], planned=r0["planned"], params=r0["params"],
                              same_on_every_rank=all(split({tuple(int(x) for x in g.split(",")): b
                                                            for g, b in r[name]["by_group"].items()}) == (inter, intra)
                                                     for r in everyone))
@@ -313,7 +297,7 @@ def report(summary: dict, args, cfg) -> None:
           f"(dim {cfg.dim}, {cfg.n_layers} layers, seq {cfg.seq}), world {WORLD} = 2 nodes x {NODE} (gloo), batch "
           f"{args.batch_size}/rank, {args.warmup} warm-up + {args.steps} timed steps, {args.threads} thread(s)/rank")
     print(f"{'config':<12} {'inter-node B/step':>18} {'intra-node B/step':>18} {'inter MiB':>10} {'intra MiB':>10} "
-          f"{'step s':>8} {'peak RSS MiB (max rank)':>24}  last loss")
+          f"{'step s':>8} {'peak RSS MiB (max rank)':>24}  last loss (mean over ranks)")
     for name, s in summary.items():
         print(f"{name:<12} {s['inter_bytes']:>18.0f} {s['intra_bytes']:>18.0f} {s['inter_bytes'] / mb:>10.2f} "
               f"{s['intra_bytes'] / mb:>10.2f} {s['step_s']:>8.3f} {max(s['peak_rss']) / mb:>24.0f}  "
@@ -336,12 +320,6 @@ def report(summary: dict, args, cfg) -> None:
 
 def _config(args) -> GPTConfig:
     return GPTConfig.tiny() if args.quick else GPTConfig()
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv=None):

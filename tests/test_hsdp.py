@@ -464,6 +464,8 @@ def test_hsdp_benchmark_quick_bytes_add_up(tmp_path):
     got = json.loads(out.read_text())
     ours, ddp, fsdp2 = got["fshard-hsdp"], got["ddp"], got["fsdp2-hsdp"]
     assert all(s["same_on_every_rank"] for s in got.values()), got
+    for peer in (ddp, fsdp2):  # the same weights and batches: the same losses (mean over ranks)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours["losses"], peer["losses"])), (ours, peer)
     replica = ours["by_group"]["0,2"]  # rank 0's replica group: {0, 2}, one rank on each node
     assert replica == ours["planned"]["comm/replica_bytes"] == ours["metrics"]["comm/replica_bytes"] > 0, ours
     control = ours["by_group"]["0,1,2,3"]  # the checks, the loss and the commit vote: a few hundred bytes
