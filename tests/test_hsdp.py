@@ -97,7 +97,7 @@ def test_default_shard_size_is_a_node_under_torchrun_on_several_nodes():
     assert default_shard_size(16, "8") == 8  # two nodes of 8: a shard group a node
     assert default_shard_size(8, "8") == 8 and default_shard_size(8, None) == 8  # one node, or no torchrun: 1-D
     assert default_shard_size(12, "8") == 12  # nodes of different sizes: 1-D
-    assert default_shard_size(4, "1") == 1  # one rank a node: each node holds a replica (DDP with fshard's state)
+    assert default_shard_size(4, "1") == 4  # one rank a node: 1-D (a shard group of one would be DDP's memory)
     for bad in ("", "two", "0", "-2", "1.5"):
         with pytest.raises(ArgumentError, match=r"LOCAL_WORLD_SIZE \(environment\)=.*Unset it, or pass shard_"):
             default_shard_size(4, bad)
@@ -108,7 +108,7 @@ def test_default_shard_size_divides_and_is_the_node_only_when_it_can_be(world, l
     from fshard.dist._mesh import default_shard_size
     k = default_shard_size(world, str(local))
     assert world % k == 0 and k in (local, world)
-    assert (k == local < world) == (local < world and world % local == 0)
+    assert (k == local < world) == (1 < local < world and world % local == 0)
     assert default_shard_size(world, None) == world
 
 
@@ -116,23 +116,25 @@ def _default_meshes():
     import os
 
     import fshard as fs
-    mesh = fs.Mesh.from_env()  # LOCAL_WORLD_SIZE=1 (the caller's): two nodes of one rank
+    mesh = fs.Mesh.from_env()  # LOCAL_WORLD_SIZE=2 (the caller's): two nodes of two ranks
     os.environ["LOCAL_WORLD_SIZE"] = "two"  # read once, when a mesh is made: the mesh above keeps its shape
     try:
         fs.Mesh.from_env()
         refused = None
     except fs.errors.ArgumentError as e:
         refused = str(e)
-    explicit = fs.Mesh.from_env(shard_size=2)  # an explicit shard_size reads nothing
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    one_node = fs.Mesh.from_env()
-    return (mesh.shard_size, mesh.replicas), refused, explicit.shard_size, one_node.shard_size
+    explicit = fs.Mesh.from_env(shard_size=4)  # an explicit shard_size reads nothing
+    sizes = []
+    for local in ("4", "1"):  # one node; one rank a node: 1-D both
+        os.environ["LOCAL_WORLD_SIZE"] = local
+        sizes.append(fs.Mesh.from_env().shard_size)
+    return repr(mesh), refused, explicit.shard_size, sizes
 
 
 def test_from_env_default_reads_local_world_size_when_the_mesh_is_made(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # run_ranks gives the ranks the caller's environment
-    for shape, refused, explicit, one_node in run_ranks(_default_meshes, 2):
-        assert shape == (1, 2) and explicit == 2 and one_node == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # run_ranks gives the ranks the caller's environment
+    for rank, (shown, refused, explicit, sizes) in enumerate(run_ranks(_default_meshes, 4)):
+        assert f"rank {rank}/4, 2 replicas x 2 shards" in shown and explicit == 4 and sizes == [4, 4], shown
         assert refused is not None and "LOCAL_WORLD_SIZE (environment)='two'" in refused, refused
 
 

@@ -260,7 +260,8 @@ def default_shard_size(world_size: int, local_world_size: str | None) -> int:
     """``from_env``'s ``shard_size`` when none is given, from the world size and $LOCAL_WORLD_SIZE (the ranks
     torchrun started on this node; None: unset): one node where that divides the world and is smaller (torchrun on
     several nodes: a shard group a node, the replica all-reduce the only traffic between nodes), else
-    ``world_size`` (1-D: one node, plain ``python``, or nodes of different sizes). Pure: ``from_env`` reads the
+    ``world_size`` (1-D: one node, plain ``python``, nodes of different sizes, or one rank a node, where a shard
+    group of one would hold the whole model on every rank, DDP's memory, unasked). Pure: ``from_env`` reads the
     variable once and passes it. Not a whole number >= 1 is an ``ArgumentError`` naming the variable."""
     if local_world_size is None:
         return world_size
@@ -273,7 +274,7 @@ def default_shard_size(world_size: int, local_world_size: str | None) -> int:
             f"LOCAL_WORLD_SIZE (environment)={local_world_size!r} is not a number of ranks: torchrun sets it to the "
             "ranks it started on this node, and fs.Mesh.from_env() makes them one shard group when there are "
             "several nodes. Unset it, or pass shard_size (a divisor of the world size) to fs.Mesh.from_env.")
-    return local if local < world_size and world_size % local == 0 else world_size
+    return local if 1 < local < world_size and world_size % local == 0 else world_size
 
 
 def _check_shard_size(shard_size, world_size: int) -> int:
