@@ -1,7 +1,7 @@
 """One simulated node of tests/test_hsdp.py's two-agent test: run by its own torchrun agent (``--nnodes 2``, c10d
-rendezvous on 127.0.0.1), two ranks a node. Trains the awkward model on ``fs.Mesh.from_env(shard_size=
-LOCAL_WORLD_SIZE)`` (one shard group a node, replicated across the nodes) beside DDP + torch.optim.AdamW on the same
-batches, saves to the checkpoint path both nodes share, and writes what it saw to ``OUT/rank<r>.json``."""
+rendezvous on 127.0.0.1), two ranks a node. Trains the awkward model on ``fs.Mesh.from_env()``, whose default
+on several nodes is one shard group a node (LOCAL_WORLD_SIZE ranks), replicated across the nodes, beside DDP +
+torch.optim.AdamW on the same batches, saves to the checkpoint path both nodes share, and writes what it saw to ``OUT/rank<r>.json``."""
 from __future__ import annotations
 
 import copy
@@ -20,7 +20,8 @@ from test_hsdp import HP, _full_state  # noqa: E402
 
 def main(out: str, ckpt: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
-    mesh = fs.Mesh.from_env(shard_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    mesh = fs.Mesh.from_env()  # the default: a shard group a node
+    explicit = fs.Mesh.from_env(shard_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     model, loss_fn, batches = oracle_model("awkward", 3)
     ref = copy.deepcopy(model)
     ddp = DDP(ref, find_unused_parameters=True)
@@ -36,7 +37,8 @@ def main(out: str, ckpt: str) -> None:
     fs.save(ckpt, state)
     full = _full_state(fs, state)
     with open(os.path.join(out, f"rank{mesh.rank}.json"), "w") as f:
-        json.dump({"mesh": repr(mesh), "node": int(os.environ["GROUP_RANK"]), "ours": ours, "theirs": theirs,
+        json.dump({"mesh": repr(mesh), "explicit": repr(explicit).split(", ", 1)[1],
+                   "node": int(os.environ["GROUP_RANK"]), "ours": ours, "theirs": theirs,
                    "diff": max(diffs.values()), "replica_bytes": m["comm/replica_bytes"],
                    "full": {k: v.hex() if isinstance(v, bytes) else v for k, v in full.items()}}, f)
     # _full_state's all_gathers are plain torch collectives on gloo: their tensors would be freed by gloo's thread at

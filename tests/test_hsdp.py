@@ -2,7 +2,8 @@
 ranks and replicates it over the groups.
 
 - The mesh: its shape in repr, its groups (consecutive ranks; same index in every group; a property test of their
-  planner), a shard_size that does not
+  planner), the default shard_size (one node under torchrun on several nodes, else 1-D: the rule, a property test
+  of it, LOCAL_WORLD_SIZE read when the mesh is made and a bad one refused), a shard_size that does not
   divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
   full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
   RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
@@ -14,6 +15,9 @@ ranks and replicates it over the groups.
 - bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh).
 - Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2
   and 3 ranks and back onto a 2-D one (4 replicas of 1), every parameter and moment bitwise the saved one.
+- Two torchrun agents as two nodes: the default mesh is a shard group a node; against DDP; one shared checkpoint.
+- benchmarks/hsdp.py --quick: the measured bytes between and within the simulated nodes are exactly the replica
+  all-reduces (step.plan's figure), the gathers and reduce-scatters, DDP's 4 bytes a parameter, FSDP2's shards.
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ def test_mesh_shape_groups_and_refusals():
         assert flat_group and flat_replicas is None
         assert "shard_size=3" in refused and "divisor of the world size (1, 2, 4)" in refused
         for message in offload:
-            assert message is not None and "2-D mesh" in message and "without shard_size" in message
+            assert message is not None and "2-D mesh" in message and "from_env(shard_size=4)" in message
         assert same
 
 
@@ -85,6 +89,53 @@ def test_shard_size_on_one_rank():
     assert fs.Mesh.local().shard_size == 1 and "replicas" not in repr(fs.Mesh.local())
     with pytest.raises(fs.errors.ArgumentError, match=r"divisor of the world size \(1\)"):
         fs.Mesh.from_env(shard_size=2)
+
+
+def test_default_shard_size_is_a_node_under_torchrun_on_several_nodes():
+    from fshard.dist._mesh import default_shard_size
+    from fshard.errors import ArgumentError
+    assert default_shard_size(16, "8") == 8  # two nodes of 8: a shard group a node
+    assert default_shard_size(8, "8") == 8 and default_shard_size(8, None) == 8  # one node, or no torchrun: 1-D
+    assert default_shard_size(12, "8") == 12  # nodes of different sizes: 1-D
+    assert default_shard_size(4, "1") == 4  # one rank a node: 1-D (a shard group of one would be DDP's memory)
+    for bad in ("", "two", "0", "-2", "1.5"):
+        with pytest.raises(ArgumentError, match=r"LOCAL_WORLD_SIZE \(environment\)=.*Unset it, or pass shard_"):
+            default_shard_size(4, bad)
+
+
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_default_shard_size_divides_and_is_the_node_only_when_it_can_be(world, local):
+    from fshard.dist._mesh import default_shard_size
+    k = default_shard_size(world, str(local))
+    assert world % k == 0 and k in (local, world)
+    assert (k == local < world) == (1 < local < world and world % local == 0)
+    assert default_shard_size(world, None) == world
+
+
+def _default_meshes():
+    import os
+
+    import fshard as fs
+    mesh = fs.Mesh.from_env()  # LOCAL_WORLD_SIZE=2 (the caller's): two nodes of two ranks
+    os.environ["LOCAL_WORLD_SIZE"] = "two"  # read once, when a mesh is made: the mesh above keeps its shape
+    try:
+        fs.Mesh.from_env()
+        refused = None
+    except fs.errors.ArgumentError as e:
+        refused = str(e)
+    explicit = fs.Mesh.from_env(shard_size=4)  # an explicit shard_size reads nothing
+    sizes = []
+    for local in ("4", "1"):  # one node; one rank a node: 1-D both
+        os.environ["LOCAL_WORLD_SIZE"] = local
+        sizes.append(fs.Mesh.from_env().shard_size)
+    return repr(mesh), refused, explicit.shard_size, sizes
+
+
+def test_from_env_default_reads_local_world_size_when_the_mesh_is_made(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # run_ranks gives the ranks the caller's environment
+    for rank, (shown, refused, explicit, sizes) in enumerate(run_ranks(_default_meshes, 4)):
+        assert f"rank {rank}/4, 2 replicas x 2 shards" in shown and explicit == 4 and sizes == [4, 4], shown
+        assert refused is not None and "LOCAL_WORLD_SIZE (environment)='two'" in refused, refused
 
 
 def _together():
@@ -343,7 +394,8 @@ def test_save_on_2d_loads_on_1d_and_back_bitwise(tmp_path):
 
 def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path):
     """Two torchrun agents on this machine, each a node of two ranks (``--nnodes 2 --nproc-per-node 2``, c10d
-    rendezvous on 127.0.0.1, as the README's two-node command), train with ``shard_size=LOCAL_WORLD_SIZE``: within
+    rendezvous on 127.0.0.1, as the README's two-node command), train on ``fs.Mesh.from_env()``, whose default
+    is then a shard group a node (as ``shard_size=LOCAL_WORLD_SIZE``, the explicit mesh also made): within
     1e-6 of DDP, the replica all-reduce crossing the nodes; both nodes save into one checkpoint path, which a
     single process then loads, bitwise the state every rank had."""
     import json
@@ -382,7 +434,8 @@ def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path)
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     assert sorted(g["node"] for g in got) == [0, 0, 1, 1]
     for r, g in enumerate(got):
-        assert f"rank {r}/4, 2 replicas x 2 shards" in g["mesh"], g["mesh"]
+        assert f"rank {r}/4, 2 replicas x 2 shards" in g["mesh"], g["mesh"]  # the default picked the node
+        assert g["mesh"].endswith(g["explicit"]), g
         assert g["node"] == r // 2  # consecutive ranks on one node: a shard group is a node
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(g["ours"], g["theirs"])), g
         assert g["diff"] <= 1e-6 and g["replica_bytes"] > 0, g
@@ -413,3 +466,40 @@ def test_meshes_that_disjoint_subgroups_make_at_once_get_groups_of_their_own():
     summed across pairs, or failed)."""
     out = run_ranks(_disjoint_subgroups, 4)
     assert out == [(11.0, [0, 1]), (11.0, [0, 1]), (1100.0, [2, 3]), (1100.0, [2, 3])], out
+
+
+# --- benchmarks/hsdp.py --quick: the measured bytes are the ones each layout must move (issue #41) ------------------
+
+def test_hsdp_benchmark_quick_bytes_add_up(tmp_path):
+    """The benchmark's tiny run (4 ranks as 2 nodes of 2): fshard's HSDP moves between the nodes exactly its replica
+    all-reduces (step.plan's and the step's own comm/replica_bytes) plus the world's control all-reduces, and within a
+    node exactly its gathers and reduce-scatters; DDP all-reduces 4 bytes a parameter a step, all across the nodes;
+    FSDP2's HSDP all-reduces the same shards as fshard's (up to its padding); the ratio line is printed."""
+    import json
+    import os
+    import sys
+
+    from _proc import run_logged
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "hsdp.json"
+    log = run_logged([sys.executable, os.path.join(root, "benchmarks", "hsdp.py"), "--quick", "--steps", "1",
+                      "--configs", "fshard-hsdp,ddp,fsdp2-hsdp", "--json", str(out)],
+                     timeout=120, what="benchmarks/hsdp.py: ",
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    got = json.loads(out.read_text())
+    ours, ddp, fsdp2 = got["fshard-hsdp"], got["ddp"], got["fsdp2-hsdp"]
+    assert all(s["same_on_every_rank"] for s in got.values()), got
+    for peer in (ddp, fsdp2):  # the same weights and batches: the same losses (mean over ranks)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours["losses"], peer["losses"])), (ours, peer)
+    replica = ours["by_group"]["0,2"]  # rank 0's replica group: {0, 2}, one rank on each node
+    assert replica == ours["planned"]["comm/replica_bytes"] == ours["metrics"]["comm/replica_bytes"] > 0, ours
+    control = ours["by_group"]["0,1,2,3"]  # the checks, the loss and the commit vote: a few hundred bytes
+    assert ours["inter_bytes"] == replica + control and 0 < control < 1024, ours
+    assert ours["intra_bytes"] == ours["by_group"]["0,1"] \
+        == ours["metrics"]["comm/gather_bytes"] + ours["metrics"]["comm/reduce_bytes"], ours
+    assert ddp["inter_bytes"] == 4 * ddp["params"] and ddp["intra_bytes"] == 0, ddp
+    assert replica == ours["metrics"]["comm/reduce_bytes"] / 2  # each node all-reduces its half of the gradient
+    assert 0 <= fsdp2["by_group"]["0,2"] - replica <= 0.01 * replica, (fsdp2, replica)
+    ratio = ours["inter_bytes"] / ddp["inter_bytes"]
+    assert f"ratio fshard-hsdp inter-node bytes / ddp's: {ratio:.5f}" in log, log
+    assert "ratio fshard-hsdp step / fsdp2-hsdp step:" in log, log

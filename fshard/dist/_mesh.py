@@ -5,14 +5,16 @@ ranks. Parameters, gradients and optimizer state are sharded over the k ranks of
 ``shard_size``: what the flat layout shards over) and replicated over the N / k groups; the ranks with the same
 ``shard_rank`` in every shard group form a replica group (``replica_rank`` of ``replicas``). Gathers and
 reduce-scatters run in the shard group; a gradient shard is then all-reduced in the replica group; the ranks'
-agreement checks, the loss and the all-or-none commit stay over all N ranks. ``shard_size == world_size`` (the
-default) is the 1-D mesh; ``shard_size == 1`` is DDP with fshard's state.
+agreement checks, the loss and the all-or-none commit stay over all N ranks. ``shard_size == world_size`` is the
+1-D mesh; ``shard_size == 1`` is DDP with fshard's state. ``from_env``'s default (``default_shard_size``) is one
+node under torchrun on several nodes (LOCAL_WORLD_SIZE ranks), else every rank.
 
 
 The environment is read once, when a mesh is made: ``FSHARD_TIMEOUT_S`` (the collective timeout, unless
-``timeout_s`` is given) and ``FSHARD_GATHER`` (how gathers are done); a bad value is an ``ArgumentError`` naming the
-variable. What a mesh counts and owns while it is used (checks made, tensors held, its background worker) is in its
-``MeshRuntime``, so that the frozen mesh itself has no mutable field."""
+``timeout_s`` is given), ``FSHARD_GATHER`` (how gathers are done) and, by ``from_env`` without ``shard_size``,
+torchrun's ``LOCAL_WORLD_SIZE``; a bad value is an ``ArgumentError`` naming the variable. What a mesh counts and
+owns while it is used (checks made, tensors held, its background worker) is in its ``MeshRuntime``, so that the
+frozen mesh itself has no mutable field."""
 from __future__ import annotations
 
 import itertools
@@ -147,8 +149,10 @@ class Mesh:
         """Join the ranks started by torchrun (gloo on CPU, nccl on CUDA); world size 1 under plain ``python``.
 
         An already initialised default process group is reused as it is. ``shard_size``: shard the state over
-        groups of that many consecutive ranks and replicate it over the groups (HSDP; the module docstring); by
-        default over every rank. Collective when it is given: every rank makes the groups, in the same order.
+        groups of that many consecutive ranks and replicate it over the groups (HSDP; the module docstring). By
+        default (``default_shard_size``) one node under torchrun on several nodes (torchrun numbers a node's ranks
+        consecutively), else every rank; ``shard_size=world_size`` shards over every rank on any number of nodes.
+        Collective when the mesh is 2-D: every rank makes the groups, in the same order.
         """
         timeout = timedelta(seconds=_timeout(timeout_s))
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -167,13 +171,16 @@ class Mesh:
         else:
             device = torch.device("cpu")
         rank, world = dist.get_rank(), dist.get_world_size()
+        if shard_size is None:
+            shard_size = default_shard_size(world, os.environ.get("LOCAL_WORLD_SIZE"))
         return cls(rank, world, backend, device, dist.group.WORLD, timeout,
                    **_split(dist.group.WORLD, world, _check_shard_size(shard_size, world), timeout))
 
     @classmethod
     def from_group(cls, group, shard_size: int | None = None) -> "Mesh":
         """A mesh over an existing process group (e.g. one made with torch.distributed.new_group); ``shard_size``
-        as in ``from_env`` (collective when given: every rank of ``group`` calls it)."""
+        as in ``from_env`` (collective when given: every rank of ``group`` calls it), but every rank of the group by
+        default: which of its ranks share a node is not known."""
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
         world, timeout = dist.get_world_size(group), timedelta(seconds=_timeout())
@@ -249,6 +256,27 @@ class Mesh:
         return f"Mesh(#{self.id}, rank {self.rank}/{self.world_size}{shape}, {self.backend}, {self.device})"
 
 
+def default_shard_size(world_size: int, local_world_size: str | None) -> int:
+    """``from_env``'s ``shard_size`` when none is given, from the world size and $LOCAL_WORLD_SIZE (the ranks
+    torchrun started on this node; None: unset): one node where that divides the world and is smaller (torchrun on
+    several nodes: a shard group a node, the replica all-reduce the only traffic between nodes), else
+    ``world_size`` (1-D: one node, plain ``python``, nodes of different sizes, or one rank a node, where a shard
+    group of one would hold the whole model on every rank, DDP's memory, unasked). Pure: ``from_env`` reads the
+    variable once and passes it. Not a whole number >= 1 is an ``ArgumentError`` naming the variable."""
+    if local_world_size is None:
+        return world_size
+    try:
+        local = int(local_world_size)
+    except ValueError:
+        local = 0
+    if local < 1:
+        raise ArgumentError(
+            f"LOCAL_WORLD_SIZE (environment)={local_world_size!r} is not a number of ranks: torchrun sets it to the "
+            "ranks it started on this node, and fs.Mesh.from_env() makes them one shard group when there are "
+            "several nodes. Unset it, or pass shard_size (a divisor of the world size) to fs.Mesh.from_env.")
+    return local if 1 < local < world_size and world_size % local == 0 else world_size
+
+
 def _check_shard_size(shard_size, world_size: int) -> int:
     """``shard_size`` (None: ``world_size``), checked: a whole number that divides the world size."""
     if shard_size is None:
@@ -258,8 +286,8 @@ def _check_shard_size(shard_size, world_size: int) -> int:
         raise ArgumentError(
             f"fs.Mesh.from_env(shard_size={shard_size!r}): the {world_size} rank(s) cannot be split into shard "
             f"groups of that many ranks. Pass a divisor of the world size ({', '.join(map(str, divisors))}): "
-            f"shard_size={world_size} shards over every rank (the default), 1 replicates the state on each rank "
-            "(DDP), and the ranks of one node (LOCAL_WORLD_SIZE under torchrun) is the usual HSDP choice.")
+            f"shard_size={world_size} shards over every rank (the default on one node), 1 replicates the state on "
+            "each rank (DDP), and the ranks of one node (LOCAL_WORLD_SIZE under torchrun) is the usual HSDP choice.")
     return shard_size
 
 

@@ -101,5 +101,5 @@ def flat_mesh_only(mesh) -> None:
     if mesh.replicas > 1:
         raise OffloadError(f"fs.offload_state on a 2-D mesh ({mesh}) is not supported yet (issue #41): offloaded "
                            "moments and parameters are placed and streamed per rank of a 1-D mesh. Offload on a 1-D "
-                           "mesh (fs.Mesh.from_env() without shard_size), or train the 2-D mesh without "
-                           "fs.offload_state.")
+                           f"mesh (fs.Mesh.from_env(shard_size={mesh.world_size}): every rank, also on several "
+                           "nodes), or train the 2-D mesh without fs.offload_state.")
