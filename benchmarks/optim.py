@@ -34,7 +34,8 @@ round and config, a step's time the slowest rank's, medians), the GPT with its b
 rest (embeddings, head, norms, biases) on AdamW: ``fs.partition({"muon": fs.muon, "adamw": fs.adamw})`` with
 gather_ahead(2) + bucket_reduce(25) (step.py's best config, ``fshard+ahead+buckets``) against DDP +
 ``torch.optim.Muon`` + ``torch.optim.AdamW(fused=True)`` on the same parameter split. Issue #40's bar: fshard's step
-<= 0.7x the DDP one. Arguments after ``--muon`` go to step.py (``--rounds 3``, ``--steps 10``, ``--tiny``, ...).
+<= 0.7x the DDP one. With ``--muon`` every other argument but ``--quick`` goes to step.py (``--rounds 3``, ``--steps 10``, ``--tiny``,
+``--threads``, ``--json``, ...).
 """
 from __future__ import annotations
 
@@ -262,17 +263,22 @@ def _register_muon_configs(stepbench) -> None:
 MUON_CONFIGS = ("ddp+muon", "fshard+ahead+buckets+muon")
 
 
-def run_muon(args, rest: list[str]) -> dict:
+def run_muon(quick: bool, rest: list[str]) -> dict:
+    """step.py's run of the two Muon configs with the arguments ``rest`` (its own: --rounds, --steps, --warmup,
+    --threads, --tiny, --json, ...); ``quick``: one round of 1 + 2 tiny steps in one set of processes."""
     import step as stepbench
     print(f"[optim.py] {_uptime()}", flush=True)
     given = {a.split("=")[0] for a in rest}
-    pairs = [("--configs", ",".join(MUON_CONFIGS)), ("--threads", str(args.threads))]
-    if args.quick:  # one round of 1 + 2 tiny steps in one set of processes
+    pairs = [("--configs", ",".join(MUON_CONFIGS))]
+    if quick:
         pairs += [("--tiny", None), ("--in-process", None), ("--warmup", "1"), ("--steps", "2"), ("--rounds", "1")]
     argv = [x for flag, v in pairs if flag not in given for x in ((flag,) if v is None else (flag, v))]
     with tempfile.TemporaryDirectory(prefix="fshard-optim-") as tmp:
-        path = os.path.join(tmp, "muon.json")
-        stepbench.main(argv + rest + ["--json", path])
+        path = stepbench.parse_args(argv + rest).json
+        if path is None:  # step.py's results, read back here for the ratio
+            path = os.path.join(tmp, "muon.json")
+            rest = rest + ["--json", path]
+        stepbench.main(argv + rest)
         with open(path) as f:
             result = json.load(f)
     meds = {n: result["configs"].get(n, {}).get("median_s") for n in MUON_CONFIGS}
@@ -303,14 +309,17 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="", help=f"comma-separated, from {list(CASES)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
-    ap.add_argument("--muon", action="store_true", help="the Muon step at world size 2 (arguments after it go to "
-                                                        "benchmarks/step.py)")
-    args, rest = ap.parse_known_args(argv)
-    if rest and not args.muon:
-        ap.error(f"unrecognized arguments: {rest}")
-    if args.quick and not args.muon:
+    ap.add_argument("--muon", action="store_true", help="the Muon step at world size 2 (with --quick: tiny, one "
+                                                        "round; every other argument goes to benchmarks/step.py)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--muon" in argv:  # the rest are step.py's arguments (its --warmup, --threads, --json, ... are its own)
+        rest = [a for a in argv if a not in ("--muon", "--quick")]
+        run_muon("--quick" in argv, rest)
+        return
+    args = ap.parse_args(argv)
+    if args.quick:
         args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
-    out = run_muon(args, rest) if args.muon else run_updates(args)
+    out = run_updates(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
