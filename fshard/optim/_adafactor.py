@@ -176,7 +176,8 @@ class Adafactor:
         eps2, lr, wd = self.eps[1], self.lr_at(updates), self.weight_decay
         at = dict(mine)
         ks = [k for k, _ in mine]
-        local = {}  # slot -> (its elements here as a view of param, their gradient, where they start in it, in param)
+        local = {}  # slot -> (its elements here as a view of param, their gradient, the first one's offset in the
+        #                     parameter, and in the shard)
         for k in ks:
             s = train[k]
             a, e = max(s.offset, lo0), min(s.offset + s.numel, hi0)
@@ -221,7 +222,7 @@ class Adafactor:
                     continue
                 _, g, o0, _ = local[k]
                 mean = f["row_var"].mean(dim=-2, keepdim=True).clamp_(min=eps1).view(-1)
-                r0, n = o0 // c, -(-(o0 + g.numel()) // c) - o0 // c  # the rows this rank holds elements of
+                r0, n = _row_span(o0, g.numel(), c)  # the rows this rank holds elements of
                 est = torch.empty(n, c, dtype=param.dtype, device=param.device)
                 for b, lo, hi in _matrices(r0, n, s.shape[-2]):  # torch: row_var @ col_var / mean(row_var)
                     torch.mul(rv[r0 + lo:r0 + hi, None], cv[None, b * c:(b + 1) * c], out=est[lo:hi])
@@ -255,12 +256,17 @@ class Adafactor:
 def _whole_rows(x: torch.Tensor, o0: int, c: int) -> tuple[int, torch.Tensor]:
     """``x``, the elements ``[o0, o0 + len)`` of a matrix of ``c`` columns (flat, row-major), as whole rows: the first
     row's index and an ``(n, c)`` view, zeros where the shard cuts a row (no copy when it cuts none)."""
-    r0, n = o0 // c, -(-(o0 + x.numel()) // c) - o0 // c
+    r0, n = _row_span(o0, x.numel(), c)
     if o0 == r0 * c and x.numel() == n * c:
         return r0, x.view(n, c)
     rows = x.new_zeros(n * c)
     rows[o0 - r0 * c:o0 - r0 * c + x.numel()] = x
     return r0, rows.view(n, c)
+
+
+def _row_span(o0: int, numel: int, c: int) -> tuple[int, int]:
+    """The first row and the number of rows that elements ``[o0, o0 + numel)`` of a ``c``-column matrix touch."""
+    return o0 // c, -(-(o0 + numel) // c) - o0 // c
 
 
 def _matrices(r0: int, n: int, r: int) -> list[tuple[int, int, int]]:
