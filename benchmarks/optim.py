@@ -25,9 +25,9 @@ same on both sides:
 Each repeat times one whole-model update of each side, in turn (the order alternates between repeats), after
 ``--warmup`` untimed updates; threads are ``torch.set_num_threads(--threads)`` for both. Printed per optimizer: the
 median ms, elements/s (trainable elements per second), the speed ratio ``torch ms / fshard ms`` (>= 1.0: fshard's
-update is at least as fast, issue #40's bar), and, as a check that both ran the same optimizer on the same tensors,
-the largest parameter difference after the same number of updates (Lion's peer rounds differently; sign flips of
-near-zero momenta move an element by 2 lr).
+update is at least as fast, issue #40's bar) of the medians and its range over the repeats (the noise), and, as a
+check that both ran the same optimizer on the same tensors, the largest parameter difference after the same number
+of updates (Lion's peer rounds differently; sign flips of near-zero momenta move an element by 2 lr).
 
 **Muon** (``--muon``): world size 2 on gloo, spawned as benchmarks/step.py does (its harness: fresh processes per
 round and config, a step's time the slowest rank's, medians), the GPT with its blocks' 2-D matrices on Muon and the
@@ -152,7 +152,8 @@ class Pair:
         return max((full[n] - p.detach()).abs().max().item() for n, p in zip(self.names, self.tparams))
 
 
-def time_pair(pair: Pair, repeats: int, warmup: int) -> dict[str, float]:
+def time_pair(pair: Pair, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Each side's seconds per update, repeat by repeat (the sides in turn, the first one alternating)."""
     for _ in range(warmup):
         pair.fshard()
         pair.torch()
@@ -163,7 +164,7 @@ def time_pair(pair: Pair, repeats: int, warmup: int) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[side].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def _uptime() -> str:
@@ -181,22 +182,28 @@ def run_updates(args) -> dict:
     if unknown:
         raise SystemExit(f"unknown optimizers {unknown}; known: {list(CASES)}")
     from fshard import ops
-    print(f"[optim.py] torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, repeats={args.repeats}, "
+    from step import _git_head
+    print(f"[optim.py] git {_git_head()} torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, repeats={args.repeats}, "
           f"warmup={args.warmup}; fshard.ops: "
           f"{ {k: v for k, v in ops.backend_info().items() if k in ('backend', 'cpu_isa')} }\n[optim.py] {_uptime()}",
           flush=True)
     out = {}
+    print("\nspeed = torch ms / fshard ms, of the medians (>= 1.0: fshard at least as fast); per repeat: the same "
+          "ratio in each repeat, min-max (the noise)")
     print("\n| optimizer | fshard impl | torch peer | elements | fshard ms | torch ms | fshard Gelem/s | "
-          "torch Gelem/s | speed torch ms / fshard ms | max abs param diff |\n|---|---|---|---|---|---|---|---|---|---|")
+          "torch Gelem/s | speed | per repeat | max abs param diff |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         pair = Pair(name, cfg, args.seed)
-        res = time_pair(pair, args.repeats, args.warmup)
+        times = time_pair(pair, args.repeats, args.warmup)
         diff = pair.max_diff()
-        n, f, t = pair.numel, res["fshard"], res["torch"]
+        n, f, t = pair.numel, statistics.median(times["fshard"]), statistics.median(times["torch"])
+        paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
         impl = pair.opt.resolved_impl(torch.device("cpu"))
         print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
-              f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {diff:.3g} |", flush=True)
-        out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, max_abs_diff=diff,
+              f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | {diff:.3g} |",
+              flush=True)
+        out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
+                         max_abs_diff=diff,
                          fshard_impl=impl, peer=f"{CASES[name][1].__name__} ({pair.how})")
         del pair
     print(f"\n[optim.py] {_uptime()}")
