@@ -34,8 +34,8 @@ round and config, a step's time the slowest rank's, medians), the GPT with its b
 rest (embeddings, head, norms, biases) on AdamW: ``fs.partition({"muon": fs.muon, "adamw": fs.adamw})`` with
 gather_ahead(2) + bucket_reduce(25) (step.py's best config, ``fshard+ahead+buckets``) against DDP +
 ``torch.optim.Muon`` + ``torch.optim.AdamW(fused=True)`` on the same parameter split. Issue #40's bar: fshard's step
-<= 0.7x the DDP one. With ``--muon`` every other argument but ``--quick`` goes to step.py (``--rounds 3``, ``--steps 10``, ``--tiny``,
-``--threads``, ``--json``, ...).
+<= 0.7x the DDP one. With ``--muon`` every other argument but ``--quick`` goes to step.py (``--rounds 3``,
+``--steps 10``, ``--tiny``, ``--threads``, ``--json``, ...).
 """
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ def run_updates(args) -> dict:
         raise SystemExit(f"unknown optimizers {unknown}; known: {list(CASES)}")
     from fshard import ops
     from step import _git_head
-    print(f"[optim.py] git {_git_head()} torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, repeats={args.repeats}, "
-          f"warmup={args.warmup}; fshard.ops: "
+    print(f"[optim.py] git {_git_head()} torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, "
+          f"repeats={args.repeats}, warmup={args.warmup}; fshard.ops: "
           f"{ {k: v for k, v in ops.backend_info().items() if k in ('backend', 'cpu_isa')} }\n[optim.py] {_uptime()}",
           flush=True)
     out = {}
@@ -200,7 +200,8 @@ def run_updates(args) -> dict:
         paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
         impl = pair.opt.resolved_impl(torch.device("cpu"))
         print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
-              f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | {diff:.3g} |",
+              f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | "
+              f"{diff:.3g} |",
               flush=True)
         out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
                          max_abs_diff=diff,
