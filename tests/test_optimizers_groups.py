@@ -21,10 +21,13 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
   slots back to back, in order, on every rank).
 - Misuse: fs.offload_state with them is an error naming the combination and the alternative; a non-2-D parameter
   given to Muon names the parameter and fs.partition; a label that names no optimizer.
+- Adafactor's shard read as rows of its matrices: any range a shard holds gives the row and column sums and the
+  variance estimate of the per-element formula (a property test).
 """
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -531,3 +534,30 @@ def test_a_partitions_checkpoint_has_each_members_keys_as_its_torch_twin(tmp_pat
     theirs = {f"state.{n}.{k}" for n, entry in get_optimizer_state_dict(ref, twins)["state"].items() for k in entry}
     assert "state.a.weight.mu_product" in theirs and "state.unused.sum" in theirs  # what the fix is about
     assert ours == theirs, (sorted(ours ^ theirs))
+
+
+# --- Adafactor's shard read as rows of its matrices (issue #40, benchmarks/optim.py) ---
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=3), data=st.data())
+def test_adafactor_row_and_column_sums_of_a_cut_shard_are_the_per_element_formula(shape, data):
+    """Any range of a matrix (or a stack of them) that a shard holds, read as whole rows: its row and column sums
+    and the outer product row_var[r] * col_var[c] equal the per-element indexing they replaced."""
+    from fshard.optim._adafactor import _matrices, _whole_rows
+    numel, c, r = math.prod(shape), shape[-1], shape[-2]
+    a = data.draw(st.integers(0, numel - 1))
+    e = data.draw(st.integers(a + 1, numel))
+    sq = torch.rand(e - a, dtype=torch.float64)
+    idx = torch.arange(a, e)
+    rows, cols = torch.zeros(numel // c, dtype=torch.float64), torch.zeros(numel // (r * c) * c, dtype=torch.float64)
+    r0, m = _whole_rows(sq, a, c)
+    rows[r0:r0 + m.shape[0]] += m.sum(dim=1)
+    est = torch.empty(m.shape, dtype=torch.float64)
+    rv, cv = torch.rand(rows.shape, dtype=torch.float64), torch.rand(cols.shape, dtype=torch.float64)
+    for b, lo, hi in _matrices(r0, m.shape[0], r):
+        cols[b * c:(b + 1) * c] += m[lo:hi].sum(dim=0)
+        torch.mul(rv[r0 + lo:r0 + hi, None], cv[None, b * c:(b + 1) * c], out=est[lo:hi])
+    col_of = (idx // (r * c)) * c + idx % c
+    assert torch.allclose(rows, torch.zeros_like(rows).index_add_(0, idx // c, sq), rtol=1e-12, atol=0)
+    assert torch.allclose(cols, torch.zeros_like(cols).index_add_(0, col_of, sq), rtol=1e-12, atol=0)
+    assert torch.equal(est.view(-1)[a - r0 * c:a - r0 * c + e - a], rv[idx // c] * cv[col_of])

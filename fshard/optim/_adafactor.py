@@ -176,14 +176,15 @@ class Adafactor:
         eps2, lr, wd = self.eps[1], self.lr_at(updates), self.weight_decay
         at = dict(mine)
         ks = [k for k, _ in mine]
-        local = {}  # slot -> (its elements here as a view of param, their gradient, their flat indices)
+        local = {}  # slot -> (its elements here as a view of param, their gradient, the first one's offset in the
+        #                     parameter, and in the shard)
         for k in ks:
             s = train[k]
             a, e = max(s.offset, lo0), min(s.offset + s.numel, hi0)
             if a < e:
                 g = grad[a - lo0:e - lo0]
-                local[k] = (param[a - lo0:e - lo0], g if grad_scale == 1.0 else g * grad_scale,
-                            torch.arange(a - s.offset, e - s.offset, device=param.device), a - lo0)
+                local[k] = (param[a - lo0:e - lo0], g if grad_scale == 1.0 else g * grad_scale, a - s.offset,
+                            a - lo0)
         # 1. one all-reduce: each parameter's sum of squares, and each factored gradient's per row and per column
         sizes = [1 + (_rows(train[k].shape) + _cols(train[k].shape) if _factored(train[k].shape) else 0) for k in ks]
         # Sums of squares accumulate in fp32 at least (torch's norms do; bf16 partial sums drift: review, session
@@ -193,14 +194,14 @@ class Adafactor:
         for k, part in zip(ks, sums.split(sizes)):
             if k not in local:
                 continue
-            p, g, idx, _ = local[k]
+            p, g, o0, _ = local[k]
             part[0] = p.to(acc).square().sum()
             if _factored(train[k].shape):
-                c, rc = train[k].shape[-1], train[k].shape[-2] * train[k].shape[-1]
-                nr = _rows(train[k].shape)
-                g2 = g.to(acc).square()
-                part[1:1 + nr].index_add_(0, idx // c, g2)
-                part[1 + nr:].index_add_(0, (idx // rc) * c + idx % c, g2)
+                shape, nr = train[k].shape, _rows(train[k].shape)
+                r0, sq = _whole_rows(g.to(acc).square(), o0, shape[-1])  # as rows of the matrix, zeros where the shard cuts one
+                part[1 + r0:1 + r0 + sq.shape[0]] += sq.sum(dim=1)
+                for b, lo, hi in _matrices(r0, sq.shape[0], shape[-2]):  # each matrix's column sums (3-D: several)
+                    part[1 + nr + b * shape[-1]:1 + nr + (b + 1) * shape[-1]] += sq[lo:hi].sum(dim=0)
         if comm is not None and comm.mesh.shard_size > 1:  # (2-D: over the shard group, each shard once)
             comm.all_reduce(sums, f"{layout.name}/adafactor", over="shard")
         # 2. the statistics (alike on every rank), weight decay, and this rank's elements of the update
@@ -223,11 +224,14 @@ class Adafactor:
                 cv.lerp_(part[1 + nr:].sqrt().to(cv.dtype).square_().div_(s.shape[-2]), beta_t)
                 if k not in local:
                     continue
-                _, g, idx, _ = local[k]
+                _, g, o0, _ = local[k]
                 mean = f["row_var"].mean(dim=-2, keepdim=True).clamp_(min=eps1).view(-1)
-                rc = s.shape[-2] * c
-                est = rv[idx // c] * cv[(idx // rc) * c + idx % c]
-                est.div_(mean[idx // rc])
+                r0, n = _row_span(o0, g.numel(), c)  # the rows this rank holds elements of
+                est = torch.empty(n, c, dtype=param.dtype, device=param.device)
+                for b, lo, hi in _matrices(r0, n, s.shape[-2]):  # torch: row_var @ col_var / mean(row_var)
+                    torch.mul(rv[r0 + lo:r0 + hi, None], cv[None, b * c:(b + 1) * c], out=est[lo:hi])
+                    est[lo:hi].div_(mean[b])
+                est = est.view(-1)[o0 - r0 * c:o0 - r0 * c + g.numel()]
             else:
                 if k not in local:
                     continue
@@ -257,6 +261,28 @@ def _norm(sq: torch.Tensor, dtype: torch.dtype) -> float:
     """The 2-norm from an accumulated sum of squares, rounded to ``dtype`` as torch's ``norm`` of a tensor of that
     dtype returns it."""
     return sq.sqrt().to(dtype).item()
+
+
+def _whole_rows(x: torch.Tensor, o0: int, c: int) -> tuple[int, torch.Tensor]:
+    """``x``, the elements ``[o0, o0 + len)`` of a matrix of ``c`` columns (flat, row-major), as whole rows: the first
+    row's index and an ``(n, c)`` view, zeros where the shard cuts a row (no copy when it cuts none)."""
+    r0, n = _row_span(o0, x.numel(), c)
+    if o0 == r0 * c and x.numel() == n * c:
+        return r0, x.view(n, c)
+    rows = x.new_zeros(n * c)
+    rows[o0 - r0 * c:o0 - r0 * c + x.numel()] = x
+    return r0, rows.view(n, c)
+
+
+def _row_span(o0: int, numel: int, c: int) -> tuple[int, int]:
+    """The first row and the number of rows that elements ``[o0, o0 + numel)`` of a ``c``-column matrix touch."""
+    return o0 // c, -(-(o0 + numel) // c) - o0 // c
+
+
+def _matrices(r0: int, n: int, r: int) -> list[tuple[int, int, int]]:
+    """Rows ``[r0, r0 + n)`` of a parameter whose matrices have ``r`` rows each, by matrix: ``(b, lo, hi)``, rows
+    ``[lo, hi)`` (counted from r0) of matrix b."""
+    return [(b, max(r0, b * r) - r0, min(r0 + n, (b + 1) * r) - r0) for b in range(r0 // r, (r0 + n - 1) // r + 1)]
 
 
 def _rows(shape) -> int:

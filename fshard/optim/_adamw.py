@@ -166,9 +166,8 @@ def adam_moments(p, g, m, v, vmax, step: float, lr: float, b1: float, b2: float,
     step_size = lr / bias_correction1
     if vmax is not None:
         torch.maximum(vmax, v, out=vmax)
-        denom = (vmax.sqrt() / bias_correction2**0.5).add_(eps)
-    else:
-        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+    # torch's (v.sqrt() / bias_correction2_sqrt).add_(eps), the division in place (the same kernel, one buffer fewer)
+    denom = (v if vmax is None else vmax).sqrt().div_(bias_correction2**0.5).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
 
 

@@ -1,0 +1,43 @@
+"""benchmarks/optim.py runs (issue #40), so that it cannot rot: its --quick updates of every optimizer on the tiny
+GPT (each row present, both sides timed, fshard's parameters equal to torch's after the same updates) and its --muon
+--quick step at world size 2 (both configs timed, the same losses). Timings here mean nothing (a loaded machine)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from _proc import run_logged
+
+_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "optim.py")
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_optim_benchmark_quick_times_every_optimizer_against_its_peer(tmp_path):
+    out = tmp_path / "optim.json"
+    log = run_logged([sys.executable, _SCRIPT, "--quick", "--json", str(out)], env=_ENV, timeout=120)
+    res = json.loads(out.read_text())
+    assert list(res) == ["adamw", "adam", "adam(impl=fused)", "sgd(momentum)", "sgd(nesterov)", "adagrad", "rmsprop",
+                         "lion", "adafactor", "from_torch(NAdam)"]
+    for name, r in res.items():
+        assert r["fshard_ms"] > 0 and r["torch_ms"] > 0 and r["elements"] == 32_192, (name, r)
+        assert r["speed_ratio"] == pytest.approx(r["torch_ms"] / r["fshard_ms"]) and len(r["per_repeat"]) == 2
+        # the same optimizer on the same tensors: equal up to rounding (Lion's peer: a sign flip moves 2 lr = 2e-4)
+        assert r["max_abs_diff"] <= (2e-4 * 3 if name == "lion" else 1e-6), (name, r["max_abs_diff"])
+        assert f"| {name} | {r['fshard_impl']} | " in log
+    assert res["adamw"]["peer"] == "AdamW (fused)" and res["rmsprop"]["peer"] == "RMSprop (foreach)"
+    assert "ForeachLion (foreach, the paper's formula" in res["lion"]["peer"]
+    assert log.count("load average") == 2  # uptime before and after
+
+
+def test_optim_benchmark_muon_quick_runs_both_steps_at_two_ranks(tmp_path):
+    out = tmp_path / "muon.json"
+    log = run_logged([sys.executable, _SCRIPT, "--muon", "--quick", "--json", str(out)], env=_ENV, timeout=120)
+    res = json.loads(out.read_text())
+    ddp, ours = res["configs"]["ddp+muon"], res["configs"]["fshard+ahead+buckets+muon"]
+    assert res["world_size"] == 2 and ddp["median_s"] > 0 and ours["median_s"] > 0
+    assert len(ours["loss_curve"]) == 3  # 1 warm-up + 2 timed steps
+    assert max(abs(a - b) for a, b in zip(ours["loss_curve"], ddp["loss_curve"])) <= 1e-5
+    assert "[optim.py] Muon step, world size 2: fshard+ahead+buckets+muon" in log and "(issue #40's bar" in log
