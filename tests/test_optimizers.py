@@ -71,6 +71,11 @@ CASES = {
                             dict(lr=3e-3, weight_decay=0.1, amsgrad=True, fused=True)),
     "adagrad": (lambda: fs.optim.adagrad(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
                 O.Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+    "sgd_fused": (lambda: fs.optim.sgd(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, impl="fused"), O.SGD,
+                  dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, fused=True)),
+    "adagrad_fused": (lambda: fs.optim.adagrad(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1,
+                                               impl="fused"), O.Adagrad,
+                      dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, fused=True)),
     "rmsprop": (lambda: fs.optim.rmsprop(lr=1e-3, weight_decay=0.01), O.RMSprop, dict(lr=1e-3, weight_decay=0.01)),
     "rmsprop_centered": (lambda: fs.optim.rmsprop(lr=1e-3, momentum=0.5, centered=True), O.RMSprop,
                          dict(lr=1e-3, momentum=0.5, centered=True)),
@@ -88,7 +93,7 @@ CASES = {
 # lion: its reference is the paper's formula, not fshard's kernel sequence; fused: torch's fused CPU kernel rounds an
 # element differently in its scalar tail than in its vector body, so a result depends on where a run starts
 # (tests/models.py, check_oracle)
-NOT_BITWISE = {"lion", "adam_fused", "adamw_amsgrad_fused"}
+NOT_BITWISE = {"lion", "adam_fused", "adamw_amsgrad_fused", "sgd_fused", "adagrad_fused"}
 SIGN_BASED = {"lion", "rprop"}  # a rounding difference in a near-zero gradient flips a sign: a step of lr apart
 
 

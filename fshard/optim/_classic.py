@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from ..errors import ArgumentError
 from ._elementwise import Elementwise
 from ._protocol import Row
@@ -34,10 +36,12 @@ class SGD(Elementwise):
     maximize: bool = False
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    impl: str = "torch"
     label: ClassVar[str] = "fs.optim.sgd"
     count_key: ClassVar[str | None] = None
 
     def __post_init__(self):
+        _check_impl(self)
         self._check_common()
         self._check_nonnegative("momentum", self.momentum)
         if not isinstance(self.dampening, (int, float)) or isinstance(self.dampening, bool):
@@ -54,7 +58,15 @@ class SGD(Elementwise):
                 "nesterov": self.nesterov, "maximize": self.maximize, "foreach": None, "differentiable": False,
                 "fused": None}
 
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        return self.impl
+
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
+        if self.impl == "fused":  # torch.optim.SGD(fused=True)'s kernel: one pass over the run
+            torch._fused_sgd_([p], [g], list(rows), weight_decay=wd, momentum=self.momentum, lr=lr,
+                              dampening=self.dampening, nesterov=self.nesterov, maximize=self.maximize,
+                              is_first_step=step == 1)
+            return
         grad = g if not self.maximize else -g
         if wd != 0:
             grad = grad.add(p, alpha=wd)
@@ -81,10 +93,12 @@ class Adagrad(Elementwise):
     maximize: bool = False
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
+    impl: str = "torch"
     label: ClassVar[str] = "fs.optim.adagrad"
     eager_state: ClassVar[bool] = True
 
     def __post_init__(self):
+        _check_impl(self)
         self._check_common()
         for what in ("lr_decay", "eps", "initial_accumulator_value"):
             self._check_nonnegative(what, getattr(self, what))
@@ -98,8 +112,15 @@ class Adagrad(Elementwise):
                 "initial_accumulator_value": self.initial_accumulator_value, "foreach": None,
                 "maximize": self.maximize, "differentiable": False, "fused": None}
 
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        return self.impl
+
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
         (state_sum,) = rows
+        if self.impl == "fused":  # torch.optim.Adagrad(fused=True)'s kernel (its step: the count after this one)
+            torch._fused_adagrad_([p], [g], [state_sum], [torch.tensor(float(step))], lr=lr, lr_decay=self.lr_decay,
+                                  weight_decay=wd, eps=self.eps, maximize=self.maximize)
+            return
         grad = g if not self.maximize else -g
         if wd != 0:
             grad = grad.add(p, alpha=wd)
@@ -162,18 +183,29 @@ class RMSprop(Elementwise):
             p.addcdiv_(grad, avg, value=-lr)
 
 
+def _check_impl(opt) -> None:
+    if opt.impl not in ("torch", "fused"):
+        raise ArgumentError(f"{opt.label}(impl={opt.impl!r}) is not one of ('torch', 'fused').")
+
+
 def sgd(lr: _Lr = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-        nesterov: bool = False, *, maximize: bool = False, weight_decay_mask: Callable | None = None) -> SGD:
+        nesterov: bool = False, *, maximize: bool = False, weight_decay_mask: Callable | None = None,
+        impl: str = "torch") -> SGD:
     """torch.optim.SGD's arithmetic and defaults on flat shards; ``lr`` may be a schedule (``fs.schedules``) and
-    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
-    return SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, weight_decay_mask)
+    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl``: "torch" (the default,
+    as torch's own on the CPU) its single-tensor kernels, bitwise ``torch.optim.SGD()``; "fused" its fused kernel
+    (``fused=True``), one pass over each run of a shard."""
+    return SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, weight_decay_mask, impl=impl)
 
 
 def adagrad(lr: _Lr = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
-            eps: float = 1e-10, *, maximize: bool = False, weight_decay_mask: Callable | None = None) -> Adagrad:
+            eps: float = 1e-10, *, maximize: bool = False, weight_decay_mask: Callable | None = None,
+            impl: str = "torch") -> Adagrad:
     """torch.optim.Adagrad's arithmetic and defaults (and argument order) on flat shards; ``lr`` may be a schedule
-    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
-    return Adagrad(lr, lr_decay, weight_decay, eps, initial_accumulator_value, maximize, weight_decay_mask)
+    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl`` as for ``sgd``
+    ("fused": ``torch.optim.Adagrad(fused=True)``'s kernel)."""
+    return Adagrad(lr, lr_decay, weight_decay, eps, initial_accumulator_value, maximize, weight_decay_mask,
+                   impl=impl)
 
 
 def rmsprop(lr: _Lr = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
