@@ -500,3 +500,30 @@ def test_checkpoints_resume_bitwise_at_two_ranks(tmp_path):
     names = ["sgd", "adagrad", "rmsprop_centered", "nadam", "asgd", "lion"]  # no counts, eager, 3 rows, scalars
     for per_rank in run_ranks(_resume_at_2, 2, str(tmp_path), names):
         assert per_rank == {n: True for n in names}
+
+
+# --- from_torch's replays when parameters' counts differ (review, session 23) ---
+
+class _CountedASGD(torch.optim.ASGD):
+    steps = 0
+
+    def step(self, closure=None):
+        type(self).steps += 1
+        return super().step(closure)
+
+
+def test_replayed_scalars_of_counts_apart_take_linear_work():
+    """ASGD's eta follows the count: a parameter used from step 301 on runs 300 counts behind the others (further
+    back than the replays remembered), and each keeps a replay going: 700 steps cost about 2 x 700 one-element
+    steps (restarting from 0 at every lower count: ~200,000), and the scalars are torch's at each count."""
+    opt = fs.optim.from_torch(_CountedASGD, lr=1e-2, t0=2)
+    _CountedASGD.steps = 0
+    for step in range(1, 701):
+        opt._replayed(step, 1e-2, 0.0)
+        got = opt._replayed(max(1, step - 300), 1e-2, 0.0)
+    assert _CountedASGD.steps <= 3 * 700, _CountedASGD.steps
+    ref = torch.optim.ASGD([q := torch.zeros(1)], lr=1e-2, t0=2)
+    for _ in range(400):
+        q.grad = torch.zeros(1)
+        ref.step()
+    assert all(torch.equal(got[k], ref.state[q][k]) for k in got)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ _REFUSED = {
     "SparseAdam": "fs.optim.adam or fs.adamw (fshard's gradients are dense flat shards)",
 }
 _MEMO = 256  # the replayed scalars kept (a run asks for its count - 1: recent counts)
-_RUNS = 8  # the replays kept going, one per (learning rate, weight decay), most recent last
+_RUNS = 8  # the replays kept going (per learning rate and weight decay, one per count stream), most recent last
 
 
 class _Replays:
@@ -51,7 +52,8 @@ class _Replays:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.runs: dict = {}   # (lr, wd) -> (torch optimizer, its one-element parameter, steps taken)
+        self.runs: dict = {}   # ((lr, wd), id) -> (torch optimizer, its one-element parameter, steps taken)
+        self.ids = itertools.count()
         self.memo: dict = {}   # (lr, wd, count) -> {name: 0-dim tensor}
         self.devices: dict = {}  # device -> {0-dim state name: kept on the parameter's device (else the CPU)}
 
@@ -163,18 +165,22 @@ class FromTorch(Elementwise):
             hit = r.memo.get((lr, wd, count))
             if hit is not None:
                 return hit
-            opt, q, done = r.runs.get((lr, wd), (None, None, count + 1))
-            if done > count:  # a new rate, or a count below the replay's: start again
-                q = torch.zeros(1)
+            # the replay at this rate furthest along but not past ``count``: parameters whose counts differ
+            # (unused on some steps) each keep one going, instead of restarting from 0 at every step
+            behind = [(d, i) for (key, i), (_, _, d) in r.runs.items() if key == (lr, wd) and d <= count]
+            if behind:
+                i = max(behind)[1]
+                opt, q, done = r.runs.pop(((lr, wd), i))
+            else:  # a new rate, or a count below every replay's: start again
+                q, i = torch.zeros(1), next(r.ids)
                 opt, done = self.cls([q], **self._kw(lr, wd)), 0
             while done < count:
                 q.grad = torch.zeros(1)
                 opt.step()
                 done += 1
-            r.runs.pop((lr, wd), None)
             if len(r.runs) >= _RUNS:  # (a schedule: a new rate each step; the oldest replays go)
                 r.runs.pop(next(iter(r.runs)))
-            r.runs[(lr, wd)] = (opt, q, done)
+            r.runs[((lr, wd), i)] = (opt, q, done)
             out = {k: opt.state[q][k].clone() for k in self._scalars}
             if len(r.memo) >= _MEMO:
                 r.memo.pop(next(iter(r.memo)))
