@@ -20,7 +20,6 @@ import torch.nn as nn
 from ..dist._agreement import HASH_BITS, agree
 from ..dist._collectives import Comm
 from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
-from ..optim._protocol import refuse_unstreamable
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
 from ..state._placement import flat_mesh_only, place_unit, placement_for
@@ -72,9 +71,8 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     unit_mods = _find_units(model, units)
     groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
-    if offload is not None:  # refused before any work: a 2-D mesh; rows that cannot stream through its updates
+    if offload is not None:  # refused before any work: a 2-D mesh
         flat_mesh_only(mesh)
-        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     layouts = _plan(model, unit_mods, owners, aliases, mesh.shard_size, align_bytes)  # (2-D: the shard group's)
     buffers: dict[str, torch.Tensor] = {}
     if abstract:  # shapes and dtypes only

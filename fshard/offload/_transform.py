@@ -31,7 +31,6 @@ from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._placement import flat_mesh_only
 from ._tiers import choose_tiers
-from ..optim._protocol import refuse_unstreamable
 from ._update import OffloadUpdate
 from ..state._placement import Where
 from ..state._stored import _location
@@ -126,10 +125,10 @@ class offload_state(Transform):
                              self.worker_nice, self.params)
 
     def init_state(self, spec, old):
-        """No state of its own; refuses, before the step runs, an optimizer it cannot stream and a 2-D mesh
-        (``flat_mesh_only``)."""
+        """No state of its own; refuses, before the step runs, a 2-D mesh (``flat_mesh_only``). An optimizer
+        that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a whole unit at a time
+        (fshard/offload/_whole.py)."""
         flat_mesh_only(spec.mesh)
-        refuse_unstreamable(spec.optimizer, "fs.compose(..., fs.offload_state(...))")
         return None
 
     def fingerprint(self) -> str:

@@ -16,8 +16,9 @@ from ._reader import Reader
 from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
 from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
-from ..optim._protocol import row_names, state_bytes
+from ..optim._protocol import row_names, state_bytes, streamable
 from ._tiers import choose_stores
+from ._whole import whole_units
 from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location, param_key,
                              put_moments, put_param, stored_state)
 from ..store import StoreError
@@ -51,7 +52,8 @@ class OffloadUpdate(UpdatePolicy):
         name, early = unit.name, step.scratch(self)
         s = step.state.opt_state.get(name)
         items = stored_items(s)
-        if (not self.overlaps(step.spec.mesh.device) or not step.grads_unchanged or unit.grad is None
+        if (not self.overlaps(step.spec.mesh.device) or not streamable(step.spec.optimizer)
+                or not step.grads_unchanged or unit.grad is None
                 or items is None or unit.shard.device.type not in ("cpu", "cuda")
                 or not unit.got_all() or name in early):
             return
@@ -236,8 +238,11 @@ class OffloadUpdate(UpdatePolicy):
         in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
         m["update/overlapped_units"] = len(taken)
         t0 = time.perf_counter()
+        whole = not streamable(spec.optimizer)  # every unit updated whole, in model order (offload/_whole.py)
         try:
-            params, opt_state, inner_metrics, copies = self.inner(step, state, grads, in_memory, donate)
+            params, opt_state, inner_metrics, copies = (
+                whole_units(self, step, state, grads, active, donate, created, m) if whole else
+                self.inner(step, state, grads, in_memory, donate))
             copies = dict(copies)
             m.update(inner_metrics)
             for name in sorted(chosen.keys() - stored):
@@ -245,7 +250,7 @@ class OffloadUpdate(UpdatePolicy):
                                             m, step.record)
             streamed = []
             for u in spec.units:
-                if u.name not in stored:
+                if u.name not in stored or whole:
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
                 held, first = stored_items(s), s.rows[0]  # (first: the numel, dtype and location of every row)
