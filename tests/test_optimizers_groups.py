@@ -267,8 +267,8 @@ def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
 
 
 def _offloaded(case: str, directory: str, path: str):
-    """Per config (in memory; a CPUStore with the parameter shards too; an NVMeStore for half the units): 3 steps'
-    losses and every state leaf (stored ones read back), with a checkpoint saved after 2 steps and loaded into an
+    """Per config (in memory; a CPUStore with the parameter shards too, donated; an NVMeStore for half the units): 3
+    steps' losses and every state leaf (stored ones read back), with a checkpoint saved after 2 steps and loaded into an
     offloaded state and into an in-memory one, each stepped once more; and the whole-unit path's read peak."""
     from fshard.testing import snapshot
     mesh = fs.Mesh.from_env()
@@ -282,8 +282,8 @@ def _offloaded(case: str, directory: str, path: str):
         off = make("run")
         state = fs.init(_model(case), mesh, CASES[case][0]())
         losses, peaks = [], []
-        with fs.compose(awkward_loss, *(() if off is None else (off,))) as step:
-            for i, b in enumerate(batches):
+        with fs.compose(awkward_loss, *(() if off is None else (off,)), donate=key == "cpu") as step:
+            for i, b in enumerate(batches):  # (cpu: donated, written back over the input's items)
                 state, m = step(state, b)
                 losses.append(m["loss"])
                 peaks.append((m.get("offload/whole_unit_peak_bytes"), m.get("io/read_bytes")))

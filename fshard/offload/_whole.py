@@ -3,11 +3,11 @@
 
 Each unit in turn, in model order: its rows (and, with ``params=True``, its parameter shard) are read from the store
 into memory, the optimizer's ordinary in-memory ``update`` runs on them (with the step's collectives where it
-declares ``collective``), the new rows are written back under a new key, and the tensors are dropped before the next
-unit is read. So memory holds one unit's rows beyond the in-memory case's working set, and the result is bitwise the
-in-memory update's (the same call on the same values). Units kept in memory are updated in the same loop, so every
-rank calls ``update`` for the same units in the same order whichever units its own placement put in a store (the
-collectives inside match). design/OFFLOAD.md, "Optimizers that cannot stream".
+declares ``collective``), the new rows are written back (a new version; with ``donate``, over the input's items),
+and the tensors are dropped before the next unit is read. So memory holds one unit's rows beyond the in-memory
+case's working set, and the result is bitwise the in-memory update's (the same call on the same values). Units kept
+in memory are updated in the same loop, so every rank calls ``update`` for the same units in the same order whichever
+units its own placement put in a store (the collectives inside match). design/OFFLOAD.md, "Optimizers that cannot stream".
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..state._stored import StoredParam, _Items, param_key, put_moments, stored_items
+from ..state._stored import StoredParam, _Items, param_key, stored_items, stored_state, write_rows
 from ..store._protocol import locked
 
 
@@ -24,7 +24,7 @@ def whole_units(policy, step, state, grads, active, donate, created, m):
     metrics, copies)`` as an update policy returns them. Keys written go to ``created``; ``m`` gets the traffic."""
     spec, opt = step.spec, step.spec.optimizer
     rank, params, opt_state = spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
-    copies, names = dict(state.copies), tuple(r.name for r in opt.rows)
+    copies = dict(state.copies)
     kw = {"comm": step.comm} if getattr(opt, "collective", False) else {}
     m["offload/whole_unit_peak_bytes"] = 0  # the most read into memory at once: one unit's rows (and shard)
     for u in spec.units:
@@ -53,13 +53,19 @@ def whole_units(policy, step, state, grads, active, donate, created, m):
             grad_scale=grads.scale, updates=int(state.step),
             copy=None if isinstance(p, StoredParam) else copies.get(u.name), **kw)
         t2 = time.perf_counter()
+        # donate: written back under the input's own keys (its items serve the new state, as the stream's do);
+        # else a new version, the input's items left readable
         key = policy._key(u.name)
+        written = [] if donate else created  # (in place: a failure cannot give the donated input back anyway)
         if held is not None:
+            items = held if donate else _Items(held.store, key, held.chunks, held.rows)
             with locked(held.store):
-                new_s = put_moments(held.store, key, new_s, names, policy.chunk, created)
+                write_rows(items, new_s.rows, written)
             m["io/write_bytes"] += sum(r.nbytes for r in new_s.rows)
+            new_s = stored_state(new_s, items, new_s.count, [r.numel() for r in new_s.rows], new_s.rows[0].dtype,
+                                 s.rows[0].location)
         if isinstance(p, StoredParam):
-            new_p = _renew_head(p, new_p, param_key(key), created)
+            new_p = _renew_head(p, new_p, None if donate else param_key(key), written)
             m["io/write_bytes"] += p.opt_numel * p.dtype.itemsize
         elif copy is not None:
             copies[u.name] = copy
@@ -71,16 +77,13 @@ def whole_units(policy, step, state, grads, active, donate, created, m):
     return params, opt_state, {}, copies
 
 
-def _renew_head(p: StoredParam, shard: torch.Tensor, key: str, created: list) -> StoredParam:
-    """``p`` with the optimizer range of ``shard`` (the updated parameters) written as a new version of its head,
-    chunked as the old one (its tail, frozen parameters, is shared)."""
+def _renew_head(p: StoredParam, shard: torch.Tensor, key: str | None, created: list) -> StoredParam:
+    """``p`` with the optimizer range of ``shard`` (the updated parameters) written as its head, chunked as before:
+    under ``key`` (a new version), or over the old head (``key`` None: donated). Its tail (frozen parameters) is
+    shared."""
     if p.head is None:
         return p
-    store, handles = p.head.store, []
-    with locked(store):
-        for i, (lo, hi) in enumerate(p.head.chunks):
-            handles.append(store.put((key, i), shard[lo:hi].detach().to("cpu").reshape(1, -1)))
-            created.append((key, i))
-        for h in handles:
-            h.wait()
-    return p.renewed(_Items(store, key, p.head.chunks, rows=p.head.rows))
+    head = p.head if key is None else _Items(p.head.store, key, p.head.chunks, rows=p.head.rows)
+    with locked(head.store):
+        write_rows(head, [shard[:p.opt_numel]], created)
+    return p if key is None else p.renewed(head)

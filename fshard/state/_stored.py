@@ -202,18 +202,24 @@ def put_moments(store, key: str, s, names: tuple[str, ...], chunk: int, created:
         raise ArgumentError(f"fs.offload_state keeps a unit's optimizer rows stacked in one store item, so they need "
                             f"one dtype; the rows {names} are {[r.dtype for r in rows]}. Keep this optimizer's state "
                             "on the device (offload_state(fraction=0) or no offload).")
-    numels, dtype = tuple(r.numel() for r in rows), rows[0].dtype
-    n = max(numels)
-    chunks, handles = _chunks(n, chunk), []
-    for i, (lo, hi) in enumerate(chunks):
-        item = torch.zeros(len(rows), hi - lo, dtype=dtype)
+    items = _Items(store, key, _chunks(max(r.numel() for r in rows), chunk), names)
+    write_rows(items, rows, created)
+    return stored_state(s, items, s.count, tuple(r.numel() for r in rows), rows[0].dtype, _location(store))
+
+
+def write_rows(items: _Items, rows, created: list) -> None:
+    """``rows`` (tensors, one per name of ``items``) written as ``items``' chunk items, stacked, each zero padded at
+    its end to the longest (the caller holds the store's lock); each key noted in ``created``. An item already
+    there is replaced (the store keeps the previous version until the new one is complete)."""
+    handles = []
+    for k, (lo, hi) in zip(items.item_keys(), items.chunks):
+        item = torch.zeros(len(rows), hi - lo, dtype=rows[0].dtype)
         for j, r in enumerate(rows):
-            item[j, :max(0, min(hi, numels[j]) - lo)] = r[lo:hi].detach().to("cpu")
-        handles.append(store.put((key, i), item))
-        created.append((key, i))
+            item[j, :max(0, min(hi, r.numel()) - lo)] = r[lo:hi].detach().to("cpu")
+        handles.append(items.store.put(k, item))
+        created.append(k)
     for h in handles:
         h.wait()
-    return stored_state(s, _Items(store, key, chunks, names), s.count, numels, dtype, _location(store))
 
 
 def stored_state(like, items: _Items, count, numel, dtype, location: str):
