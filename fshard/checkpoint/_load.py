@@ -84,7 +84,7 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
     saved = md.state_dict_metadata
     dev = like.spec.mesh.device
     where = placement_of(like) if offload is None else placement_for(
-        offload, [u for u in like.spec.units if like.opt_state.get(u.name) is not None], like.spec.mesh.rank,
+        offload, [u for u in like.spec.units if like.opt_state.get(u.name) is not None], like.spec.mesh.shard_rank,
         "fs.load(..., offload=)")
     opt_state = _new_moments(like, where, reader.targets)
     params = _new_params(like, where, reader.targets)

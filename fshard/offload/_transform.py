@@ -29,7 +29,6 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
-from ..state._placement import flat_mesh_only
 from ._tiers import choose_tiers
 from ._update import OffloadUpdate
 from ..state._placement import Where
@@ -114,7 +113,8 @@ class offload_state(Transform):
 
     def placement(self, units, rank: int) -> dict:
         """Unit name -> ``fs.state.Where`` (its tier's store, ``chunk_numel``, ``params``) for the units this
-        transform keeps in a store, among ``units`` (those with optimizer state): the ``Placement`` protocol
+        transform keeps in a store, among ``units`` (those with optimizer state) on shard rank ``rank`` (a 2-D
+        mesh's ``shard_rank``: replicas place alike): the ``Placement`` protocol
         (fshard/state/_placement.py), which ``fs.init(..., offload=)`` and ``fs.load(..., offload=)`` follow, so the
         step finds each unit where it would have put it."""
         tiers = choose_tiers(list(units), rank, self.fractions)
@@ -125,10 +125,9 @@ class offload_state(Transform):
                              self.worker_nice, self.params)
 
     def init_state(self, spec, old):
-        """No state of its own; refuses, before the step runs, a 2-D mesh (``flat_mesh_only``). An optimizer
-        that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a whole unit at a time
-        (fshard/offload/_whole.py)."""
-        flat_mesh_only(spec.mesh)
+        """No state of its own. An optimizer that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a
+        whole unit at a time (fshard/offload/_whole.py); on a 2-D mesh each rank keeps its shard's state (its
+        shard group's 1/k), and the replicas of a shard hold equal bits."""
         return None
 
     def fingerprint(self) -> str:

@@ -58,7 +58,7 @@ class OffloadUpdate(UpdatePolicy):
                 or not unit.got_all() or name in early):
             return
         opt = step.spec.optimizer
-        count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable),
+        count, segs = opt.plan(unit.layout, step.spec.mesh.shard_rank, s.count, [True] * len(unit.layout.trainable),
                                int(step.state.step))
         if not segs:
             return
@@ -262,7 +262,7 @@ class OffloadUpdate(UpdatePolicy):
                              _Items(work.store, work.key, held.chunks, held.rows))
                     opt_state[u.name] = stored_state(s, items, work.count, first.numel, first.dtype, first.location)
                     continue
-                count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on, int(state.step))
+                count, segs = spec.optimizer.plan(u, spec.mesh.shard_rank, s.count, on, int(state.step))
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = s.with_rows(count, s.rows)
                     continue
@@ -287,8 +287,8 @@ class OffloadUpdate(UpdatePolicy):
             if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
                 for u in spec.units:
                     if u.name in chosen and isinstance(params[u.name], torch.Tensor):
-                        params[u.name] = self._put_param(chosen[u.name], u, spec.mesh.rank, params[u.name], created,
-                                                         m, step.record)
+                        params[u.name] = self._put_param(chosen[u.name], u, spec.mesh.shard_rank, params[u.name],
+                                                         created, m, step.record)
                         copies.pop(u.name, None)  # a gather casts what it reads: no copy to keep
         except Exception as e:
             self._fail(e, created, donate, state)
