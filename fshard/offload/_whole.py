@@ -5,9 +5,10 @@ Each unit in turn, in model order: its rows (and, with ``params=True``, its para
 into memory, the optimizer's ordinary in-memory ``update`` runs on them (with the step's collectives where it
 declares ``collective``), the new rows are written back (a new version; with ``donate``, over the input's items),
 and the tensors are dropped before the next unit is read. So memory holds one unit's rows beyond the in-memory
-case's working set, and the result is bitwise the in-memory update's (the same call on the same values). Units kept
-in memory are updated in the same loop, so every rank calls ``update`` for the same units in the same order whichever
-units its own placement put in a store (the collectives inside match). design/OFFLOAD.md, "Optimizers that cannot stream".
+case's working set, and the result is bitwise the in-memory update's (the same call on the same values). Units
+kept in memory are updated in the same loop, so every rank calls ``update`` for the same units in the same order
+whichever units its own placement put in a store (the collectives inside match). design/OFFLOAD.md, "Optimizers
+that cannot stream".
 """
 from __future__ import annotations
 
