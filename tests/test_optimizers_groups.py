@@ -284,9 +284,10 @@ def _offloaded(case: str, directory: str, path: str):
         losses, peaks = [], []
         with fs.compose(awkward_loss, *(() if off is None else (off,)), donate=key == "cpu") as step:
             for i, b in enumerate(batches):  # (cpu: donated, written back over the input's items)
+                planned = step.plan(state, b).bounds.get("store/buffer_bytes") if off is not None and i else None
                 state, m = step(state, b)
                 losses.append(m["loss"])
-                peaks.append((m.get("offload/whole_unit_peak_bytes"), m.get("io/read_bytes")))
+                peaks.append((m.get("offload/whole_unit_peak_bytes"), m.get("io/read_bytes"), planned))
                 if i == 1 and off is not None:
                     fs.save(f"{path}/{key}", state)
             resumed = []
@@ -321,8 +322,9 @@ def test_offload_state_updates_whole_units_bitwise(tmp_path, world_size, case):
             assert len(resumed) == 2
             # one unit's rows (and shard) read into memory at a time: all units' reads together are more (CPU:
             # every unit in the store, read each step)
-            for peak, read in peaks[1:]:
+            for peak, read, planned in peaks[1:]:
                 assert 0 < peak <= read and (peak < read or key == "nvme"), (key, peaks)
+                assert 2 * peak <= planned, (key, peaks)  # step.plan counts the unit read and its items written
 
 
 def test_misuse_names_the_parameter_and_the_fix():

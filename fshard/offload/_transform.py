@@ -7,7 +7,9 @@ optimizer range; they are ``Stored`` leaves in the state (parameters: ``StoredPa
 update streams every active offloaded chunk, read(i+1) || update(i) || write(i-1) with a bounded number of buffers,
 through the same optimizer kernel on the same
 elements as without offload (bitwise: chunk boundaries are multiples of 16 elements, so vector lanes see every
-element in the same position).
+element in the same position). An optimizer whose rows cannot stream (fs.muon, fs.partition, fs.adafactor) is
+updated a whole unit at a time instead: read, its in-memory update, written back (fshard/offload/_whole.py). On a
+2-D mesh each rank keeps its shard's state, placed by its shard rank, so replicas hold equal bits.
 
 Purity: without ``donate``, updated chunks go under a new version key and the input state's items stay readable;
 an item is deleted once no state refers to it (``store.delete_later``, carried out at the store's next

@@ -120,6 +120,7 @@ class OffloadUpdate(UpdatePolicy):
         frees = self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
+        whole, unit_most = not streamable(spec.optimizer), 0  # (whole units: the most one unit's items hold)
         for u in spec.units:
             s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
@@ -149,8 +150,11 @@ class OffloadUpdate(UpdatePolicy):
             if store is not None:
                 peak[id(store)] += ((moments + head) * (2 if stored and on and clone else 1)
                                     + (p.nbytes - head if sp else 0) + (p.nbytes if moved else 0))
+                # (whole units: the rows stacked, each padded to the longest, all of a unit's items at once)
+                padded = (len(s.rows) * max(r.nbytes for r in s.rows) + head) if stored and on else 0
+                unit_most = max(unit_most, padded)
                 if stored and on and not clone:
-                    in_place[id(store)] = max(in_place[id(store)],
+                    in_place[id(store)] = max(in_place[id(store)], padded if whole else
                                               min(moments + head, (len(s.rows) + sp) * self.chunk
                                                   * s.rows[0].dtype.itemsize))
             if not on:
@@ -172,7 +176,10 @@ class OffloadUpdate(UpdatePolicy):
         # the streams' pool buffers: depth reads, the item worked on, depth writes; and a gather's reads
         f["store/buffer_bytes"] = ((2 * self.depth + 1) * sum(blk(n) for n in items)
                                    + (READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0))
-        at_peak = {id(st): peak[id(st)] + (self.depth + 1) * in_place[id(st)] for st in self.stores}
+        if whole:  # one unit at a time: its items read, the update's new rows (unless donated), the items written
+            f["store/buffer_bytes"] = (2 if donate else 3) * unit_most + (
+                READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0)
+        at_peak = {id(st): peak[id(st)] + (1 if whole else self.depth + 1) * in_place[id(st)] for st in self.stores}
         f["store/peak_bytes"] = sum(at_peak.values())
         f["store/memory_peak_bytes"] = sum(at_peak[id(st)] for st in self.stores if st.directory is None)
         f["store/pool_bytes"] = sum(int(st.resident_bytes) for st in self.stores)  # in memory now
