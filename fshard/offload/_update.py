@@ -117,7 +117,8 @@ class OffloadUpdate(UpdatePolicy):
         chosen = self._choose(spec, state)
         peak = {id(st): 0 for st in self.stores}
         in_place = dict(peak)  # per store, the largest chunk items written back in place
-        frees = self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
+        frees = (self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
+                 and streamable(spec.optimizer))  # (whole units are updated after backward)
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
         whole, unit_most = not streamable(spec.optimizer), 0  # (whole units: the most one unit's items hold)

@@ -41,8 +41,9 @@ def whole_units(policy, step, state, grads, active, donate, created, m):
                 copies[u.name] = copy
             continue
         t0 = time.perf_counter()
-        rows = [r.load() if held is not None else r for r in s.rows]
-        ps = p.load() if isinstance(p, StoredParam) else p
+        dev = grads.shards[u.name].device  # (a GPU mesh: the update runs where the gradient shard is)
+        rows = [r.load().to(dev) if held is not None else r for r in s.rows]
+        ps = p.load().to(dev) if isinstance(p, StoredParam) else p
         read = sum(r.nbytes for r in rows) * (held is not None) + (ps.nbytes if ps is not p else 0)
         m["io/read_bytes"] += read
         m["offload/whole_unit_peak_bytes"] = max(m["offload/whole_unit_peak_bytes"], read)
