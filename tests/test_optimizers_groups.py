@@ -21,7 +21,7 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
   slots back to back, in order, on every rank).
 - fs.offload_state (CPU store with the parameter shards, NVMe store for half the units) at world sizes 1 and 2:
   bitwise the run in memory, whole units read and written back one at a time, and a checkpoint of the offloaded
-  state loading into a store and into memory, continuing bitwise.
+  state loading into a store and into memory, continuing bitwise; the rows read back alive for one unit at a time.
 - Misuse: a non-2-D parameter given to Muon names the parameter and fs.partition; a label that names no optimizer.
 """
 from __future__ import annotations
@@ -325,6 +325,31 @@ def test_offload_state_updates_whole_units_bitwise(tmp_path, world_size, case):
             for peak, read, planned in peaks[1:]:
                 assert 0 < peak <= read and (peak < read or key == "nvme"), (key, peaks)
                 assert 2 * peak <= planned, (key, peaks)  # step.plan counts the unit read and its items written
+
+
+def test_offload_state_holds_one_unit_read_at_a_time(monkeypatch):
+    # every row read back from the store (Stored.load) is watched: when a unit's rows are read, no other unit's
+    # rows read before are still alive (one unit resident beyond the in-memory working set, not the model)
+    import weakref
+
+    from fshard.state._stored import Stored
+    read, most, load = [], [0], Stored.load
+
+    def watched(self):
+        alive = {k for k, r in read if r() is not None and k != self.key}
+        most[0] = max(most[0], len(alive) + 1)
+        t = load(self)
+        read.append((self.key, weakref.ref(t)))
+        return t
+
+    monkeypatch.setattr(Stored, "load", watched)
+    for donate in (False, True):
+        state = fs.init(_model("muon+adamw"), fs.Mesh.local(), CASES["muon+adamw"][0]())
+        with fs.compose(awkward_loss, fs.offload_state(fs.CPUStore(), params=True), donate=donate) as step:
+            for b in awkward_batches(2, 3):
+                state, _ = step(state, b)
+        units = {k.split("@")[0] for k, _ in read}  # (the units updated: those that got a gradient)
+        assert len(units) >= 3 and most[0] == 1, (donate, most, units)
 
 
 def test_misuse_names_the_parameter_and_the_fix():
