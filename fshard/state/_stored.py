@@ -211,11 +211,14 @@ def write_rows(items: _Items, rows, created: list) -> None:
     """``rows`` (tensors, one per name of ``items``) written as ``items``' chunk items, stacked, each zero padded at
     its end to the longest (the caller holds the store's lock); each key noted in ``created``. An item already
     there is replaced (the store keeps the previous version until the new one is complete)."""
-    handles = []
+    handles, even = [], len({r.numel() for r in rows}) == 1  # (even: every row the same length, as AdamW's)
     for k, (lo, hi) in zip(items.item_keys(), items.chunks):
-        item = torch.zeros(len(rows), hi - lo, dtype=rows[0].dtype)
-        for j, r in enumerate(rows):
-            item[j, :max(0, min(hi, r.numel()) - lo)] = r[lo:hi].detach().to("cpu")
+        if even:
+            item = torch.stack([r[lo:hi] for r in rows])
+        else:
+            item = torch.zeros(len(rows), hi - lo, dtype=rows[0].dtype)
+            for j, r in enumerate(rows):
+                item[j, :max(0, min(hi, r.numel()) - lo)] = r[lo:hi].detach().to("cpu")
         handles.append(items.store.put(k, item))
         created.append(k)
     for h in handles:
