@@ -4,7 +4,7 @@ ranks and replicates it over the groups.
 - The mesh: its shape in repr, its groups (consecutive ranks; same index in every group; a property test of their
   planner), the default shard_size (one node under torchrun on several nodes, else 1-D: the rule, a property test
   of it, LOCAL_WORLD_SIZE read when the mesh is made and a bad one refused), a shard_size that does not
-  divide the world size refused naming the divisors, offload refused on it (not yet supported), rank 0's
+  divide the world size refused naming the divisors, rank 0's
   full_state_dict gathered in its shard group; a rank that fails makes every rank raise (its own error, the others
   RankFailedError), a NaN on one rank makes every rank skip, and the timeline draws the replica all-reduces.
 - Against DDP + torch.optim.AdamW on the awkward model at world size 4 (2 x 2) and 6 (3 groups of 2, 2 of 3):
@@ -18,6 +18,11 @@ ranks and replicates it over the groups.
 - Two torchrun agents as two nodes: the default mesh is a shard group a node; against DDP; one shared checkpoint.
 - benchmarks/hsdp.py --quick: the measured bytes between and within the simulated nodes are exactly the replica
   all-reduces (step.plan's figure), the gathers and reduce-scatters, DDP's 4 bytes a parameter, FSDP2's shards.
+- fs.offload_state on 2 x 2 (issue #41): a CPUStore with the parameter shards, and an NVMeStore for half the units
+  whose directory every rank names alike (each store makes its own private directory in it, as on a node's local
+  disk), bitwise the same run in memory on the same mesh, both replicas of a shard equal; a checkpoint saved from
+  the offloaded state loads on a 1-D mesh of 2 bitwise; and a partition of Muon and AdamW offloaded (whole units)
+  bitwise its run in memory.
 """
 from __future__ import annotations
 
@@ -51,36 +56,23 @@ def _mesh_checks():
     except fs.errors.ArgumentError as e:
         refused = str(e)
     model, loss_fn, batches = oracle_model("awkward", 1)
-    try:
-        fs.init(copy.deepcopy(model), mesh, fs.adamw(), offload=fs.offload_state(fs.CPUStore()))
-        offload_init = None
-    except fs.errors.OffloadError as e:
-        offload_init = str(e)
     state = fs.init(model, mesh, fs.adamw(**HP))
-    try:
-        fs.compose(loss_fn, fs.offload_state(fs.CPUStore()))(state, next(batches(mesh.rank, 4)))
-        offload_step = None
-    except fs.errors.OffloadError as e:
-        offload_step = str(e)
     full = fs.full_params(state)
     sd = fs.full_state_dict(state, rank0_only=True)
     same = all(torch.equal(sd[n], full[n]) for n in full) if mesh.rank == 0 else sd == {}
     return (repr(mesh), repr(flat), mesh.shard_rank, mesh.replica_rank, mesh.replicas, groups,
-            flat.shard_group is flat.group, flat.replica_group, refused, offload_init, offload_step, same)
+            flat.shard_group is flat.group, flat.replica_group, refused, same)
 
 
 def test_mesh_shape_groups_and_refusals():
     for rank, out in enumerate(run_ranks(_mesh_checks, 4)):
-        shown, flat, shard_rank, replica_rank, replicas, groups, flat_group, flat_replicas, refused, *offload, same \
-            = out
+        shown, flat, shard_rank, replica_rank, replicas, groups, flat_group, flat_replicas, refused, same = out
         assert f"rank {rank}/4, 2 replicas x 2 shards (shard {rank % 2}, replica {rank // 2})" in shown
         assert "replicas" not in flat and f"rank {rank}/4, gloo" in flat  # a 1-D mesh's repr is as before
         assert (shard_rank, replica_rank, replicas) == (rank % 2, rank // 2, 2)
         assert groups == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])
         assert flat_group and flat_replicas is None
         assert "shard_size=3" in refused and "divisor of the world size (1, 2, 4)" in refused
-        for message in offload:
-            assert message is not None and "2-D mesh" in message and "from_env(shard_size=4)" in message
         assert same
 
 
@@ -503,3 +495,48 @@ def test_hsdp_benchmark_quick_bytes_add_up(tmp_path):
     ratio = ours["inter_bytes"] / ddp["inter_bytes"]
     assert f"ratio fshard-hsdp inter-node bytes / ddp's: {ratio:.5f}" in log, log
     assert "ratio fshard-hsdp step / fsdp2-hsdp step:" in log, log
+
+
+# --- offload_state on a 2-D mesh (issue #41) -------------------------------------------------------------------------
+
+def _offloaded_2d(directory: str, path: str):
+    """On 2 x 2: per config (in memory; CPUStore with params; NVMeStore at one path for every rank, half the units),
+    the losses and this rank's state leaves (stored ones read back) after STEPS steps; each offloaded state saved."""
+    import fshard as fs
+    from fshard.testing import snapshot
+    mesh = fs.Mesh.from_env(shard_size=2)
+    configs = {"none": None,
+               "cpu": lambda: fs.offload_state(fs.CPUStore(), chunk_mb=0.001, params=True),
+               "nvme": lambda: fs.offload_state(fs.NVMeStore(directory), fraction=0.5, chunk_mb=0.001),
+               "muon none": None,  # a partition (Muon's collective update): the whole-unit path (issue #40)
+               "muon cpu": lambda: fs.offload_state(fs.CPUStore(), chunk_mb=0.001, params=True)}
+    muon = lambda: fs.partition({"muon": fs.muon(lr=0.02), "adamw": fs.adamw(**HP)},  # noqa: E731
+                                lambda n, p: "muon" if p.ndim == 2 and not n.startswith("emb") else "adamw")
+    out = {}
+    for key, make in configs.items():
+        model, loss_fn, batches = oracle_model("awkward", 1)
+        off = None if make is None else make()
+        opt = muon() if key.startswith("muon") else fs.adamw(**HP)
+        state = fs.init(model, mesh, opt, offload=off if key.endswith("cpu") else None)  # placed, or moved
+        losses = []
+        with fs.compose(loss_fn, *(() if off is None else (off,))) as step:
+            for b in batches(mesh.rank, mesh.world_size):
+                state, m = step(state, b)
+                losses.append(m["loss"])
+        if off is not None:
+            assert state.nbytes()["stored"] > 0
+            fs.save(f"{path}/{key}", state)
+        out[key] = (losses, [t.numpy().tobytes() for t in snapshot(state)],
+                    _full_state(fs, state) if key == "none" else None)  # (the offloaded ones: equal leaves)
+    return out
+
+
+def test_offload_state_on_2d_is_the_run_in_memory_and_its_checkpoint_loads_on_1d(tmp_path):
+    got = run_ranks(_offloaded_2d, 4, str(tmp_path / "nvme"), str(tmp_path / "ck"))
+    for rank, out in enumerate(got):
+        for key, ref in (("cpu", "none"), ("nvme", "none"), ("muon cpu", "muon none")):
+            assert out[key][:2] == out[ref][:2], (key, rank)  # bitwise, every leaf of this rank's state
+            assert out[key][1] == got[rank ^ 2][key][1]  # the other replica of this shard holds the same bits
+    for key in ("cpu", "nvme"):
+        for loaded in run_ranks(_load, 2, str(tmp_path / "ck" / key), None, None):
+            assert loaded == got[0]["none"][2], key

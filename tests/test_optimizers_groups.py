@@ -19,8 +19,10 @@ embedding/head, frozen, unused, 0-dim, prime shapes, a unit applied twice).
   bf16 parameter copies kept equal to the new parameters.
 - Property tests: the Newton-Schulz deal (one rank per matrix, within the greedy bound) and compact rows (a label's
   slots back to back, in order, on every rank).
-- Misuse: fs.offload_state with them is an error naming the combination and the alternative; a non-2-D parameter
-  given to Muon names the parameter and fs.partition; a label that names no optimizer.
+- fs.offload_state (CPU store with the parameter shards, NVMe store for half the units) at world sizes 1 and 2:
+  bitwise the run in memory, whole units read and written back one at a time, and a checkpoint of the offloaded
+  state loading into a store and into memory, continuing bitwise; the rows read back alive for one unit at a time.
+- Misuse: a non-2-D parameter given to Muon names the parameter and fs.partition; a label that names no optimizer.
 - Adafactor's shard read as rows of its matrices: any range a shard holds gives the row and column sums and the
   variance estimate of the per-element formula (a property test).
 """
@@ -272,14 +274,90 @@ def test_save_load_keeps_torchs_keys_and_resumes_bitwise(tmp_path, world_size):
     assert "optim.param_groups.0.ns_steps" in keys and "optim.param_groups.1.betas" in keys
 
 
-def test_offload_state_refuses_them_naming_the_alternative():
-    for case in ("muon", "muon+adamw", "adafactor"):
-        state = fs.init(_model(case), fs.Mesh.local(), CASES[case][0]())
-        step = fs.compose(awkward_loss, fs.offload_state(fs.CPUStore()))
-        with pytest.raises(fs.ArgumentError, match="without fs.offload_state.*fs.adamw"):
-            step(state, next(awkward_batches(2, 1)))
-        with pytest.raises(fs.ArgumentError, match="fs.init.*offload_state"):
-            fs.init(_model(case), fs.Mesh.local(), CASES[case][0](), offload=fs.offload_state(fs.CPUStore()))
+def _offloaded(case: str, directory: str, path: str):
+    """Per config (in memory; a CPUStore with the parameter shards too, donated; an NVMeStore for half the units): 3
+    steps' losses and every state leaf (stored ones read back), with a checkpoint saved after 2 steps and loaded into an
+    offloaded state and into an in-memory one, each stepped once more; and the whole-unit path's read peak."""
+    from fshard.testing import snapshot
+    mesh = fs.Mesh.from_env()
+    batches = list(awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size))
+    stores = {"none": lambda tag: None,
+              "cpu": lambda tag: fs.offload_state(fs.CPUStore(), chunk_mb=0.001, params=True),
+              "nvme": lambda tag: fs.offload_state(fs.NVMeStore(f"{directory}/{tag}/r{mesh.rank}"), fraction=0.5,
+                                                   chunk_mb=0.001)}
+    out = {}
+    for key, make in stores.items():
+        off = make("run")
+        state = fs.init(_model(case), mesh, CASES[case][0]())
+        losses, peaks = [], []
+        with fs.compose(awkward_loss, *(() if off is None else (off,)), donate=key == "cpu") as step:
+            for i, b in enumerate(batches):  # (cpu: donated, written back over the input's items)
+                planned = step.plan(state, b).bounds.get("store/buffer_bytes") if off is not None and i else None
+                state, m = step(state, b)
+                losses.append(m["loss"])
+                peaks.append((m.get("offload/whole_unit_peak_bytes"), m.get("io/read_bytes"), planned))
+                if i == 1 and off is not None:
+                    fs.save(f"{path}/{key}", state)
+            resumed = []
+            for like_off in (make("load"), None):  # into the store again, and into memory
+                like = fs.init(_model(case), mesh, CASES[case][0](), offload=like_off)
+                loaded = fs.load(f"{path}/{key}", like=like, offload=like_off) if off is not None else None
+                if loaded is not None:
+                    with fs.compose(awkward_loss, *(() if like_off is None else (like_off,))) as again:
+                        loaded, _ = again(loaded, batches[2])
+                    resumed.append([t.numpy().copy() for t in snapshot(loaded)])
+        out[key] = (losses, [t.numpy().copy() for t in snapshot(state)], peaks, resumed)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("case", ["muon+adamw", "adafactor"])
+def test_offload_state_updates_whole_units_bitwise(tmp_path, world_size, case):
+    # fs.muon's collective update, fs.partition's compact rows and fs.adafactor's factored rows do not stream run
+    # by run: offload_state reads each unit whole, runs the in-memory update and writes it back (issue #40)
+    for r, got in enumerate(run_ranks(_offloaded, world_size, case, str(tmp_path / "nvme"), str(tmp_path / "ck"))):
+        ref_losses, ref_leaves = got["none"][:2]
+        for key in ("cpu", "nvme"):
+            losses, leaves, peaks, resumed = got[key]
+            assert losses == ref_losses, (key, r)
+            assert len(leaves) == len(ref_leaves) and all(
+                torch.equal(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(leaves, ref_leaves)), (key, r)
+            for other in resumed:  # saved after 2 steps, loaded (into a store, into memory), one step more; the
+                # step counts aside: torch's Muon saves none, so a load starts Muon's parameters' counts at 0
+                assert len(other) == len(ref_leaves) and all(
+                    torch.equal(torch.from_numpy(a), torch.from_numpy(b))
+                    for a, b in zip(other, ref_leaves) if a.dtype != "int64"), (key, r)
+            assert len(resumed) == 2
+            # one unit's rows (and shard) read into memory at a time: all units' reads together are more (CPU:
+            # every unit in the store, read each step)
+            for peak, read, planned in peaks[1:]:
+                assert 0 < peak <= read and (peak < read or key == "nvme"), (key, peaks)
+                assert 2 * peak <= planned, (key, peaks)  # step.plan counts the unit read and its items written
+
+
+def test_offload_state_holds_one_unit_read_at_a_time(monkeypatch):
+    # every row read back from the store (Stored.load) is watched: when a unit's rows are read, no other unit's
+    # rows read before are still alive (one unit resident beyond the in-memory working set, not the model)
+    import weakref
+
+    from fshard.state._stored import Stored
+    read, most, load = [], [0], Stored.load
+
+    def watched(self):
+        alive = {k for k, r in read if r() is not None and k != self.key}
+        most[0] = max(most[0], len(alive) + 1)
+        t = load(self)
+        read.append((self.key, weakref.ref(t)))
+        return t
+
+    monkeypatch.setattr(Stored, "load", watched)
+    for donate in (False, True):
+        state = fs.init(_model("muon+adamw"), fs.Mesh.local(), CASES["muon+adamw"][0]())
+        with fs.compose(awkward_loss, fs.offload_state(fs.CPUStore(), params=True), donate=donate) as step:
+            for b in awkward_batches(2, 3):
+                state, _ = step(state, b)
+        units = {k.split("@")[0] for k, _ in read}  # (the units updated: those that got a gradient)
+        assert len(units) >= 3 and most[0] == 1, (donate, most, units)
 
 
 def test_misuse_names_the_parameter_and_the_fix():

@@ -131,18 +131,22 @@ class _StoredBoxes(_Boxes):
         return (self.order, self._by_offset[tuple(offsets)][2])
 
 
-def slot_boxes(u, s, rank: int, dtype, flat=None, stored=None) -> _Boxes:
+def slot_boxes(u, s, rank: int, dtype, flat=None, stored=None, shift: int = 0) -> _Boxes:
     """Slot ``s`` of unit ``u`` as boxes of this rank's piece of the unit: of ``flat`` (element 0 is the first of the
-    rank's shard), or of a store's chunks (``stored``: (items, row, window, order))."""
+    rank's shard), or of a store's chunks (``stored``: (items, row, window, order)). ``shift``: how far a compact row
+    (a partition's, fshard/optim/_protocol.py's covers) is shifted from the shard: its element 0 is the shard's
+    element ``shift``."""
     lo, hi = u.shard_range(rank)
     a, b = max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo  # shard-local
     if s.numel == 0:  # an empty parameter: one empty box, from rank 0, so that the checkpoint lists it
         boxes = [((0,) * len(s.shape), tuple(s.shape), 0, 0)] if rank == 0 else []
     else:
-        cuts = [(a, b, None)] if stored is None else [(max(a, c0), min(b, c1), c) for c, (c0, c1)
-                                                     in enumerate(stored[0].chunks) if max(a, c0) < min(b, c1)]
+        cuts = [(a, b, None)] if stored is None else [
+            (max(a, c0 + shift), min(b, c1 + shift), c) for c, (c0, c1) in enumerate(stored[0].chunks)
+            if max(a, c0 + shift) < min(b, c1 + shift)]  # (chunk bounds count the row's elements: shifted)
         base = lo - s.offset  # shard-local index -> index in the flattened parameter
-        boxes = [(o, sz, f - base, c) for a2, b2, c in cuts for o, sz, f in _boxes(s.shape, a2 + base, b2 + base)]
+        boxes = [(o, sz, f - base - shift, c) for a2, b2, c in cuts
+                 for o, sz, f in _boxes(s.shape, a2 + base, b2 + base)]
     if stored is None:
         return _Boxes(s.shape, dtype, flat, boxes)
     return _StoredBoxes(s.shape, dtype, boxes, *stored)

@@ -19,7 +19,7 @@ from ._files import MANIFEST, check_files, read_manifest
 from ._read import check_consistent, read_metadata, saved_hparams, warn_hparams
 from ._dcp import _Boxes, _Chunks, _LoadPlanner, _StreamingReader
 from ..errors import ArgumentError, ArgumentTypeError, CheckpointError
-from ..optim._protocol import count_key_of, initial_rows, row_names
+from ..optim._protocol import count_key_of, initial_rows, row_names, row_numel
 from ..state._placement import Placement, check_placement, placement_for, placement_of
 from ..state._stored import StoredParam, _chunks, _Items, _location, stored_state
 from ..state._train_state import TrainState
@@ -84,7 +84,7 @@ def _plan(path: Path, m: dict | None, like: TrainState, offload):
     saved = md.state_dict_metadata
     dev = like.spec.mesh.device
     where = placement_of(like) if offload is None else placement_for(
-        offload, [u for u in like.spec.units if like.opt_state.get(u.name) is not None], like.spec.mesh.rank,
+        offload, [u for u in like.spec.units if like.opt_state.get(u.name) is not None], like.spec.mesh.shard_rank,
         "fs.load(..., offload=)")
     opt_state = _new_moments(like, where, reader.targets)
     params = _new_params(like, where, reader.targets)
@@ -184,9 +184,12 @@ def _new_moments(like: TrainState, where: dict, targets: dict) -> dict:
                 out[u.name] = opt.zero_extra(out[u.name])
             continue
         dtype = opt.rows[0].dtype_for(u.dtype)  # (stored rows share one dtype: state/_stored.py's put_moments)
-        items = _target(targets, order, _Items(w.store, f"{u.name}@load-{tag}", _chunks(n, w.chunk), row_names(opt)),
-                        dtype)
-        out[u.name] = stored_state(st, items, count, n, dtype, _location(w.store))
+        numels = [row_numel(opt, u, rank, i) for i in range(len(opt.rows))]  # (fewer for a compact row, padded)
+        items = _target(targets, order, _Items(w.store, f"{u.name}@load-{tag}", _chunks(max(numels), w.chunk),
+                                               row_names(opt)), dtype)
+        out[u.name] = stored_state(st, items, count, numels, dtype, _location(w.store))
+        if hasattr(opt, "zero_extra"):  # its state beside the rows stays in memory: new tensors to fill
+            out[u.name] = opt.zero_extra(out[u.name])
     return out
 
 

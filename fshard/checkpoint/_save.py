@@ -87,7 +87,7 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
                 continue  # never updated: torch keeps no state for it (Adagrad's makes it when built: eager_state)
             key = count_key_of(opt, s.name)
             entry = {} if key is None else {key: torch.tensor(float(st.count[k]), dtype=torch.float32)}
-            entry.update((name, _shifted(slot_boxes(u, s, rank, **row), shift[i].get(k, 0)))
+            entry.update((name, slot_boxes(u, s, rank, **row, shift=shift[i].get(k, 0)))
                          for i, (name, row) in enumerate(zip(names, rows, strict=True)) if k in shift[i])
             entry.update(extra.get(s.name, {}))
             scalars = getattr(own, "saved_scalars", None)  # 0-dim state that follows the count (from_torch's)
@@ -99,13 +99,6 @@ def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, wind
     return {"model": model, "optim": {"state": optim, "param_groups": param_groups},
             "fshard": {"step": state.step, "skipped": state.skipped, "buffers": extra,
                        "transform_state": dict(state.transform_state), "layout": json.dumps(_layout_of(state))}}
-
-
-def _shifted(boxes, by: int):
-    """``boxes`` of a flat row whose element 0 is the shard's element ``by`` (a compact row), not the first."""
-    if by == 0:
-        return boxes
-    return _Boxes(boxes.shape, boxes.dtype, boxes.flat, [(o, sz, f - by, c) for o, sz, f, c in boxes.boxes])
 
 
 class _Shifted:

@@ -20,10 +20,9 @@ import torch.nn as nn
 from ..dist._agreement import HASH_BITS, agree
 from ..dist._collectives import Comm
 from ..errors import ArgumentError, ArgumentTypeError, InitError, RankDivergenceError
-from ..optim._protocol import refuse_unstreamable
 from ..state._flat import ALIGN_BYTES, ROOT, UnitLayout, plan_unit, shard, views
 from ..dist._mesh import Mesh
-from ..state._placement import flat_mesh_only, place_unit, placement_for
+from ..state._placement import place_unit, placement_for
 from ..state._stored import resident
 from ..state._train_state import ShardSpec, TrainState
 from ..store._checksum import checksum
@@ -72,9 +71,6 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     unit_mods = _find_units(model, units)
     groups = routed_groups(model, routed, unit_mods)
     owners, aliases = _assign(model, unit_mods)
-    if offload is not None:  # refused before any work: a 2-D mesh; rows that cannot stream through its updates
-        flat_mesh_only(mesh)
-        refuse_unstreamable(opt, "fs.init(..., offload=fs.offload_state(...))")
     layouts = _plan(model, unit_mods, owners, aliases, mesh.shard_size, align_bytes)  # (2-D: the shard group's)
     buffers: dict[str, torch.Tensor] = {}
     if abstract:  # shapes and dtypes only
@@ -92,7 +88,7 @@ def init(model: nn.Module, mesh: Mesh, opt, *, units=None, routed=None,
     params, opt_state, digests = {}, {}, {}
     # where offload= keeps each unit: written there as the unit is made (the units the optimizer makes state for)
     where = ({} if abstract or offload is None else
-             placement_for(offload, [u for u in layouts if u.trainable], mesh.rank, "fs.init(..., offload=)"))
+             placement_for(offload, [u for u in layouts if u.trainable], mesh.shard_rank, "fs.init(..., offload=)"))
     rows, tag = tuple(r.name for r in opt.rows), uuid.uuid4().hex[:8]
     for u, full in values:  # one unit's full values alive at a time; only this rank's shard is kept
         if mesh.group is not None and full is not None:

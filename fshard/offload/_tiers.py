@@ -28,5 +28,5 @@ def choose_tiers(layouts, rank: int, fractions) -> dict:
 def choose_stores(spec, opt_state, stores, fractions) -> dict:
     """Unit name -> the store of its tier (``choose_tiers`` over the units that have moments): offload_state's
     placement, which fs.init(..., offload=) and fs.load(..., offload=) follow too."""
-    tiers = choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.rank, fractions)
+    tiers = choose_tiers([u for u in spec.units if opt_state.get(u.name) is not None], spec.mesh.shard_rank, fractions)
     return {name: stores[t] for name, t in tiers.items()}

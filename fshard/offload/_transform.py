@@ -7,7 +7,9 @@ optimizer range; they are ``Stored`` leaves in the state (parameters: ``StoredPa
 update streams every active offloaded chunk, read(i+1) || update(i) || write(i-1) with a bounded number of buffers,
 through the same optimizer kernel on the same
 elements as without offload (bitwise: chunk boundaries are multiples of 16 elements, so vector lanes see every
-element in the same position).
+element in the same position). An optimizer whose rows cannot stream (fs.muon, fs.partition, fs.adafactor) is
+updated a whole unit at a time instead: read, its in-memory update, written back (fshard/offload/_whole.py). On a
+2-D mesh each rank keeps its shard's state, placed by its shard rank, so replicas hold equal bits.
 
 Purity: without ``donate``, updated chunks go under a new version key and the input state's items stay readable;
 an item is deleted once no state refers to it (``store.delete_later``, carried out at the store's next
@@ -29,9 +31,7 @@ from typing import Any
 
 from ..protocol._stages import UpdatePolicy
 from ..errors import ArgumentError, ArgumentTypeError
-from ..state._placement import flat_mesh_only
 from ._tiers import choose_tiers
-from ..optim._protocol import refuse_unstreamable
 from ._update import OffloadUpdate
 from ..state._placement import Where
 from ..state._stored import _location
@@ -115,7 +115,8 @@ class offload_state(Transform):
 
     def placement(self, units, rank: int) -> dict:
         """Unit name -> ``fs.state.Where`` (its tier's store, ``chunk_numel``, ``params``) for the units this
-        transform keeps in a store, among ``units`` (those with optimizer state): the ``Placement`` protocol
+        transform keeps in a store, among ``units`` (those with optimizer state) on shard rank ``rank`` (a 2-D
+        mesh's ``shard_rank``: replicas place alike): the ``Placement`` protocol
         (fshard/state/_placement.py), which ``fs.init(..., offload=)`` and ``fs.load(..., offload=)`` follow, so the
         step finds each unit where it would have put it."""
         tiers = choose_tiers(list(units), rank, self.fractions)
@@ -126,10 +127,9 @@ class offload_state(Transform):
                              self.worker_nice, self.params)
 
     def init_state(self, spec, old):
-        """No state of its own; refuses, before the step runs, an optimizer it cannot stream and a 2-D mesh
-        (``flat_mesh_only``)."""
-        flat_mesh_only(spec.mesh)
-        refuse_unstreamable(spec.optimizer, "fs.compose(..., fs.offload_state(...))")
+        """No state of its own. An optimizer that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a
+        whole unit at a time (fshard/offload/_whole.py); on a 2-D mesh each rank keeps its shard's state (its
+        shard group's 1/k), and the replicas of a shard hold equal bits."""
         return None
 
     def fingerprint(self) -> str:

@@ -16,8 +16,9 @@ from ._reader import Reader
 from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
 from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
-from ..optim._protocol import row_names, state_bytes
+from ..optim._protocol import row_names, state_bytes, streamable
 from ._tiers import choose_stores
+from ._whole import whole_units
 from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location, param_key,
                              put_moments, put_param, stored_state)
 from ..store import StoreError
@@ -51,12 +52,13 @@ class OffloadUpdate(UpdatePolicy):
         name, early = unit.name, step.scratch(self)
         s = step.state.opt_state.get(name)
         items = stored_items(s)
-        if (not self.overlaps(step.spec.mesh.device) or not step.grads_unchanged or unit.grad is None
+        if (not self.overlaps(step.spec.mesh.device) or not streamable(step.spec.optimizer)
+                or not step.grads_unchanged or unit.grad is None
                 or items is None or unit.shard.device.type not in ("cpu", "cuda")
                 or not unit.got_all() or name in early):
             return
         opt = step.spec.optimizer
-        count, segs = opt.plan(unit.layout, step.spec.mesh.rank, s.count, [True] * len(unit.layout.trainable),
+        count, segs = opt.plan(unit.layout, step.spec.mesh.shard_rank, s.count, [True] * len(unit.layout.trainable),
                                int(step.state.step))
         if not segs:
             return
@@ -115,9 +117,11 @@ class OffloadUpdate(UpdatePolicy):
         chosen = self._choose(spec, state)
         peak = {id(st): 0 for st in self.stores}
         in_place = dict(peak)  # per store, the largest chunk items written back in place
-        frees = self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
+        frees = (self.overlaps(spec.mesh.device) and step.grads_unread and spec.mesh.device.type in ("cpu", "cuda")
+                 and streamable(spec.optimizer))  # (whole units are updated after backward)
         kept, freed = 0, []  # gradient shards held until the update; those an update during backward frees
         movable = on_device = 0  # what the units hold on the device (Plan.fractions), and the part there now
+        whole, unit_most = not streamable(spec.optimizer), 0  # (whole units: the most one unit's items hold)
         for u in spec.units:
             s, on, p = state.opt_state.get(u.name), any(active.get(u.name, ())), state.params[u.name]
             if s is None:
@@ -147,8 +151,11 @@ class OffloadUpdate(UpdatePolicy):
             if store is not None:
                 peak[id(store)] += ((moments + head) * (2 if stored and on and clone else 1)
                                     + (p.nbytes - head if sp else 0) + (p.nbytes if moved else 0))
+                # (whole units: the rows stacked, each padded to the longest, all of a unit's items at once)
+                padded = (len(s.rows) * max(r.nbytes for r in s.rows) + head) if stored and on else 0
+                unit_most = max(unit_most, padded)
                 if stored and on and not clone:
-                    in_place[id(store)] = max(in_place[id(store)],
+                    in_place[id(store)] = max(in_place[id(store)], padded if whole else
                                               min(moments + head, (len(s.rows) + sp) * self.chunk
                                                   * s.rows[0].dtype.itemsize))
             if not on:
@@ -170,7 +177,10 @@ class OffloadUpdate(UpdatePolicy):
         # the streams' pool buffers: depth reads, the item worked on, depth writes; and a gather's reads
         f["store/buffer_bytes"] = ((2 * self.depth + 1) * sum(blk(n) for n in items)
                                    + (READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0))
-        at_peak = {id(st): peak[id(st)] + (self.depth + 1) * in_place[id(st)] for st in self.stores}
+        if whole:  # one unit at a time: its items read, the update's new rows (unless donated), the items written
+            f["store/buffer_bytes"] = (2 if donate else 3) * unit_most + (
+                READS_IN_FLIGHT * blk(self.chunk * 4) if self.params else 0)
+        at_peak = {id(st): peak[id(st)] + (1 if whole else self.depth + 1) * in_place[id(st)] for st in self.stores}
         f["store/peak_bytes"] = sum(at_peak.values())
         f["store/memory_peak_bytes"] = sum(at_peak[id(st)] for st in self.stores if st.directory is None)
         f["store/pool_bytes"] = sum(int(st.resident_bytes) for st in self.stores)  # in memory now
@@ -236,8 +246,11 @@ class OffloadUpdate(UpdatePolicy):
         in_memory = {n: (a if n not in stored else [False] * len(a)) for n, a in active.items()}
         m["update/overlapped_units"] = len(taken)
         t0 = time.perf_counter()
+        whole = not streamable(spec.optimizer)  # every unit updated whole, in model order (offload/_whole.py)
         try:
-            params, opt_state, inner_metrics, copies = self.inner(step, state, grads, in_memory, donate)
+            params, opt_state, inner_metrics, copies = (
+                whole_units(self, step, state, grads, active, donate, created, m) if whole else
+                self.inner(step, state, grads, in_memory, donate))
             copies = dict(copies)
             m.update(inner_metrics)
             for name in sorted(chosen.keys() - stored):
@@ -245,7 +258,7 @@ class OffloadUpdate(UpdatePolicy):
                                             m, step.record)
             streamed = []
             for u in spec.units:
-                if u.name not in stored:
+                if u.name not in stored or whole:
                     continue
                 s, on = state.opt_state[u.name], active[u.name]
                 held, first = stored_items(s), s.rows[0]  # (first: the numel, dtype and location of every row)
@@ -257,7 +270,7 @@ class OffloadUpdate(UpdatePolicy):
                              _Items(work.store, work.key, held.chunks, held.rows))
                     opt_state[u.name] = stored_state(s, items, work.count, first.numel, first.dtype, first.location)
                     continue
-                count, segs = spec.optimizer.plan(u, spec.mesh.rank, s.count, on, int(state.step))
+                count, segs = spec.optimizer.plan(u, spec.mesh.shard_rank, s.count, on, int(state.step))
                 if not segs:  # nothing to update: the same items serve the new state
                     opt_state[u.name] = s.with_rows(count, s.rows)
                     continue
@@ -282,8 +295,8 @@ class OffloadUpdate(UpdatePolicy):
             if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
                 for u in spec.units:
                     if u.name in chosen and isinstance(params[u.name], torch.Tensor):
-                        params[u.name] = self._put_param(chosen[u.name], u, spec.mesh.rank, params[u.name], created,
-                                                         m, step.record)
+                        params[u.name] = self._put_param(chosen[u.name], u, spec.mesh.shard_rank, params[u.name],
+                                                         created, m, step.record)
                         copies.pop(u.name, None)  # a gather casts what it reads: no copy to keep
         except Exception as e:
             self._fail(e, created, donate, state)

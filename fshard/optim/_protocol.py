@@ -22,7 +22,7 @@ Optional declarations extend this for optimizers that are not elementwise or cov
 - ``collective = True``: ``update`` needs the step's collectives (Muon's Newton-Schulz needs whole matrices), so the
   update policy passes ``comm=`` (the step's ``fs.protocol.Collectives``) to it; every rank calls ``update`` for the
   same units in the same order, so the collectives inside it match. Such an optimizer has no per-run ``apply`` a
-  streaming policy could call: ``fs.offload_state`` refuses it (``streamable``).
+  streaming policy could call (``streamable``): ``fs.offload_state`` updates it a whole unit at a time.
 - ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
   holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
   covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's
@@ -41,7 +41,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ArgumentError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
 
@@ -248,14 +247,3 @@ def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dty
 def state_bytes(s: UnitOptState) -> int:
     """The bytes of a unit's rows (held in memory or in a store), not counting the counts."""
     return sum(r.nbytes for r in s.rows)
-
-
-def refuse_unstreamable(opt, where: str) -> None:
-    """An ``ArgumentError`` for an optimizer whose rows cannot stream through per-run updates (``streamable``:
-    fs.muon's collective update, fs.partition's compact rows, fs.adafactor's factored rows)."""
-    if not streamable(opt):
-        raise ArgumentError(
-            f"{where}: fs.offload_state streams each unit's optimizer rows through per-run updates (plan, then apply "
-            f"on pieces of the rows), and {type(opt).__name__} does not update run by run (its update needs whole "
-            "matrices, or its rows cover only some parameters). Train it without fs.offload_state (its state stays "
-            "in device memory, sharded), or offload an elementwise optimizer such as fs.adamw.")

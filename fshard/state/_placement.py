@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ArgumentTypeError, OffloadError
+from ..errors import ArgumentTypeError
 from ..store._protocol import locked
 from ._flat import UnitLayout
 from ._stored import in_store, param_key, put_moments, put_param, stored_items
@@ -94,12 +94,3 @@ def place_unit(where: Where | None, u: UnitLayout, rank: int, param, s, rows: tu
 
 
 __all__ = ["Where", "Placement", "check_placement", "placement_for", "placement_of", "place_unit"]
-
-
-def flat_mesh_only(mesh) -> None:
-    """fs.offload_state (and any placement into stores) places and streams a rank's moments and shards by its rank of a 1-D mesh: a 2-D mesh is refused."""
-    if mesh.replicas > 1:
-        raise OffloadError(f"fs.offload_state on a 2-D mesh ({mesh}) is not supported yet (issue #41): offloaded "
-                           "moments and parameters are placed and streamed per rank of a 1-D mesh. Offload on a 1-D "
-                           f"mesh (fs.Mesh.from_env(shard_size={mesh.world_size}): every rank, also on several "
-                           "nodes), or train the 2-D mesh without fs.offload_state.")

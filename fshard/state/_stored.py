@@ -74,7 +74,8 @@ class Stored(_Flat):
         """The tensor, read back from the store (for inspection and tests)."""
         out = torch.empty(self.numel, dtype=self.dtype)
         for (lo, hi), k in zip(self.items.chunks, self.items.item_keys()):
-            out[lo:hi] = self.items.store.get(k).wait()[self.row]
+            if lo < self.numel:  # (a compact row stacked with longer ones ends before the items do: put_moments)
+                out[lo:min(hi, self.numel)] = self.items.store.get(k).wait()[self.row, :min(hi, self.numel) - lo]
         return out
 
     def __repr__(self) -> str:
@@ -192,7 +193,8 @@ def param_key(key: str) -> str:
 def put_moments(store, key: str, s, names: tuple[str, ...], chunk: int, created: list):
     """``s``'s rows (named ``names``, the optimizer's declared rows) written to ``store`` (the caller holds its lock)
     as chunk items ``(key, i)``, the rows stacked, each key noted in ``created`` as it is written: the same state
-    with Stored leaves."""
+    with Stored leaves. Rows of different lengths (compact rows: fs.partition's, fs.adafactor's) are stacked zero
+    padded at their end to the longest one, so element f of every row sits at column f - lo of chunk (lo, hi)."""
     rows = s.rows
     if not rows:  # an optimizer without per-parameter rows (plain SGD): nothing to keep in the store
         return s
@@ -200,19 +202,34 @@ def put_moments(store, key: str, s, names: tuple[str, ...], chunk: int, created:
         raise ArgumentError(f"fs.offload_state keeps a unit's optimizer rows stacked in one store item, so they need "
                             f"one dtype; the rows {names} are {[r.dtype for r in rows]}. Keep this optimizer's state "
                             "on the device (offload_state(fraction=0) or no offload).")
-    n, dtype = rows[0].numel(), rows[0].dtype
-    chunks, handles = _chunks(n, chunk), []
-    for i, (lo, hi) in enumerate(chunks):
-        handles.append(store.put((key, i), torch.stack([r[lo:hi] for r in rows])))
-        created.append((key, i))
+    items = _Items(store, key, _chunks(max(r.numel() for r in rows), chunk), names)
+    write_rows(items, rows, created)
+    return stored_state(s, items, s.count, tuple(r.numel() for r in rows), rows[0].dtype, _location(store))
+
+
+def write_rows(items: _Items, rows, created: list) -> None:
+    """``rows`` (tensors, one per name of ``items``) written as ``items``' chunk items, stacked, each zero padded at
+    its end to the longest (the caller holds the store's lock); each key noted in ``created``. An item already
+    there is replaced (the store keeps the previous version until the new one is complete)."""
+    handles, even = [], len({r.numel() for r in rows}) == 1  # (even: every row the same length, as AdamW's)
+    for k, (lo, hi) in zip(items.item_keys(), items.chunks):
+        if even:
+            item = torch.stack([r[lo:hi] for r in rows])
+        else:
+            item = torch.zeros(len(rows), hi - lo, dtype=rows[0].dtype)
+            for j, r in enumerate(rows):
+                item[j, :max(0, min(hi, r.numel()) - lo)] = r[lo:hi].detach().to("cpu")
+        handles.append(items.store.put(k, item))
+        created.append(k)
     for h in handles:
         h.wait()
-    return stored_state(s, _Items(store, key, chunks, names), s.count, n, dtype, _location(store))
 
 
-def stored_state(like, items: _Items, count, numel: int, dtype, location: str):
-    """A unit state of ``like``'s kind whose rows are the rows of ``items`` (``Stored`` leaves), with ``count``."""
-    return like.with_rows(count, [Stored(items, r, numel, dtype, location) for r in range(len(items.rows))])
+def stored_state(like, items: _Items, count, numel, dtype, location: str):
+    """A unit state of ``like``'s kind whose rows are the rows of ``items`` (``Stored`` leaves), with ``count``;
+    ``numel``: every row's elements, or a sequence of one per row (compact rows)."""
+    numels = (numel,) * len(items.rows) if isinstance(numel, int) else tuple(numel)
+    return like.with_rows(count, [Stored(items, r, numels[r], dtype, location) for r in range(len(items.rows))])
 
 
 def in_store(leaf) -> Stored | StoredParam | None:
