@@ -19,8 +19,9 @@ def test_optim_benchmark_quick_times_every_optimizer_against_its_peer(tmp_path):
     out = tmp_path / "optim.json"
     log = run_logged([sys.executable, _SCRIPT, "--quick", "--json", str(out)], env=_ENV, timeout=120)
     res = json.loads(out.read_text())
-    assert list(res) == ["adamw", "adam", "adam(impl=fused)", "sgd(momentum)", "sgd(nesterov)", "adagrad", "rmsprop",
-                         "lion", "adafactor", "from_torch(NAdam)"]
+    assert list(res) == ["adamw", "adam", "adam(impl=fused)", "sgd(momentum)", "sgd(nesterov)",
+                         "sgd(momentum, impl=fused)", "adagrad", "adagrad(impl=fused)", "rmsprop", "lion", "adafactor",
+                         "from_torch(NAdam)"]
     for name, r in res.items():
         assert r["fshard_ms"] > 0 and r["torch_ms"] > 0 and r["elements"] == 32_192, (name, r)
         assert r["speed_ratio"] == pytest.approx(r["torch_ms"] / r["fshard_ms"]) and len(r["per_repeat"]) == 2
