@@ -22,7 +22,8 @@ ranks and replicates it over the groups.
   whose directory every rank names alike (each store makes its own private directory in it, as on a node's local
   disk), bitwise the same run in memory on the same mesh, both replicas of a shard equal; a checkpoint saved from
   the offloaded state loads on a 1-D mesh of 2 bitwise; and a partition of Muon and AdamW offloaded (whole units)
-  bitwise its run in memory.
+  bitwise its run in memory; at 6 ranks (3 x 2, 2 x 3, with gather_ahead and bucket_reduce) CPU and NVMe stores
+  bitwise the run in memory.
 """
 from __future__ import annotations
 
@@ -540,3 +541,38 @@ def test_offload_state_on_2d_is_the_run_in_memory_and_its_checkpoint_loads_on_1d
     for key in ("cpu", "nvme"):
         for loaded in run_ranks(_load, 2, str(tmp_path / "ck" / key), None, None):
             assert loaded == got[0]["none"][2], key
+
+
+def _offloaded_6(shard_size: int, directory: str):
+    """At 6 ranks with ``shard_size``: the losses and this rank's state leaves after STEPS steps, in memory and with
+    the state in stores (CPU with the parameter shards; NVMe for half the units, one path for every rank)."""
+    import fshard as fs
+    from fshard.testing import snapshot
+    mesh = fs.Mesh.from_env(shard_size=shard_size)
+    out = {}
+    for key, make in (("none", None), ("cpu", lambda: fs.offload_state(fs.CPUStore(), chunk_mb=0.001, params=True)),
+                      ("nvme", lambda: fs.offload_state(fs.NVMeStore(directory), fraction=0.5, chunk_mb=0.001))):
+        model, loss_fn, batches = oracle_model("awkward", 1)
+        off = None if make is None else make()
+        state = fs.init(model, mesh, fs.adamw(**HP), offload=off)
+        losses = []
+        with fs.compose(loss_fn, fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=0.0002),
+                        *(() if off is None else (off,))) as step:
+            for b in batches(mesh.rank, mesh.world_size):
+                state, m = step(state, b)
+                losses.append(m["loss"])
+        assert off is None or state.nbytes()["stored"] > 0
+        out[key] = (losses, [t.numpy().tobytes() for t in snapshot(state)])
+    return out
+
+
+@pytest.mark.parametrize("shard_size", [2, 3])
+def test_offload_state_at_six_ranks_is_the_run_in_memory(tmp_path, shard_size):
+    """3 x 2 and 2 x 3 with gather_ahead and bucket_reduce: offloaded (CPU with parameters, NVMe for half the units)
+    bitwise the same run in memory on the same mesh (which the tests above hold to DDP), every replica of a shard
+    alike."""
+    got = run_ranks(_offloaded_6, 6, shard_size, str(tmp_path / "nvme"))
+    for rank, out in enumerate(got):
+        for key in ("cpu", "nvme"):
+            assert out[key] == out["none"], (shard_size, key, rank)
+            assert out[key][1] == got[rank % shard_size][key][1]  # the first replica of this shard
