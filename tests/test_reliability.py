@@ -59,6 +59,7 @@ The multi-rank cases (divergence, failures on one rank, a hung rank, Ctrl-C) are
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,7 +87,24 @@ def _python(code: str, timeout: float = 180, **env) -> subprocess.CompletedProce
 
 # --- the native build's lock ------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _suite_holds_the_shared_build():
+    """Held by the tests that plant a stale lock in the shared kernel cache or assert that nothing rebuilds there,
+    so that pytest-xdist's other worker never runs one while the other's stale lock exists (it did: a race)."""
+    import fcntl
+    from fshard.ops import _build
+    _build.build()
+    with open(_build.cache_root() / ".suite-build-test-lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def test_a_build_killed_halfway_leaves_no_lock_that_blocks_the_next():
+    with _suite_holds_the_shared_build():
+        _a_build_killed_halfway()
+
+
+def _a_build_killed_halfway():
     from fshard.ops import _build
     _build.build()  # built once (the suite's ops tests have built it already); BuildError without a compiler
     cuda = _build.want_cuda()
@@ -537,6 +555,11 @@ def _load_ops(src=None, cache=None, timeout: float = 600) -> subprocess.Complete
 
 
 def test_two_checkouts_share_one_build(ops_copies):
+    with _suite_holds_the_shared_build():
+        _two_checkouts_share_one_build(ops_copies)
+
+
+def _two_checkouts_share_one_build(ops_copies):
     d = _built()
     so = next(d.glob("fshard_ops_*.so"))
     mark = lambda: (so.stat().st_ino, so.stat().st_mtime_ns)  # noqa: E731
