@@ -255,21 +255,9 @@ def _register_muon_configs(stepbench) -> None:
 
     @stepbench.register("fshard+ahead+buckets+muon")
     def _fshard_muon(ctx):
-        opt = fs.partition({"muon": fs.muon(lr=MUON_LR, weight_decay=0.1),
-                            "adamw": fs.adamw(**stepbench._adamw_kwargs(ctx.args))}, muon_label)
-        state = fs.init(ctx.fresh_model(), fs.Mesh.from_env(), opt)
-        step_fn = fs.compose(loss_fn, *stepbench._ahead_buckets())
-        holder = {"state": state}
-
-        def step(batch):
-            holder["state"], metrics = step_fn(holder["state"], batch)
-            return float(metrics["loss"]), metrics
-
-        def close():
-            holder.clear()
-            step_fn.close()
-
-        return Runner(step, close, loss_is_global=True)
+        return stepbench.fshard_runner(ctx, *stepbench._ahead_buckets(), optimizer=lambda ctx: fs.partition(
+            {"muon": fs.muon(lr=MUON_LR, weight_decay=0.1), "adamw": fs.adamw(**stepbench._adamw_kwargs(ctx.args))},
+            muon_label))
 
 
 MUON_CONFIGS = ("ddp+muon", "fshard+ahead+buckets+muon")

@@ -233,10 +233,11 @@ def _fsdp2_fp16(ctx):  # fp16 gathers and compute, fp32 reduce, and ShardedGradS
 
 
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
-                  env: dict | None = None, **compose_kwargs) -> Runner:
+                  env: dict | None = None, optimizer: Callable | None = None, **compose_kwargs) -> Runner:
     """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``);
-    ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``); ``env`` is
-    set while the config runs (e.g. ``FSHARD_GATHER``)."""
+    ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``), or
+    ``optimizer(ctx)`` makes another optimizer (benchmarks/optim.py's Muon); ``env`` is set while the config runs
+    (e.g. ``FSHARD_GATHER``)."""
     import fshard as fs
 
     saved_env = {k: os.environ.get(k) for k in (env or {})}
@@ -246,7 +247,7 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kw
         if not hasattr(fs, name):
             raise RuntimeError(f"fshard has no {name!r} yet (core API not landed)")
     mesh = fs.Mesh.from_env()  # reuses the process group this script initialised
-    opt = fs.adamw(**{**_adamw_kwargs(ctx.args), **(opt_kwargs or {})})
+    opt = optimizer(ctx) if optimizer is not None else fs.adamw(**{**_adamw_kwargs(ctx.args), **(opt_kwargs or {})})
     if ctx.rank == 0 and hasattr(opt, "resolved_impl"):
         print(f"[step.py] fs.adamw implementation: {opt.resolved_impl(mesh.device)}", flush=True)
     model, meta_kwargs = ctx.fshard_model()
