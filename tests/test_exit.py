@@ -173,8 +173,8 @@ def _failed_step_holds(_):
     from fshard.dist._agreement import _DESC_BYTES
     finalized, real = [], _mesh._release_held
 
-    def spy(held):  # the finalizer's function (looked up when hold() registers it): after its wait, only ours
-        real(held)
+    def spy(held, callbacks):  # the finalizer's function (looked up when hold() registers it): after its wait
+        real(held, callbacks)
         finalized.append((len(held), all(t._use_count() == 1 for t in held)))
 
     from _exit_runs import fail_a_step
@@ -201,3 +201,85 @@ def test_a_failed_steps_last_collectives_are_held_until_gloo_lets_go_and_the_mes
         assert any(d.startswith("failed") and "boom" in d for d in descriptors), (rank, descriptors)
         assert len(descriptors) >= 3 and let_go, (rank, descriptors, let_go)
         assert len(finalized) == 1 and finalized[0][0] >= 4 and finalized[0][1], (rank, finalized)
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "gather",
+                "reduce", "reduce_scatter_tensor")
+
+
+def _issued(tmp):
+    """Every collective of a run, as fshard calls ``torch.distributed``: whether saved-tensor hooks were on the
+    thread's stack when it was issued (torch copies them into the work: fshard/dist/_bare.py)."""
+    import torch
+    import torch.distributed as dist
+
+    import fshard as fs
+    from _exit_runs import fail_a_step
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    seen, in_forward = [], []
+    for name in _COLLECTIVES:  # (fshard looks them up on the module at each call)
+        def spy(*args, _real=getattr(dist, name), _name=name, **kwargs):
+            seen.append((_name, top(True) is not None))
+            return _real(*args, **kwargs)
+        setattr(dist, name, spy)
+    mesh = fs.Mesh.from_env()
+    state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]), mesh, fs.adamw())
+
+    def loss_fn(m, x):
+        in_forward.append(top(True) is not None)  # fshard's hooks are in force in the forward (and a user's)
+        return m(x).square().mean()
+
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.001), fs.mixed_precision(torch.bfloat16),
+                    timeline=True) as step, \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # a user's, around everything
+        for _ in range(2):
+            state, metrics = step(state, torch.randn(4, 8))
+        fs.save(os.path.join(tmp, "ckpt"), state)
+        fs.timeline(metrics, mesh=mesh)
+    fail_a_step(mesh)
+    return seen, in_forward
+
+
+def test_no_collective_carries_the_steps_saved_tensor_hooks(tmp_path):
+    """A step's forward and backward run under fshard's saved-tensor hooks (bound methods of the step's run, which
+    holds the mesh and its process group), and torch copies the hooks in force into every work it makes: gloo's
+    thread then dropped them, taking the GIL, after the work finished, which aborted a script exiting at that moment
+    and kept the group alive past ``destroy_process_group()``. Every collective fshard issues in a step (gathers
+    ahead, bucketed reductions, checks, the vote), in ``fs.save``, and in a failing step's exchange is issued with
+    none on the stack, even inside a user's own hooks."""
+    from _dist import run_ranks
+    for rank, (seen, in_forward) in enumerate(run_ranks(_issued, 2, str(tmp_path))):
+        assert in_forward and all(in_forward), (rank, in_forward)  # (the premise: hooks were in force)
+        kinds = {name for name, _ in seen}
+        assert {"all_reduce", "all_gather"} <= kinds and kinds & {"all_gather_into_tensor", "broadcast"} and \
+            kinds & {"reduce_scatter_tensor", "reduce"}, (rank, kinds)
+        assert [name for name, hooked in seen if hooked] == [], (rank, seen)
+
+
+def test_a_gloo_mesh_waits_for_gloo_to_run_and_let_go_of_the_completion_callbacks_it_watches():
+    """``Mesh.hold_callback``: a step's gathers give gloo's futures a Python callback (the completion stamp), which
+    gloo's thread runs and drops, with the GIL, maybe after ``wait()`` returned; the mesh's finalizer waits until
+    every watched callback is gone (here a timer's thread holds one 0.2 s), so none is left to gloo at finalization.
+    Other backends watch nothing."""
+    import threading
+    import time
+
+    import torch
+
+    import fshard as fs
+    for backend in ("local", "nccl"):
+        mesh = fs.Mesh(0, 2, backend, torch.device("cpu"))
+        mesh.hold_callback(lambda: None)
+        assert mesh.runtime.callbacks == [] and mesh.runtime.finalizer is None, backend
+    mesh = fs.Mesh(0, 2, "gloo", torch.device("cpu"))
+    for _ in range(100):  # finished ones are let go of as more come
+        mesh.hold_callback(lambda: None)
+    assert len(mesh.runtime.callbacks) <= 64
+    callback = (lambda: None)
+    other = [callback]  # gloo's future, as it holds the callback until its thread has run it
+    mesh.hold_callback(callback)
+    del callback
+    threading.Timer(0.2, other.clear).start()
+    t0 = time.monotonic()
+    del mesh
+    assert time.monotonic() - t0 >= 0.15 and other == []

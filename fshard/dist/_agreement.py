@@ -30,6 +30,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from ._bare import bare
 from ..errors import (BatchMismatchError, CollectiveError, FshardError, RankDivergenceError, RankFailedError,
                       StepError)
 
@@ -70,8 +71,9 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
     comm.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
     mesh.runtime.checks += 1
-    wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], comm,
-               lambda: f"the check before its {describe(entry)}")
+    with bare():
+        work = dist.all_reduce(buf, group=mesh.group, async_op=True)
+    wait_works([work], comm, lambda: f"the check before its {describe(entry)}")
     mesh.hold(buf)  # the last check before the process exits may be this one (Mesh.hold)
     s, q, failed = buf.tolist()
     if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
@@ -105,8 +107,9 @@ def _descriptors(comm, mine: str) -> list[str]:
     t = torch.zeros(_DESC_BYTES, dtype=torch.uint8, device=mesh.device)
     t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
     out = [torch.empty_like(t) for _ in range(mesh.world_size)]
-    wait_works([dist.all_gather(out, t, group=mesh.group, async_op=True)], comm,
-               lambda: "the exchange of what each rank did")
+    with bare():
+        work = dist.all_gather(out, t, group=mesh.group, async_op=True)
+    wait_works([work], comm, lambda: "the exchange of what each rank did")
     mesh.hold(t, *out)  # a script that catches the error may exit right after (Mesh.hold)
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._bare import bare
 from ._agreement import _descriptors, all_equal, small_hash, wait_works
 from ._collectives import Comm
 from ..errors import CollectiveError, RankDivergenceError, RankFailedError
@@ -54,7 +55,9 @@ class Call:
         if self.mesh.group is None:
             return t
         d = t.to(self.mesh.device)
-        wait_works([dist.all_reduce(d, group=self.mesh.group, async_op=True)], self.comm, lambda: what)
+        with bare():
+            work = dist.all_reduce(d, group=self.mesh.group, async_op=True)
+        wait_works([work], self.comm, lambda: what)
         return d.cpu()
 
     def _check(self, what: str, value=None, differ: str = "", failure: BaseException | None = None) -> None:
@@ -64,8 +67,9 @@ class Call:
         h = float(small_hash(value)) if failure is None else 0.0
         buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
         mesh.runtime.checks += 1  # (the same count on every rank: explain() keys its reports by it)
-        wait_works([dist.all_reduce(buf, group=mesh.group, async_op=True)], self.comm,
-                   lambda: f"the other ranks at {what}")
+        with bare():
+            work = dist.all_reduce(buf, group=mesh.group, async_op=True)
+        wait_works([work], self.comm, lambda: f"the other ranks at {what}")
         mesh.hold(buf)  # a script may exit right after a save, a load or their failure (Mesh.hold)
         s, q, failed = buf.tolist()
         if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:

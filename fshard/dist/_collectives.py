@@ -30,6 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from ._bare import bare
 from ._agreement import HASH_BITS, exchange, wait_works
 from ._protocol import Collectives
 from ._mesh import _FASTEST_GATHER, Mesh
@@ -58,8 +59,11 @@ class Flight:
             except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
                 futures = []
             for i, fut in enumerate(futures):
-                # (the stamps, not the flight: gloo's thread then holds no reference to the step's objects)
-                fut.add_done_callback(lambda _f, i=i, s=self._stamps: s.__setitem__(i, time.perf_counter()))
+                # (the stamps, not the flight: gloo's thread then holds no reference to the step's objects; the
+                # mesh watches the callback until gloo's thread has run it and let go: Mesh.hold_callback)
+                stamp = (lambda _f, i=i, s=self._stamps: s.__setitem__(i, time.perf_counter()))
+                fut.add_done_callback(stamp)
+                comm.mesh.hold_callback(stamp)
 
     def done(self) -> bool:
         """Has every work completed? Never blocks; ``wait()`` is still what makes the output usable."""
@@ -205,15 +209,18 @@ class Comm:
                 out.copy_(shard)
             works = []
         elif self.impl == "all_gather":
-            works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
+            with bare():
+                works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
         elif self.impl == "broadcast":
             parts = out.chunk(n)
             parts[rank].copy_(shard)
-            works = [dist.broadcast(parts[r], group_src=r, group=g, async_op=True) for r in range(n)]
+            with bare():
+                works = [dist.broadcast(parts[r], group_src=r, group=g, async_op=True) for r in range(n)]
         else:  # all_reduce of a buffer that is -0.0 except this rank's shard: x + (-0.0) == x for every float x
             out.fill_(-0.0 if out.is_floating_point() else 0)
             out.chunk(n)[rank].copy_(shard)
-            works = [dist.all_reduce(out, group=g, async_op=True)]
+            with bare():
+                works = [dist.all_reduce(out, group=g, async_op=True)]
         return self._flight(works, t0, "gather", tag)
 
     def _flight(self, works: list, t0: float, phase: str, tag: str) -> Flight:
@@ -263,8 +270,9 @@ class Comm:
                 out.copy_(shard)
         elif not self.dry and mesh.replica_rank == 0:  # (waited for as every collective: interruptible, named)
             pieces = list(out.split(shard.numel())) if mesh.shard_rank == 0 else None
-            wait_works([dist.gather(shard, gather_list=pieces, group_dst=0, group=mesh.shard_group, async_op=True)],
-                       self, lambda: f"its gather of {tag!r} to rank 0")
+            with bare():
+                work = dist.gather(shard, gather_list=pieces, group_dst=0, group=mesh.shard_group, async_op=True)
+            wait_works([work], self, lambda: f"its gather of {tag!r} to rank 0")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- this rank's slice of the sum over the shard group of full``; wait on the returned flight.
@@ -279,8 +287,9 @@ class Comm:
                 out.copy_(full)
             works = []
         else:
-            works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.shard_group,
-                                                async_op=True)]
+            with bare():
+                works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.mesh.shard_group,
+                                                    async_op=True)]
         return self._flight(works, t0, "reduce", tag)
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
@@ -294,8 +303,10 @@ class Comm:
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
         t0 = time.perf_counter()
         g = self.mesh.shard_group
-        works = [] if g is None or self.dry or self.mesh.shard_size == 1 else [
-            dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True) for r, t in enumerate(sections)]
+        with bare():
+            works = [] if g is None or self.dry or self.mesh.shard_size == 1 else [
+                dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
+                for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
@@ -310,8 +321,9 @@ class Comm:
             self.trace.append(entry)
         t0 = time.perf_counter()
         g = self.mesh.replica_group
-        works = [] if g is None or self.dry or self.mesh.replicas == 1 else [
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)]
+        with bare():
+            works = [] if g is None or self.dry or self.mesh.replicas == 1 else [
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)]
         return self._flight(works, t0, "replica", tag)
 
     def all_reduce(self, t: torch.Tensor, tag: str, op=dist.ReduceOp.SUM, over: str = "world") -> torch.Tensor:
@@ -330,7 +342,9 @@ class Comm:
         if g is not None and n > 1:  # (the sum over one rank is its own value)
             self.bytes["control"] += t.nbytes
             if not self.dry:
-                wait_works([dist.all_reduce(t, op=op, group=g, async_op=True)], self, lambda: f"its {tag!r}")
+                with bare():
+                    work = dist.all_reduce(t, op=op, group=g, async_op=True)
+                wait_works([work], self, lambda: f"its {tag!r}")
         t1 = time.perf_counter()
         self.seconds["control"] += t1 - t0
         if self.spans is not None:

@@ -84,22 +84,29 @@ def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
     return True
 
 
-def _release_held(held) -> None:
+def _release_held(held, callbacks) -> None:
     """When the mesh dies, or at exit if it lives that long (weakref.finalize: before finalization, every thread still
     able to take the GIL): wait, bounded, until gloo's threads have let go of the tensors ``Mesh.hold`` kept, so
-    that they are freed on this thread."""
+    that they are freed on this thread, and have run and dropped the completion callbacks ``Mesh.hold_callback``
+    watches (a weak reference dies once the thread that ran it has let go of it, with the GIL)."""
     released(*held)
+    deadline = time.monotonic() + _RELEASE_S
+    while any(r() is not None for r in callbacks) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class MeshRuntime:
     """What a mesh counts and owns while it is used, kept out of its frozen identity (``Mesh.runtime``): the checks
     made on it (``checks``: fshard/dist/_agreement.py, dist/_call.py; every rank counts alike, so transport errors
-    key their reports by it), the last small collectives' tensors (``held``: ``Mesh.hold``), and its background
-    worker (``Mesh.background``)."""
+    key their reports by it), the last small collectives' tensors (``held``: ``Mesh.hold``), weak references to the
+    completion callbacks gloo's threads hold (``callbacks``: ``Mesh.hold_callback``), the finalizer that waits for
+    both, and its background worker (``Mesh.background``)."""
 
     def __init__(self):
         self.checks = 0
         self.held: deque = deque(maxlen=_HELD)
+        self.callbacks: list = []  # weak references to Python callbacks gloo's threads hold (Mesh.hold_callback)
+        self.finalizer: weakref.finalize | None = None
         self.background: Background | None = None
 
 
@@ -210,10 +217,27 @@ class Mesh:
         waits (bounded) for gloo to let go, before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
         if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
             return
-        held = self.runtime.held
-        if not held:  # the first: the mesh's finalizer waits for them when it dies or at exit
-            weakref.finalize(self, _release_held, held)
-        held.extend(tensors)
+        self._finalizer()
+        self.runtime.held.extend(tensors)
+
+    def hold_callback(self, callback) -> None:
+        """Watch a Python function given to a gloo work's future (``add_done_callback``): gloo's worker thread
+        runs it when the work completes, maybe after ``wait()`` has returned here, and then drops it, taking the GIL
+        for both; at exit that would be the abort ``hold`` describes. The mesh's finalizer waits (bounded) until
+        every watched callback has been run and let go of. Costs a weak reference and an append."""
+        if self.backend != "gloo":
+            return
+        self._finalizer()
+        callbacks = self.runtime.callbacks
+        if len(callbacks) >= 64:  # (the finished ones are let go of: a long run keeps a few)
+            callbacks[:] = [r for r in callbacks if r() is not None]
+        callbacks.append(weakref.ref(callback))
+
+    def _finalizer(self) -> None:
+        """The first time: the mesh's finalizer, which waits for what ``hold`` and ``hold_callback`` kept."""
+        rt = self.runtime
+        if rt.finalizer is None:
+            rt.finalizer = weakref.finalize(self, _release_held, rt.held, rt.callbacks)
 
     @property
     def checks(self) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..dist._bare import bare
 from ..dist._mesh import Mesh
 
 LANES = ("compute", "gather", "reduce", "replica", "control", "update", "store")  # drawing order; waits over compute
@@ -104,7 +105,8 @@ def timeline(metrics, path=None, *, mesh: Mesh | None = None, title: str | None 
     if mesh is not None and mesh.world_size > 1:
         mesh.check_alive()
         ranks = [None] * mesh.world_size
-        dist.all_gather_object(ranks, (rank, spans, seconds), group=mesh.group)
+        with bare():  # (no Python object of the caller's saved-tensor hooks into the work: fshard/dist/_bare.py)
+            dist.all_gather_object(ranks, (rank, spans, seconds), group=mesh.group)
     ranks.sort(key=lambda x: x[0])
     flat = tuple((r, *s) for r, sp, _ in ranks for s in sp)
     busy = [_union([(a, b) for lane, _, a, b in sp if lane in ("gather", "reduce")]) for _, sp, _ in ranks]

@@ -1,0 +1,44 @@
+"""Collectives issued with no Python object in the thread state torch copies into them (``bare``).
+
+torch copies the calling thread's ``at::ThreadLocalState`` into every work a process group makes (gloo's
+``AsyncWork``), and with it the Python objects that state holds: the saved-tensor hooks in force. A step's forward
+and backward run under fshard's own (``StepRun._active``: ``_pack``/``_unpack``, bound methods of the step's run,
+which holds its ``Comm``, the mesh and through it the process group), so every gather and reduction of a step
+carried a reference to the step's whole run. gloo's worker thread destroys a finished work a moment after ``wait()``
+returns on the caller's side, and dropping those references takes the GIL there. Two failures followed, both seen:
+
+- at exit, an abort: a script that caught an fshard error and exited reached interpreter finalization while gloo's
+  worker, descheduled under load, had yet to destroy the failed step's last works; CPython ends a thread that asks
+  for the GIL during finalization with ``pthread_exit``, and unwinding through the work's (noexcept) destructor is
+  ``std::terminate``: "terminate called without an active exception" (the core: design/ARCHITECTURE.md, "Exit and
+  teardown");
+- the process group outliving ``dist.destroy_process_group()``: the run, and so the mesh, were held from C++ by
+  works not yet destroyed, a referrer no garbage collection sees.
+
+So every collective fshard issues is issued inside ``bare()``, which takes the saved-tensor hooks off this thread's
+stack for the call (a c10d collective records nothing for autograd: they have no use there) and puts them back, in
+order, after it. The Python modes (``TorchFunctionMode``, ``TorchDispatchMode``) a caller may have entered are left
+in force: taking them off would change how the collective dispatches, and fshard enters none.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_autograd = torch._C._autograd
+
+
+@contextlib.contextmanager
+def bare():
+    """Run the body (one collective's issue) with no saved-tensor hooks on this thread; restores them after."""
+    hooks = []
+    if _autograd._saved_tensors_hooks_is_enabled():  # (disabled, the stack cannot be pushed back: left as it is)
+        while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
+            hooks.append(top)
+            _autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            _autograd._push_saved_tensors_default_hooks(pack, unpack)
