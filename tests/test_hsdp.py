@@ -12,7 +12,12 @@ ranks and replicates it over the groups.
   bucket_reduce(per_unit) + skip_nonfinite; accumulate; and shard_size 1 (DDP with fshard's state). Losses and
   parameters within 1e-6; every replica group holds the same bits; each rank's state holds 1/k of the model;
   step.plan's traffic (the replica bytes their own figure) is what the step moves; eval's loss is DDP's.
-- bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh).
+- bf16 (fs.mixed_precision) on 2 x 2 against FSDP2's HSDP (fully_shard on a (replicate, shard) device mesh), bitwise.
+- At 6 ranks, 3 x 2 and 2 x 3 in one spawn, against FSDP2's HSDP: bf16 with gather_ahead + bucket_reduce, bf16 with
+  accumulate + clip (the global norm torch's), fp16 with dynamic loss scaling (the scale and the skipped steps
+  ShardedGradScaler's); the first losses bitwise, then within bf16's resolution and parameters within 2e-3 (why not
+  bitwise: the test's docstring); traffic (bf16 gathers, fp32 reductions), 1/k of each unit, replicas alike; and bf16
+  with offload_state (a CPUStore with the parameter shards) bitwise the run in memory.
 - Checkpoints: saved on 2 x 2 (each shard written once; blocking and in the background), loaded on 1-D meshes of 2
   and 3 ranks and back onto a 2-D one (4 replicas of 1), every parameter and moment bitwise the saved one.
 - Two torchrun agents as two nodes: the default mesh is a shard group a node; against DDP; one shared checkpoint.
@@ -600,7 +605,8 @@ def _mixed_at_six():
     """One spawn of 6 ranks, on 3 x 2 then 2 x 3: per config of SIX, fshard (gather_ahead + bucket_reduce +
     mixed_precision) and FSDP2's HSDP on the same weights and batches for STEPS steps. Per (shard_size, config): the
     losses (fp16: with the loss scale and whether the step was skipped), the parameter differences, each unit's
-    shard and whole sizes, the last step's traffic and step.plan's, and this rank's state leaves as bytes."""
+    shard and whole sizes, the last step's traffic and step.plan's, and this rank's parameter shards and moments as
+    bytes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.tensor import DTensor
@@ -690,8 +696,9 @@ def test_bf16_and_fp16_at_six_ranks_match_fsdp2_hsdp():
     first step's losses are bitwise (the same bf16 forward), later losses within bf16's resolution (a rank's loss
     one bf16 ulp apart: 2^-8 relative), parameters within PARAM_BOUND (measured up to 5e-4 after 3 steps at
     lr 3e-3), and everything discrete exactly: fp16's loss-scale sequence and skipped steps, the clip clipping, the
-    traffic (gathers in bf16/fp16, reductions in fp32: half and all of fp32's bytes), step.plan's figures, each
-    rank's 1/k of every unit, every replica of a shard the same bits."""
+    traffic (gathers in bf16, reductions in fp32: half and all of fp32's bytes), step.plan's figures, each rank's
+    1/k of every unit, every replica of a shard the same bits; and the clip's global norm within 1e-5 of
+    clip_grad_norm_'s (a norm summed over the replicas too would be 3x or 2x it)."""
     PARAM_BOUND = 2e-3
     results = run_ranks(_mixed_at_six, 6)
     for k in (2, 3):
@@ -708,7 +715,7 @@ def test_bf16_and_fp16_at_six_ranks_match_fsdp2_hsdp():
                     assert all(traffic[f][1] == fp32[f] for f in ("comm/reduce_bytes", "comm/replica_bytes")), label
                 assert traffic["comm/replica_bytes"][1] * k == traffic["comm/reduce_bytes"][1] > 0, (label, traffic)
                 assert by_shard.setdefault((name, shard_rank), leaves) == leaves, label  # replicas alike
-                if "offload" in name:  # bitwise the run in memory: losses and every leaf
+                if "offload" in name:  # bitwise the run in memory: losses, every shard and moment
                     assert (ours, leaves) == (res[(k, "bf16")][0], res[(k, "bf16")][7]), label
                     continue
                 assert ours[0][0] == theirs[0][0], (label, ours, theirs)
