@@ -282,9 +282,20 @@ def _configs_names():
 
 # --- bf16 against FSDP2's HSDP ---------------------------------------------------------------------------------------
 
+def _fsdp2_hsdp(model, dm, param_dtype):
+    """FSDP2's HSDP of a copy of ``model``: ``fully_shard`` on every block and the root over the (replicate, shard)
+    device mesh ``dm``, ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``, and its torch AdamW."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    ref = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in ref.blocks:
+        fully_shard(block, mesh=dm, mp_policy=policy)
+    fully_shard(ref, mesh=dm, mp_policy=policy)
+    return ref, torch.optim.AdamW(ref.parameters(), **HP)
+
+
 def _bf16_against_fsdp2():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     import fshard as fs
@@ -293,13 +304,8 @@ def _bf16_against_fsdp2():
     cfg = GPTConfig.tiny(n_layers=2)
     torch.manual_seed(0)
     model = GPT(cfg)
-    ref = copy.deepcopy(model)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for block in ref.blocks:
-        fully_shard(block, mesh=dm, mp_policy=policy)
-    fully_shard(ref, mesh=dm, mp_policy=policy)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ref, opt = _fsdp2_hsdp(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                           torch.bfloat16)
     state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
     fs.testing.check_memory_bound(state)  # 1/k of the model's parameters and moments (+ padding) on each rank
     ours, theirs = [], []
@@ -587,18 +593,6 @@ def test_offload_state_at_six_ranks_is_the_run_in_memory(tmp_path, shard_size):
 # --- bf16 and fp16 on 2-D meshes at 6 ranks (issue #41) -------------------------------------------------------------
 
 SIX = ("bf16", "bf16 accumulate+clip", "fp16", "bf16 offload")  # "bf16 offload": against "bf16", not FSDP2
-
-
-def _fsdp2_hsdp(model, dm, param_dtype):
-    """FSDP2's HSDP of a copy of ``model``: ``fully_shard`` on every block and the root over the (replicate, shard)
-    device mesh ``dm``, ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``, and its torch AdamW."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    ref = copy.deepcopy(model)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in ref.blocks:
-        fully_shard(block, mesh=dm, mp_policy=policy)
-    fully_shard(ref, mesh=dm, mp_policy=policy)
-    return ref, torch.optim.AdamW(ref.parameters(), **HP)
 
 
 def _mixed_at_six():
