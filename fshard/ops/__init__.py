@@ -33,10 +33,11 @@ import warnings
 import torch
 
 from ._build import BuildError, cache_root
+from ._classic import adagrad_, adam_, sgd_
 from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
 from ..errors import ArgumentError
 
-__all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
+__all__ = ["adamw_", "adam_", "sgd_", "adagrad_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
            "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
@@ -130,6 +131,11 @@ def _capped_isa(lib) -> str:
 def cpu_isas() -> list[str]:
     """The CPU kernels this CPU runs, lowest first (e.g. ['scalar', 'avx2', 'avx512'])."""
     return list(load().cpu_isas())
+
+
+def _cap_for(isa: str | None) -> str:
+    """The CPU kernel an ``isa`` argument names: None/'auto' is the one ``$FSHARD_OPS_CPU_ISA`` caps to."""
+    return _cap if isa in (None, "auto") else isa
 
 
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
