@@ -4,6 +4,7 @@
 // pragmas.
 #pragma once
 #include <cstdint>
+#include <type_traits>  // (classic_simd.h dispatches on std::true_type: included here, ahead of the ISA pragmas)
 
 namespace fshard {
 
@@ -50,7 +51,7 @@ using SqrtFn = void (*)(const float* in, float* out, int64_t n);
 
 // Update elements [begin, end) of s; end - begin <= kClassicBlock. `s_buf` and `g_buf`: scratch of
 // kClassicBlock floats.
-constexpr int64_t kClassicBlock = 2048;
+constexpr int64_t kClassicBlock = 1024;
 void classic_block_scalar(const ClassicConsts& c, const ClassicSeg& s, int64_t begin, int64_t end, SqrtFn sq,
                           float* s_buf, float* g_buf);
 void classic_block_avx2(const ClassicConsts& c, const ClassicSeg& s, int64_t begin, int64_t end, SqrtFn sq,

@@ -51,8 +51,8 @@ void classic_cpu(const ClassicConsts& c, const ClassicSeg& s, int isa) {
                                                                                  : classic_block_scalar;
   const SqrtFn sq = torch_sqrt();
   const int64_t nblocks = (s.n + kClassicBlock - 1) / kClassicBlock;
-  // 16 blocks (32K elements, ATen's grain size) per task at least: shorter runs stay on the calling thread.
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+  // 32 blocks (32K elements, ATen's grain size) per task at least: shorter runs stay on the calling thread.
+  at::parallel_for(0, nblocks, 32, [&](int64_t b0, int64_t b1) {
     alignas(64) float s_buf[kClassicBlock];
     alignas(64) float g_buf[kClassicBlock];
     for (int64_t k = b0; k < b1; ++k) {

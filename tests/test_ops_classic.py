@@ -6,9 +6,9 @@ fs.optim.adam, sgd and adagrad (issue #40).
   shards and offload chunks cut a parameter): hypothesis over lengths (primes, vector-width edges), cuts and
   hyperparameters (both of ATen's lerp formulas, L2 decay, AMSGrad, momentum, dampening, Nesterov, maximize,
   lr_decay), zeros in the gradient (sqrt(0)); one long run on torch's thread pool.
-- The sqrt is torch's (MKL's vmsSqrt where torch is built with MKL); "auto" resolves as documented (native for
-  fp32 CPU state where the build loads, torch otherwise); an explicit "native" that cannot run is named; the
-  FSHARD_OPS_CPU_ISA cap reaches these kernels.
+- The sqrt is torch's (MKL's vmsSqrt where torch is built with MKL); "auto" resolves as documented (sgd: native
+  for fp32 CPU state where the build loads; adam, adagrad: fused on the CPU; torch otherwise); an explicit "native"
+  that cannot run is named; the FSHARD_OPS_CPU_ISA cap reaches these kernels.
 """
 from __future__ import annotations
 
@@ -139,15 +139,19 @@ def test_the_sqrt_is_torchs(native):
     assert native.classic_sqrt_is_mkl() == torch.backends.mkl.is_available()
 
 
-def test_auto_resolves_native_for_fp32_cpu_state_else_torch(native, monkeypatch):
-    for opt in (fs.optim.adam(), fs.optim.sgd(momentum=0.9), fs.optim.adagrad()):
+def test_auto_resolves_as_documented(native, monkeypatch):
+    """SGD: native for fp32 CPU state (bitwise torch, one pass); Adam and Adagrad: torch's fused kernel on the CPU
+    (their bitwise kernel is slower than fused: torch's sqrt); torch's ops anywhere else."""
+    cpu = torch.device("cpu")
+    for opt, want in ((fs.optim.adam(), "fused"), (fs.optim.sgd(momentum=0.9), "native"), (fs.optim.adagrad(), "fused")):
         assert opt.impl == "auto"
-        assert opt.resolved_impl(torch.device("cpu")) == "native"
-        assert opt.resolved_impl(torch.device("cpu"), torch.bfloat16) == "torch"
+        assert opt.resolved_impl(cpu) == want
         assert opt.resolved_impl(torch.device("cuda")) == "torch"
-        assert type(opt)(impl="fused").resolved_impl(torch.device("cpu")) == "fused"
+        assert type(opt)(impl="native").resolved_impl(cpu) == "native"
+        assert type(opt)(impl="torch").resolved_impl(cpu) == "torch"
+    assert fs.optim.sgd().resolved_impl(cpu, torch.bfloat16) == "torch"
     monkeypatch.setattr(ops, "native_available", lambda: False)  # no compiler: torch's ops, the same bits
-    assert fs.optim.adam().resolved_impl(torch.device("cpu")) == "torch"
+    assert fs.optim.sgd().resolved_impl(cpu) == "torch"
 
 
 def test_an_explicit_native_that_cannot_run_is_named(native):

@@ -22,11 +22,11 @@ _Lr = float | Callable[[int], float]
 class Adam(Elementwise):
     """torch.optim.Adam: rows ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), counts saved as
     ``step``; the weight decay is L2 (added to the gradient, so it goes through the moments), unlike
-    ``fs.adamw``'s. ``impl``: "native" runs fshard.ops' single-tensor kernel (``ops.adam_``: torch's single-tensor
-    arithmetic in one pass, bitwise ``torch.optim.Adam()`` on CPU); "torch" replays torch's single-tensor kernels
-    (the same bits, several passes); "fused" calls ``torch._fused_adam_`` (``torch.optim.Adam(fused=True)``, within
-    1e-6 of the others); "auto" (the default) is native for fp32 state on the CPU where the build loads, else
-    torch."""
+    ``fs.adamw``'s. ``impl``: "auto" (the default) is "fused" on the CPU, else "torch"; "fused" calls
+    ``torch._fused_adam_`` (``torch.optim.Adam(fused=True)``: one pass, within 1e-6 of ``torch.optim.Adam()``);
+    "native" runs fshard.ops' single-tensor kernel (``ops.adam_``: torch's single-tensor arithmetic in one pass,
+    bitwise ``torch.optim.Adam()`` on the CPU, but slower than fused: torch's float sqrt is MKL's, design/OPS.md);
+    "torch" replays torch's single-tensor kernels (the same bits, several passes)."""
 
     lr: _Lr = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -37,6 +37,7 @@ class Adam(Elementwise):
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     label: ClassVar[str] = "fs.optim.adam"
+    auto_impl: ClassVar[str] = "fused"  # what "auto" runs on the CPU (see resolve_single_tensor)
 
     def __post_init__(self):
         check_single_tensor_impl(self)

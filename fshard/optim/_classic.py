@@ -1,7 +1,8 @@
 """``fs.optim.sgd``, ``fs.optim.adagrad`` and ``fs.optim.rmsprop``: torch.optim.SGD, Adagrad and RMSprop over flat
 shards, each the arithmetic of torch's single-tensor implementation (``torch.optim.sgd._single_tensor_sgd`` etc.,
 what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there; SGD and Adagrad run it in
-one pass by default, through fshard.ops' native single-tensor kernels (``impl="auto"``). Their rows are torch's
+one pass with fshard.ops' native single-tensor kernel (``impl="native"``, SGD's default); Adagrad's default is
+torch's fused kernel (within 1e-6, design/OPS.md "Single-tensor kernels" says why). Their rows are torch's
 state keys, present only where the hyperparameters call for them (SGD's ``momentum_buffer`` only with momentum,
 RMSprop's ``momentum_buffer`` and ``grad_avg`` only with momentum and ``centered``); the elementwise base
 (``_elementwise.py``) does the rest.
@@ -39,6 +40,7 @@ class SGD(Elementwise):
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     impl: str = "auto"
     label: ClassVar[str] = "fs.optim.sgd"
+    auto_impl: ClassVar[str] = "native"  # what "auto" runs on the CPU (see resolve_single_tensor)
     count_key: ClassVar[str | None] = None
 
     def __post_init__(self):
@@ -102,6 +104,7 @@ class Adagrad(Elementwise):
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     impl: str = "auto"
     label: ClassVar[str] = "fs.optim.adagrad"
+    auto_impl: ClassVar[str] = "fused"  # as Adam's: torch's sqrt holds its bitwise kernel back (design/OPS.md)
     eager_state: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -212,8 +215,9 @@ def adagrad(lr: _Lr = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0, in
             eps: float = 1e-10, *, maximize: bool = False, weight_decay_mask: Callable | None = None,
             impl: str = "auto") -> Adagrad:
     """torch.optim.Adagrad's arithmetic and defaults (and argument order) on flat shards; ``lr`` may be a schedule
-    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl`` as for ``sgd``
-    ("fused": ``torch.optim.Adagrad(fused=True)``'s kernel)."""
+    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl`` as for ``sgd``, but
+    "auto" (the default) is "fused" on the CPU (``torch.optim.Adagrad(fused=True)``'s kernel, within 1e-6), as for
+    ``adam``; "native" and "torch" are bitwise ``torch.optim.Adagrad()``."""
     return Adagrad(lr, lr_decay, weight_decay, eps, initial_accumulator_value, maximize, weight_decay_mask,
                    impl=impl)
 

@@ -222,15 +222,19 @@ SINGLE_TENSOR_IMPLS = ("auto", "torch", "fused", "native")
 
 
 def resolve_single_tensor(opt, device: torch.device, dtype: torch.dtype) -> str:
-    """``impl`` of fs.optim.adam, sgd and adagrad as it runs for state of ``dtype`` on ``device``: "auto" is
-    "native" (fshard.ops' single-tensor kernel, bitwise torch's single-tensor arithmetic in one pass) for fp32 state
-    on the CPU where the native build loads, else "torch" (the same bits, torch's ops, several passes)."""
+    """``impl`` of fs.optim.adam, sgd and adagrad as it runs for state of ``dtype`` on ``device``. "auto" on the CPU
+    is the optimizer's ``auto_impl``: "native" (SGD: fshard.ops' single-tensor kernel, bitwise torch's single-tensor
+    arithmetic in one pass, for fp32 state where the build loads) or "fused" (Adam, Adagrad: torch's fused kernel,
+    within 1e-6; their bitwise kernel is held back by torch's sqrt, design/OPS.md "Single-tensor kernels"); "torch"
+    (torch's single-tensor ops) anywhere else."""
     if opt.impl != "auto":
         return opt.impl
+    if torch.device(device).type != "cpu":
+        return "torch"
+    if opt.auto_impl == "fused":
+        return "fused"
     from .. import ops
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and ops.native_available():
-        return "native"
-    return "torch"
+    return "native" if dtype == torch.float32 and ops.native_available() else "torch"
 
 
 def check_single_tensor_impl(opt) -> None:
