@@ -19,6 +19,10 @@ other devices go to torch.
 parts of a parameter that different ranks hold, passing the running state from part to part; it has no fallback
 (callers check ``native_available()``).
 
+``adam_``, ``sgd_`` and ``adagrad_`` (``_classic.py``) are torch's single-tensor CPU arithmetic for
+torch.optim.Adam/SGD/Adagrad in one pass, bitwise ``torch.optim.X()`` (design/OPS.md, "Single-tensor kernels");
+they have no fallback (fs.optim runs torch's ops, the same bits, where the build is missing).
+
 On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
 bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
 ``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code; it is read once,
