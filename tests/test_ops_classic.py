@@ -5,7 +5,7 @@ fs.optim.adam, sgd and adagrad (issue #40).
   default) over several steps, on every CPU kernel this CPU runs, with the run cut at arbitrary points (as flat
   shards and offload chunks cut a parameter): hypothesis over lengths (primes, vector-width edges), cuts and
   hyperparameters (both of ATen's lerp formulas, L2 decay, AMSGrad, momentum, dampening, Nesterov, maximize,
-  lr_decay), zeros in the gradient (sqrt(0)); one long run on torch's thread pool.
+  lr_decay), zeros in the gradient (sqrt(0)); one long run on torch's thread pool; inf and NaN as torch has them.
 - The sqrt is torch's (MKL's vmsSqrt where torch is built with MKL); "auto" resolves as documented (sgd: native
   for fp32 CPU state where the build loads; adam, adagrad: fused on the CPU; torch otherwise); an explicit "native"
   that cannot run is named; the FSHARD_OPS_CPU_ISA cap reaches these kernels.
@@ -174,3 +174,19 @@ def test_the_isa_cap_reaches_these_kernels(native, monkeypatch):
     ops.sgd_(p, p.clone(), first=True, lr=0.1)
     ops.adagrad_(p, p.clone(), p.clone(), step=1.0, lr=0.1, isa="avx2")  # an explicit choice is not capped
     assert calls == ["scalar", "avx2"]
+
+
+@pytest.mark.parametrize("kind, kw", [("adam", {"lr": 1e-3, "weight_decay": 0.1, "amsgrad": True}),
+                                      ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "maximize": True}),
+                                      ("adagrad", {"lr": 0.05, "weight_decay": 0.01, "maximize": True})])
+def test_inf_and_nan_propagate_as_in_torch(native, kind, kw):
+    """Non-finite gradients and params give torch's values: the same bits, except that a NaN's sign and payload
+    may differ (torch's own differ between its vector body and its scalar tail: torch.maximum writes all-ones)."""
+    p, gs = _data(37, 3, 11)
+    gs[0][3], gs[1][5], gs[2][7], p[9], gs[2][13] = float("nan"), float("inf"), -float("inf"), float("nan"), -0.0
+    want_p, want_state = _torch_run(CLASSES[kind], kw, p, gs)
+    for isa in native.cpu_isas():
+        got_p, rows = _ours(kind, kw, p, gs, [17], isa)
+        torch.testing.assert_close(got_p, want_p, rtol=0, atol=0, equal_nan=True)
+        for key, row in zip(STATE_KEYS[kind], rows):
+            torch.testing.assert_close(row, want_state[key], rtol=0, atol=0, equal_nan=True)
