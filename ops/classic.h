@@ -49,7 +49,7 @@ struct ClassicSeg {
 // torch's float sqrt on the CPU: out[i] = sqrt(in[i]) for i < n (MKL's vmsSqrt where torch calls it).
 using SqrtFn = void (*)(const float* in, float* out, int64_t n);
 
-// Update elements [begin, end) of s; end - begin <= kClassicBlock. `s_buf` and `g_buf`: scratch of
+// Update elements [begin, end) of s; end - begin <= kClassicBlock (any length for SGD, which uses no scratch). `s_buf` and `g_buf`: scratch of
 // kClassicBlock floats.
 constexpr int64_t kClassicBlock = 1024;
 void classic_block_scalar(const ClassicConsts& c, const ClassicSeg& s, int64_t begin, int64_t end, SqrtFn sq,

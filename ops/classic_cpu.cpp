@@ -55,6 +55,10 @@ void classic_cpu(const ClassicConsts& c, const ClassicSeg& s, int isa) {
   at::parallel_for(0, nblocks, 32, [&](int64_t b0, int64_t b1) {
     alignas(64) float s_buf[kClassicBlock];
     alignas(64) float g_buf[kClassicBlock];
+    if (c.kind == kClassicSgd) {  // no sqrt and no scratch: one loop over the task's whole range, as a fused kernel
+      block(c, s, b0 * kClassicBlock, std::min(s.n, b1 * kClassicBlock), sq, s_buf, g_buf);
+      return;
+    }
     for (int64_t k = b0; k < b1; ++k) {
       const int64_t lo = k * kClassicBlock;
       block(c, s, lo, std::min(s.n, lo + kClassicBlock), sq, s_buf, g_buf);

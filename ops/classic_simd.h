@@ -77,6 +77,7 @@ template <bool MAXI, bool WD, int MODE, bool NEST>
 inline void sgd_loop(const ClassicConsts& c, const float* __restrict g, float* __restrict p, float* __restrict buf,
                      int64_t n) {
   const float wd = c.wd, nlr = c.neg_lr, mom = c.momentum, d1 = c.damp1;
+#pragma GCC unroll 4
   for (int64_t i = 0; i < n; ++i) {
     const float gi = grad_at<MAXI, WD>(g, p, wd, i);
     float u = gi;

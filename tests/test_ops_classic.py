@@ -169,7 +169,7 @@ def test_an_explicit_native_that_cannot_run_is_named(native):
 def test_the_isa_cap_reaches_these_kernels(native, monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "_cap", "scalar")  # what load() took from FSHARD_OPS_CPU_ISA=scalar
-    monkeypatch.setattr(ops, "load", lambda: type("L", (), {"classic_step": lambda *a: calls.append(a[-1])})())
+    monkeypatch.setattr(ops, "_lib", type("L", (), {"classic_step": lambda *a: calls.append(a[-1])})())
     p = torch.zeros(3)
     ops.sgd_(p, p.clone(), first=True, lr=0.1)
     ops.adagrad_(p, p.clone(), p.clone(), step=1.0, lr=0.1, isa="avx2")  # an explicit choice is not capped
