@@ -143,7 +143,8 @@ def test_auto_resolves_as_documented(native, monkeypatch):
     """SGD: native for fp32 CPU state (bitwise torch, one pass); Adam and Adagrad: torch's fused kernel on the CPU
     (their bitwise kernel is slower than fused: torch's sqrt); torch's ops anywhere else."""
     cpu = torch.device("cpu")
-    for opt, want in ((fs.optim.adam(), "fused"), (fs.optim.sgd(momentum=0.9), "native"), (fs.optim.adagrad(), "fused")):
+    defaults = ((fs.optim.adam(), "fused"), (fs.optim.sgd(momentum=0.9), "native"), (fs.optim.adagrad(), "fused"))
+    for opt, want in defaults:
         assert opt.impl == "auto"
         assert opt.resolved_impl(cpu) == want
         assert opt.resolved_impl(torch.device("cuda")) == "torch"

@@ -76,8 +76,8 @@ CASES = {
                 dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
     "sgd_fused": (lambda: fs.optim.sgd(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, impl="fused"), O.SGD,
                   dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, fused=True)),
-    "adagrad_fused": (lambda: fs.optim.adagrad(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
-                      O.Adagrad,  # auto: fused
+    "adagrad_fused": (lambda: fs.optim.adagrad(lr=0.05, lr_decay=0.01, weight_decay=0.01,  # auto: fused
+                                               initial_accumulator_value=0.1), O.Adagrad,
                       dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, fused=True)),
     "rmsprop": (lambda: fs.optim.rmsprop(lr=1e-3, weight_decay=0.01), O.RMSprop, dict(lr=1e-3, weight_decay=0.01)),
     "rmsprop_centered": (lambda: fs.optim.rmsprop(lr=1e-3, momentum=0.5, centered=True), O.RMSprop,

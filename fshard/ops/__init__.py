@@ -41,8 +41,8 @@ from ._classic import adagrad_, adam_, sgd_
 from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
 from ..errors import ArgumentError
 
-__all__ = ["adamw_", "adam_", "sgd_", "adagrad_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
-           "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
+__all__ = ["adamw_", "adam_", "sgd_", "adagrad_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_",
+           "load", "native_available", "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
 _lib = None
