@@ -87,14 +87,16 @@ class ForeachLion(torch.optim.Optimizer):
             torch._foreach_add_(ms, gs, alpha=1 - b2)
 
 
-# name -> (fshard optimizer, torch peer class, the peer's arguments (the same hyperparameters), how the peer runs)
+# name -> (fshard optimizer, torch peer class, the peer's arguments (the same hyperparameters), how the peer runs).
+# The plain names are the defaults ("auto": adam and adagrad run torch's fused kernel on the CPU, sgd fshard.ops'
+# single-tensor kernel); the impl= rows the other one-pass choice (the bitwise native kernels of adam and adagrad).
 CASES = {
     "adamw": (lambda: fs.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1), O.AdamW,
               dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True), "fused"),
     "adam": (lambda: fs.optim.adam(lr=1e-3, weight_decay=0.1), O.Adam, dict(lr=1e-3, weight_decay=0.1, fused=True),
              "fused"),
-    "adam(impl=fused)": (lambda: fs.optim.adam(lr=1e-3, weight_decay=0.1, impl="fused"), O.Adam,
-                         dict(lr=1e-3, weight_decay=0.1, fused=True), "fused"),
+    "adam(impl=native)": (lambda: fs.optim.adam(lr=1e-3, weight_decay=0.1, impl="native"), O.Adam,
+                          dict(lr=1e-3, weight_decay=0.1, fused=True), "fused"),
     "sgd(momentum)": (lambda: fs.optim.sgd(lr=0.05, momentum=0.9, weight_decay=0.01), O.SGD,
                       dict(lr=0.05, momentum=0.9, weight_decay=0.01, fused=True), "fused"),
     "sgd(nesterov)": (lambda: fs.optim.sgd(lr=0.05, momentum=0.9, nesterov=True), O.SGD,
@@ -103,8 +105,8 @@ CASES = {
                                   dict(lr=0.05, momentum=0.9, weight_decay=0.01, fused=True), "fused"),
     "adagrad": (lambda: fs.optim.adagrad(lr=0.05, weight_decay=0.01), O.Adagrad,
                 dict(lr=0.05, weight_decay=0.01, fused=True), "fused"),
-    "adagrad(impl=fused)": (lambda: fs.optim.adagrad(lr=0.05, weight_decay=0.01, impl="fused"), O.Adagrad,
-                            dict(lr=0.05, weight_decay=0.01, fused=True), "fused"),
+    "adagrad(impl=native)": (lambda: fs.optim.adagrad(lr=0.05, weight_decay=0.01, impl="native"), O.Adagrad,
+                             dict(lr=0.05, weight_decay=0.01, fused=True), "fused"),
     "rmsprop": (lambda: fs.optim.rmsprop(lr=1e-3, weight_decay=0.01), O.RMSprop,
                 dict(lr=1e-3, weight_decay=0.01, foreach=True), "foreach"),
     "lion": (lambda: fs.optim.lion(lr=1e-4, weight_decay=0.1), ForeachLion, dict(lr=1e-4, weight_decay=0.1),

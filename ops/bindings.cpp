@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 #include "adamw_ops.h"
+#include "classic.h"
 
 namespace fshard {
 namespace {
@@ -206,6 +207,56 @@ void norm_continue_(const TList& xs, const std::vector<int64_t>& starts, const s
   }
 }
 
+// One run of fs.optim.adam / sgd / adagrad (classic.h): the constants come folded in double by the caller (as
+// torch's Python code folds them) and are cast to float here, as ATen casts a Python scalar for a float tensor.
+void classic_step(int64_t kind, const at::Tensor& p, const at::Tensor& g, const TList& rows, double wd,
+                  bool maximize, double lerp_w, double beta2, double sq_coeff, double bc2_sqrt, double eps,
+                  double neg_step, bool amsgrad, double momentum, double damp1, double neg_lr, bool nesterov,
+                  bool first, const std::string& isa) {
+  TORCH_CHECK_VALUE(kind >= kClassicAdam && kind <= kClassicAdagrad, "fshard.ops: unknown kernel kind ", kind);
+  const size_t want = kind == kClassicAdam ? (amsgrad ? 3 : 2) : kind == kClassicAdagrad ? 1 : (momentum != 0 ? 1 : 0);
+  TORCH_CHECK_VALUE(rows.size() == want, "fshard.ops: this update keeps ", want, " row(s), got ", rows.size());
+  const char* names[] = {"param", "grad", "rows[0]", "rows[1]", "rows[2]"};
+  std::vector<const at::Tensor*> all = {&p, &g};
+  for (const auto& r : rows) all.push_back(&r);
+  for (size_t i = 0; i < all.size(); ++i) {
+    const at::Tensor& t = *all[i];
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat && t.is_cpu() && t.is_contiguous(), "fshard.ops: ", names[i],
+                     " must be a contiguous float32 CPU tensor (got ", t.scalar_type(), " on ", t.device(), ")");
+    TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops: ", names[i], " has ", t.numel(),
+                      " elements but param has ", p.numel());
+  }
+  ClassicConsts c{};
+  c.kind = static_cast<int>(kind);
+  c.wd = float(wd);
+  c.has_wd = wd != 0.0;
+  c.maximize = maximize;
+  c.lerp_w = float(lerp_w);
+  c.lerp_small = std::fabs(c.lerp_w) < 0.5f;
+  c.beta2 = float(beta2);
+  c.sq_coeff = float(sq_coeff);
+  c.bc2_sqrt = float(bc2_sqrt);
+  c.eps = float(eps);
+  c.neg_step = float(neg_step);
+  c.amsgrad = amsgrad;
+  c.momentum = float(momentum);
+  c.damp1 = float(damp1);
+  c.neg_lr = float(neg_lr);
+  c.has_momentum = momentum != 0.0;
+  c.nesterov = nesterov;
+  c.first = first;
+  ClassicSeg s{};
+  s.p = p.data_ptr<float>();
+  s.g = g.data_ptr<float>();
+  float* r[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < rows.size(); ++i) r[i] = rows[i].data_ptr<float>();
+  s.r0 = r[0], s.r1 = r[1], s.r2 = r[2];
+  s.n = p.numel();
+  classic_cpu(c, s, parse_isa(isa, "classic"));
+  torch::autograd::impl::bump_version(p);
+  for (const auto& t : rows) torch::autograd::impl::bump_version(t);
+}
+
 bool built_with_cuda() {
 #ifdef FSHARD_WITH_CUDA
   return true;
@@ -229,6 +280,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_continue_", &fshard::norm_continue_, py::call_guard<py::gil_scoped_release>(), py::arg("xs"),
         py::arg("starts"), py::arg("totals"), py::arg("states"),
         "continue torch's CPU fp32 2-norm over parts of parameters, in element order (ops/torch_norm.cpp)");
+  m.def("classic_step", &fshard::classic_step, py::call_guard<py::gil_scoped_release>(),
+        "one run of fs.optim.adam/sgd/adagrad with torch's single-tensor CPU arithmetic (ops/classic.h)");
+  m.def("classic_sqrt_is_mkl", &fshard::classic_sqrt_is_mkl);
   m.def("cpu_isas", &fshard::cpu_isas, "every CPU kernel this CPU runs, lowest first");
   m.def("built_with_cuda", &fshard::built_with_cuda);
 }

@@ -73,7 +73,8 @@ CASES = {  # name -> (fshard optimizer, label_fn or None, torch optimizers per l
                         _bias, {"factored": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.1),
                                 "adamw": lambda ps: torch.optim.AdamW(ps, **ADAMW)}),
     # a row that starts at a value of its own (Adagrad's initial_accumulator_value) inside a partition
-    "adagrad+adamw": (lambda: fs.partition({"fast": fs.optim.adagrad(lr=0.05, initial_accumulator_value=0.1),
+    "adagrad+adamw": (lambda: fs.partition({"fast": fs.optim.adagrad(lr=0.05, initial_accumulator_value=0.1,
+                                                                     impl="native"),
                                             "slow": fs.adamw(lr=1e-3, weight_decay=0.0, impl="torch")}, _decay),
                       _decay, {"fast": lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1),
                                "slow": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)}),

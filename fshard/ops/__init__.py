@@ -19,6 +19,10 @@ other devices go to torch.
 parts of a parameter that different ranks hold, passing the running state from part to part; it has no fallback
 (callers check ``native_available()``).
 
+``adam_``, ``sgd_`` and ``adagrad_`` (``_classic.py``) are torch's single-tensor CPU arithmetic for
+torch.optim.Adam/SGD/Adagrad in one pass, bitwise ``torch.optim.X()`` (design/OPS.md, "Single-tensor kernels");
+they have no fallback (fs.optim runs torch's ops, the same bits, where the build is missing).
+
 On the CPU the kernel is the best the CPU runs (AVX-512, else AVX2, else scalar); all three give
 bit-identical results. ``FSHARD_OPS_CPU_ISA=avx2`` (or ``scalar``) caps it, as
 ``ATEN_CPU_CAPABILITY`` does for torch, e.g. on CPUs that clock down under 512-bit code; it is read once,
@@ -33,11 +37,12 @@ import warnings
 import torch
 
 from ._build import BuildError, cache_root
+from ._classic import adagrad_, adam_, sgd_
 from ._reference import adamw_reference_, as_list, check_sq_norm_dtypes, sq_norm_reference
 from ..errors import ArgumentError
 
-__all__ = ["adamw_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_", "load", "native_available",
-           "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
+__all__ = ["adamw_", "adam_", "sgd_", "adagrad_", "adamw_reference_", "sq_norm", "sq_norm_reference", "norm_continue_",
+           "load", "native_available", "backend_info", "metrics", "cpu_isas", "BuildError", "cache_root"]
 
 _lock = threading.Lock()
 _lib = None
@@ -130,6 +135,11 @@ def _capped_isa(lib) -> str:
 def cpu_isas() -> list[str]:
     """The CPU kernels this CPU runs, lowest first (e.g. ['scalar', 'avx2', 'avx512'])."""
     return list(load().cpu_isas())
+
+
+def _cap_for(isa: str | None) -> str:
+    """The CPU kernel an ``isa`` argument names: None/'auto' is the one ``$FSHARD_OPS_CPU_ISA`` caps to."""
+    return _cap if isa in (None, "auto") else isa
 
 
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,

@@ -42,9 +42,9 @@ def _src_dir() -> Path:
 SRC_DIR = _src_dir()
 CPU_SOURCES = ["bindings.cpp", "adamw_cpu.cpp", "adamw_scalar.cpp", "adamw_avx2.cpp", "adamw_avx512.cpp",
                "norm_cpu.cpp", "norm_avx2.cpp", "norm_avx512.cpp",
-               "torch_norm.cpp"]
+               "torch_norm.cpp", "classic_cpu.cpp", "classic_scalar.cpp", "classic_avx2.cpp", "classic_avx512.cpp"]
 CUDA_SOURCES = ["adamw_cuda.cu"]
-HEADERS = ["adamw.h", "adamw_ops.h", "adamw_simd.h", "norm.h", "norm_simd.h"]
+HEADERS = ["adamw.h", "adamw_ops.h", "adamw_simd.h", "norm.h", "norm_simd.h", "classic.h", "classic_simd.h"]
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]  # FMAs only where written
 LDFLAGS = ["-fopenmp"]
 LOCK_NAME = "fshard.lock"

@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentTypeError
 from ._adamw import adam_moments
-from ._elementwise import Elementwise
+from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -22,22 +22,25 @@ _Lr = float | Callable[[int], float]
 class Adam(Elementwise):
     """torch.optim.Adam: rows ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), counts saved as
     ``step``; the weight decay is L2 (added to the gradient, so it goes through the moments), unlike
-    ``fs.adamw``'s. ``impl``: "torch" replays torch's single-tensor kernels (bitwise equal to
-    ``torch.optim.Adam()`` on CPU); "fused" calls ``torch._fused_adam_`` (``torch.optim.Adam(fused=True)``)."""
+    ``fs.adamw``'s. ``impl``: "auto" (the default) is "fused" on the CPU, else "torch"; "fused" calls
+    ``torch._fused_adam_`` (``torch.optim.Adam(fused=True)``: one pass, within 1e-6 of ``torch.optim.Adam()``);
+    "native" runs fshard.ops' single-tensor kernel (``ops.adam_``: torch's single-tensor arithmetic in one pass,
+    bitwise ``torch.optim.Adam()`` on the CPU, but slower than fused: torch's float sqrt is MKL's, design/OPS.md);
+    "torch" replays torch's single-tensor kernels (the same bits, several passes)."""
 
     lr: _Lr = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     amsgrad: bool = False
-    impl: str = "torch"
+    impl: str = "auto"
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     label: ClassVar[str] = "fs.optim.adam"
+    auto_impl: ClassVar[str] = "fused"  # what "auto" runs on the CPU (see resolve_single_tensor)
 
     def __post_init__(self):
-        if self.impl not in ("torch", "fused"):
-            raise ArgumentError(f"fs.optim.adam(impl={self.impl!r}) is not one of ('torch', 'fused').")
+        check_single_tensor_impl(self)
         if not isinstance(self.amsgrad, bool):
             raise ArgumentTypeError(f"fs.optim.adam(amsgrad={self.amsgrad!r}) must be True or False.")
         self._check_betas(self.betas)
@@ -54,13 +57,18 @@ class Adam(Elementwise):
                 "fused": None, "decoupled_weight_decay": False}
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-        return self.impl
+        return resolve_single_tensor(self, device, dtype)
 
     def update_run(self, p, g, rows, step, lr, wd):
         m, v = rows[:2]
         vmax = rows[2] if self.amsgrad else None
         (b1, b2), eps = self.betas, self.eps
-        if self.impl == "fused":
+        impl = self.resolved_impl(p.device, p.dtype)
+        if native_fits(self, impl, p, g, *rows):
+            from .. import ops
+            ops.adam_(p, g, m, v, vmax, step=float(step), lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            return
+        if impl == "fused":
             st = torch.tensor(float(step), device=p.device)
             torch._fused_adam_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
                                weight_decay=wd, eps=eps, amsgrad=self.amsgrad, maximize=False)
@@ -105,7 +113,7 @@ class Lion(Elementwise):
 
 
 def adam(lr: _Lr = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-         amsgrad: bool = False, *, impl: str = "torch", weight_decay_mask: Callable | None = None) -> Adam:
+         amsgrad: bool = False, *, impl: str = "auto", weight_decay_mask: Callable | None = None) -> Adam:
     """torch.optim.Adam's arithmetic and defaults on flat shards (L2 weight decay); ``lr`` may be a schedule and
     ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay."""
     return Adam(lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps, weight_decay, amsgrad, impl,

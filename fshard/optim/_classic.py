@@ -1,6 +1,8 @@
 """``fs.optim.sgd``, ``fs.optim.adagrad`` and ``fs.optim.rmsprop``: torch.optim.SGD, Adagrad and RMSprop over flat
 shards, each the arithmetic of torch's single-tensor implementation (``torch.optim.sgd._single_tensor_sgd`` etc.,
-what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there. Their rows are torch's
+what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there; SGD and Adagrad run it in
+one pass with fshard.ops' native single-tensor kernel (``impl="native"``, SGD's default); Adagrad's default is
+torch's fused kernel (within 1e-6, design/OPS.md "Single-tensor kernels" says why). Their rows are torch's
 state keys, present only where the hyperparameters call for them (SGD's ``momentum_buffer`` only with momentum,
 RMSprop's ``momentum_buffer`` and ``grad_avg`` only with momentum and ``centered``); the elementwise base
 (``_elementwise.py``) does the rest.
@@ -15,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ArgumentError
-from ._elementwise import Elementwise
+from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -36,12 +38,13 @@ class SGD(Elementwise):
     maximize: bool = False
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
-    impl: str = "torch"
+    impl: str = "auto"
     label: ClassVar[str] = "fs.optim.sgd"
+    auto_impl: ClassVar[str] = "native"  # what "auto" runs on the CPU (see resolve_single_tensor)
     count_key: ClassVar[str | None] = None
 
     def __post_init__(self):
-        _check_impl(self)
+        check_single_tensor_impl(self)
         self._check_common()
         self._check_nonnegative("momentum", self.momentum)
         if not isinstance(self.dampening, (int, float)) or isinstance(self.dampening, bool):
@@ -59,10 +62,16 @@ class SGD(Elementwise):
                 "fused": None}
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-        return self.impl
+        return resolve_single_tensor(self, device, dtype)
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
-        if self.impl == "fused":  # torch.optim.SGD(fused=True)'s kernel: one pass over the run
+        impl = self.resolved_impl(p.device, p.dtype)
+        if native_fits(self, impl, p, g, *rows):
+            from .. import ops
+            ops.sgd_(p, g, *rows, first=step == 1, lr=lr, momentum=self.momentum, dampening=self.dampening,
+                     weight_decay=wd, nesterov=self.nesterov, maximize=self.maximize)
+            return
+        if impl == "fused":  # torch.optim.SGD(fused=True)'s kernel: one pass over the run
             torch._fused_sgd_([p], [g], list(rows), weight_decay=wd, momentum=self.momentum, lr=lr,
                               dampening=self.dampening, nesterov=self.nesterov, maximize=self.maximize,
                               is_first_step=step == 1)
@@ -93,12 +102,13 @@ class Adagrad(Elementwise):
     maximize: bool = False
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
-    impl: str = "torch"
+    impl: str = "auto"
     label: ClassVar[str] = "fs.optim.adagrad"
+    auto_impl: ClassVar[str] = "fused"  # as Adam's: torch's sqrt holds its bitwise kernel back (design/OPS.md)
     eager_state: ClassVar[bool] = True
 
     def __post_init__(self):
-        _check_impl(self)
+        check_single_tensor_impl(self)
         self._check_common()
         for what in ("lr_decay", "eps", "initial_accumulator_value"):
             self._check_nonnegative(what, getattr(self, what))
@@ -113,11 +123,17 @@ class Adagrad(Elementwise):
                 "maximize": self.maximize, "differentiable": False, "fused": None}
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-        return self.impl
+        return resolve_single_tensor(self, device, dtype)
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
         (state_sum,) = rows
-        if self.impl == "fused":  # torch.optim.Adagrad(fused=True)'s kernel (its step: the count after this one)
+        impl = self.resolved_impl(p.device, p.dtype)
+        if native_fits(self, impl, p, g, state_sum):
+            from .. import ops
+            ops.adagrad_(p, g, state_sum, step=float(step), lr=lr, lr_decay=self.lr_decay, weight_decay=wd,
+                         eps=self.eps, maximize=self.maximize)
+            return
+        if impl == "fused":  # torch.optim.Adagrad(fused=True)'s kernel (its step: the count after this one)
             torch._fused_adagrad_([p], [g], [state_sum], [torch.tensor(float(step))], lr=lr, lr_decay=self.lr_decay,
                                   weight_decay=wd, eps=self.eps, maximize=self.maximize)
             return
@@ -183,27 +199,25 @@ class RMSprop(Elementwise):
             p.addcdiv_(grad, avg, value=-lr)
 
 
-def _check_impl(opt) -> None:
-    if opt.impl not in ("torch", "fused"):
-        raise ArgumentError(f"{opt.label}(impl={opt.impl!r}) is not one of ('torch', 'fused').")
-
-
 def sgd(lr: _Lr = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
         nesterov: bool = False, *, maximize: bool = False, weight_decay_mask: Callable | None = None,
-        impl: str = "torch") -> SGD:
+        impl: str = "auto") -> SGD:
     """torch.optim.SGD's arithmetic and defaults on flat shards; ``lr`` may be a schedule (``fs.schedules``) and
-    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl``: "torch" (the default,
-    as torch's own on the CPU) its single-tensor kernels, bitwise ``torch.optim.SGD()``; "fused" its fused kernel
-    (``fused=True``), one pass over each run of a shard."""
+    ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl``: "auto" (the default)
+    is "native" for fp32 state on the CPU where fshard.ops builds, else "torch"; "native" fshard.ops' single-tensor
+    kernel (``ops.sgd_``: torch's single-tensor arithmetic in one pass, bitwise ``torch.optim.SGD()`` on the CPU);
+    "torch" its single-tensor kernels (the same bits, several passes); "fused" its fused kernel (``fused=True``, one
+    pass, within 1e-6)."""
     return SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, weight_decay_mask, impl=impl)
 
 
 def adagrad(lr: _Lr = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
             eps: float = 1e-10, *, maximize: bool = False, weight_decay_mask: Callable | None = None,
-            impl: str = "torch") -> Adagrad:
+            impl: str = "auto") -> Adagrad:
     """torch.optim.Adagrad's arithmetic and defaults (and argument order) on flat shards; ``lr`` may be a schedule
-    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl`` as for ``sgd``
-    ("fused": ``torch.optim.Adagrad(fused=True)``'s kernel)."""
+    and ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl`` as for ``sgd``, but
+    "auto" (the default) is "fused" on the CPU (``torch.optim.Adagrad(fused=True)``'s kernel, within 1e-6), as for
+    ``adam``; "native" and "torch" are bitwise ``torch.optim.Adagrad()``."""
     return Adagrad(lr, lr_decay, weight_decay, eps, initial_accumulator_value, maximize, weight_decay_mask,
                    impl=impl)
 
