@@ -5,11 +5,11 @@ None). Its update is not elementwise: Newton-Schulz orthogonalises each whole ma
 may cut. So the update is collective (``collective = True``, fshard/optim/_protocol.py) and, per unit:
 
 1. each rank updates the momentum of its shard's elements (elementwise, as torch does on the whole tensor);
-2. the matrices of the unit are dealt out to the ranks, balanced by Newton-Schulz FLOPs (``owners``), and each
-   rank's pieces of a matrix are summed into its owner's buffer (``reduce_each``: every other rank adds zeros, so
-   the owner receives the matrix exactly);
-3. each rank orthogonalises only the matrices it owns (1/N of the work), writes them into a zero buffer of the
-   unit, and a SUM reduce-scatter brings every result back to the shards that hold it (again exact);
+2. the matrices of the unit are dealt out to the ranks, balanced by Newton-Schulz FLOPs (``owners``), and one
+   all-to-all (``Collectives.exchange``) sends each rank's pieces of each matrix to its owner: only the elements the
+   rank holds of the matrix (``pieces``), no padding and no sums, so the owner receives the matrix exactly;
+3. each rank orthogonalises only the matrices it owns (1/N of the work), and a second all-to-all sends each piece
+   of the results, in bf16 (Newton-Schulz's dtype: exact), back to the rank that holds it;
 4. each rank applies weight decay and the orthogonalised update, with torch's shape-adjusted learning rate.
 
 Newton-Schulz runs in bf16 as torch's ``_zeropower_via_newtonschulz`` does (the same operations, in the same order),
@@ -85,6 +85,31 @@ def owners(layout: UnitLayout, slots: list[int], world_size: int, matrices: tupl
         r = min(range(world_size), key=lambda r: (load[r], (r - start) % world_size))
         out[k] = r
         load[r] += _ns_flops(train[k].shape)
+    return out
+
+
+def pieces(layout: UnitLayout, slots: list[int], own: dict[int, int], n: int) -> list:
+    """``[q][o]``: the pieces of the matrices (of ``slots``) that rank ``o`` orthogonalises which shard rank ``q``
+    holds, each ``(k, a, e)``: elements ``[a, e)`` of the unit, slot k's own (not the padding after it), in slot
+    order. Rank q sends ``[q][o]`` to o back to back in this order, and o sends them back in it. Alike on every rank."""
+    table = [[[] for _ in range(n)] for _ in range(n)]
+    for q in range(n):
+        lo, hi = layout.shard_range(q)
+        for k in slots:
+            s = layout.trainable[k]
+            a, e = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < e:
+                table[q][own[k]].append((k, a, e))
+    return table
+
+
+def _pack(parts: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """``parts`` (``((flat, start), a, e)``: elements ``[a, e)`` of the unit, read from ``flat``, which holds the
+    unit's elements from ``start`` on) back to back in one new tensor of ``dtype``."""
+    out, pos = torch.empty(sum(e - a for _, a, e in parts), dtype=dtype, device=device), 0
+    for (flat, start), a, e in parts:
+        out[pos:pos + e - a] = flat[a - start:e - start]
+        pos += e - a
     return out
 
 
@@ -223,42 +248,46 @@ class Muon:
         ``at`` of the row; the same slots on every rank): ``fs.partition`` calls it for Muon's parameters."""
         (buf,) = rows
         _need_comm("fs.muon", layout, comm)
-        n_ranks = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
-        train, ranges = layout.trainable, layout.trainable_ranges(rank)
-        lo0, hi0 = layout.shard_range(rank)
+        n = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
+        me, train, ranges = rank % n, layout.trainable, layout.trainable_ranges(rank)
+        lo0 = layout.shard_range(rank)[0]
         lr, mom = self.lr_at(updates), self.momentum
-        own = owners(layout, [k for k, _ in mine], n_ranks, self.matrices)
-        where, size = {}, [0] * n_ranks  # slot -> its place in its owner's section
-        for k, _ in mine:
-            where[k] = size[own[k]]
-            size[own[k]] += train[k].numel
-        sections = [torch.zeros(n, dtype=param.dtype, device=param.device) for n in size]
-        for k, at in mine:  # 1. the momentum, on this rank's elements; its update into the owner's section
+        own = owners(layout, [k for k, _ in mine], n, self.matrices)
+        table = pieces(layout, [k for k, _ in mine], own, n)
+        sizes = [[sum(e - a for _, a, e in table[q][o]) for o in range(n)] for q in range(n)]  # q sends o
+        spec, tag = "|".join("+".join(map(str, row)) for row in sizes), f"{layout.name}/muon"
+        rows_of = {}  # slot -> its momentum-updated gradient over this rank's range of it
+        for k, at in mine:  # 1. the momentum, on this rank's elements
             lo, hi = ranges[k]
             if hi <= lo:
                 continue
             g = grad[lo:hi] if grad_scale == 1.0 else grad[lo:hi] * grad_scale
             b = buf[at:at + hi - lo]
             b.lerp_(g, 1 - mom)
-            u = g.lerp(b, mom) if self.nesterov else b
-            s = train[k]
-            a, e = max(s.offset, lo0), min(s.offset + s.numel, hi0)  # the parameter's own elements here
-            if a < e:
-                sections[own[k]][where[k] + a - s.offset:where[k] + e - s.offset] = u[a - lo0 - lo:e - lo0 - lo]
-        if n_ranks > 1:  # 2. each matrix whole on its owner (the others add zeros: exact)
-            comm.reduce_each(sections, f"{layout.name}/muon").wait()
-        full = torch.zeros(layout.numel, dtype=param.dtype, device=param.device)
-        for k, _ in mine:  # 3. Newton-Schulz on the matrices this rank owns
-            s = train[k]
-            if own[k] == rank % n_ranks and s.numel:
-                m = sections[own[k]][where[k]:where[k] + s.numel].view(s.shape)
-                full[s.offset:s.offset + s.numel] = _newton_schulz(m, self.ns_coefficients, self.ns_steps,
-                                                                   self.eps).reshape(-1)
-        if n_ranks > 1:  # ... and back to the shards (a SUM of one result and zeros)
-            out = torch.empty(layout.shard_numel, dtype=param.dtype, device=param.device)
-            comm.reduce_scatter(out, full, f"{layout.name}/muon").wait()
-        else:
-            out = full[lo0:hi0]
+            rows_of[k] = (g.lerp(b, mom) if self.nesterov else b, lo0 + lo)
+        # 2. each matrix whole on its owner: this rank's pieces of it, and nothing else, in one all-to-all
+        send = _pack([(rows_of[k], a, e) for o in range(n) for k, a, e in table[me][o]], param.dtype, param.device)
+        recv = send if n == 1 else torch.empty(sum(r[me] for r in sizes), dtype=param.dtype, device=param.device)
+        if n > 1:
+            comm.exchange(recv, send, [r[me] for r in sizes], sizes[me], tag, spec).wait()
+        whole, pos = {}, 0
+        for q in range(n):
+            for k, a, e in table[q][me]:
+                s = train[k]
+                m = whole.setdefault(k, torch.empty(s.numel, dtype=param.dtype, device=param.device))
+                m[a - s.offset:e - s.offset] = recv[pos:pos + e - a]
+                pos += e - a
+        # 3. Newton-Schulz on the matrices this rank owns (bf16, as torch's: sent back in bf16, exact)
+        done = {k: (_newton_schulz(m.view(train[k].shape), self.ns_coefficients, self.ns_steps,
+                                   self.eps).reshape(-1), train[k].offset) for k, m in whole.items()}
+        back = _pack([(done[k], a, e) for q in range(n) for k, a, e in table[q][me]], torch.bfloat16, param.device)
+        got = back if n == 1 else torch.empty(sum(sizes[me]), dtype=torch.bfloat16, device=param.device)
+        if n > 1:  # ... and each piece back to the rank that holds it
+            comm.exchange(got, back, sizes[me], [r[me] for r in sizes], f"{tag}/back", spec).wait()
+        out, pos = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device), 0
+        for k, a, e in (p for o in range(n) for p in table[me][o]):
+            out[a - lo0:e - lo0] = got[pos:pos + e - a]
+            pos += e - a
         wd = self.weight_decay
         for k, _ in mine:  # 4. decoupled weight decay, then the orthogonalised step
             lo, hi = ranges[k]
