@@ -254,9 +254,13 @@ class Muon:
         lr, mom = self.lr_at(updates), self.momentum
         own = owners(layout, [k for k, _ in mine], n, self.matrices)
         table = pieces(layout, [k for k, _ in mine], own, n)
+        # a matrix whole on its owner's shard stays out of the exchanges (its step overlaps them, below)
+        remote = {k for q in range(n) for o in range(n) if q != o for k, _, _ in table[q][o]}
+        local = [(k, a, e) for k, a, e in table[me][me] if k not in remote]
+        table = [[[p for p in cell if p[0] in remote] for cell in row] for row in table]
         sizes = [[sum(e - a for _, a, e in table[q][o]) for o in range(n)] for q in range(n)]  # q sends o
         spec, tag = "|".join("+".join(map(str, row)) for row in sizes), f"{layout.name}/muon"
-        rows_of = {}  # slot -> its momentum-updated gradient over this rank's range of it
+        rows_of = {}  # slot -> its momentum-updated gradient over this rank's range of it, and where that starts
         for k, at in mine:  # 1. the momentum, on this rank's elements
             lo, hi = ranges[k]
             if hi <= lo:
@@ -267,37 +271,46 @@ class Muon:
             rows_of[k] = (g.lerp(b, mom) if self.nesterov else b, lo0 + lo)
         # 2. each matrix whole on its owner: this rank's pieces of it, and nothing else, in one all-to-all
         send = _pack([(rows_of[k], a, e) for o in range(n) for k, a, e in table[me][o]], param.dtype, param.device)
-        recv = send if n == 1 else torch.empty(sum(r[me] for r in sizes), dtype=param.dtype, device=param.device)
-        if n > 1:
-            comm.exchange(recv, send, [r[me] for r in sizes], sizes[me], tag, spec).wait()
+        recv = torch.empty(sum(r[me] for r in sizes), dtype=param.dtype, device=param.device)
+        flight = comm.exchange(recv, send, [r[me] for r in sizes], sizes[me], tag, spec) if remote else None
+        # 3. Newton-Schulz on the matrices this rank owns (bf16, as torch's: sent back in bf16, exact), first those
+        # whole here, while the others' pieces travel
+        done = {k: self._orthogonal(_pack([(rows_of[k], a, e)], param.dtype, param.device), train[k])
+                for k, a, e in local}
         whole, pos = {}, 0
+        if flight is not None:
+            flight.wait()
         for q in range(n):
             for k, a, e in table[q][me]:
                 s = train[k]
                 m = whole.setdefault(k, torch.empty(s.numel, dtype=param.dtype, device=param.device))
                 m[a - s.offset:e - s.offset] = recv[pos:pos + e - a]
                 pos += e - a
-        # 3. Newton-Schulz on the matrices this rank owns (bf16, as torch's: sent back in bf16, exact)
-        done = {k: (_newton_schulz(m.view(train[k].shape), self.ns_coefficients, self.ns_steps,
-                                   self.eps).reshape(-1), train[k].offset) for k, m in whole.items()}
+        done.update((k, self._orthogonal(m, train[k])) for k, m in whole.items())
         back = _pack([(done[k], a, e) for q in range(n) for k, a, e in table[q][me]], torch.bfloat16, param.device)
-        got = back if n == 1 else torch.empty(sum(sizes[me]), dtype=torch.bfloat16, device=param.device)
-        if n > 1:  # ... and each piece back to the rank that holds it
-            comm.exchange(got, back, sizes[me], [r[me] for r in sizes], f"{tag}/back", spec).wait()
-        out, pos = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device), 0
+        got = torch.empty(sum(sizes[me]), dtype=torch.bfloat16, device=param.device)
+        flight = comm.exchange(got, back, sizes[me], [r[me] for r in sizes], f"{tag}/back", spec) if remote else None
+        out = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        for k, a, e in local:  # (while each remote piece goes back to the rank that holds it)
+            out[a - lo0:e - lo0] = done[k][0]
+        wd, held = self.weight_decay, [(k, *ranges[k]) for k, _ in mine if ranges[k][1] > ranges[k][0]]
+        for k, lo, hi in held:  # 4. decoupled weight decay (needs no result), then the orthogonalised step
+            param[lo:hi].mul_(1 - lr * wd)
+        if flight is not None:
+            flight.wait()
+        pos = 0
         for k, a, e in (p for o in range(n) for p in table[me][o]):
             out[a - lo0:e - lo0] = got[pos:pos + e - a]
             pos += e - a
-        wd = self.weight_decay
-        for k, _ in mine:  # 4. decoupled weight decay, then the orthogonalised step
-            lo, hi = ranges[k]
-            if hi <= lo:
-                continue
-            p = param[lo:hi]
-            p.mul_(1 - lr * wd)
-            p.add_(out[lo:hi], alpha=-self.adjusted_lr(lr, train[k].shape))
+        for k, lo, hi in held:
+            param[lo:hi].add_(out[lo:hi], alpha=-self.adjusted_lr(lr, train[k].shape))
             if copy is not None:
-                copy[lo:hi].copy_(p)
+                copy[lo:hi].copy_(param[lo:hi])
+
+    def _orthogonal(self, m: torch.Tensor, s) -> tuple[torch.Tensor, int]:
+        """Newton-Schulz of the matrix of slot ``s`` (``m``: its elements, a tensor of its own), flat (bf16), and
+        where it starts in the unit."""
+        return _newton_schulz(m.view(s.shape), self.ns_coefficients, self.ns_steps, self.eps).reshape(-1), s.offset
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "muon"
