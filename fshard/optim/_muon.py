@@ -307,6 +307,17 @@ class Muon:
             if copy is not None:
                 copy[lo:hi].copy_(param[lo:hi])
 
+    def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
+        """The bytes this rank's exchanges send to the others in an update of the ``active`` slots over ``n`` ranks
+        (step.plan's ``comm/update_bytes``): its pieces of the others' matrices in the parameters' dtype, and its
+        results for the others' pieces of its own in bf16."""
+        if n == 1:
+            return 0
+        slots = [k for k, a in enumerate(active) if a]
+        table, me = pieces(layout, slots, owners(layout, slots, n, self.matrices), n), rank % n
+        out = sum(e - a for o in range(n) if o != me for _, a, e in table[me][o])
+        return out * layout.dtype.itemsize + 2 * sum(e - a for q in range(n) if q != me for _, a, e in table[q][me])
+
     def _orthogonal(self, m: torch.Tensor, s) -> tuple[torch.Tensor, int]:
         """Newton-Schulz of the matrix of slot ``s`` (``m``: its elements, a tensor of its own), flat (bf16), and
         where it starts in the unit."""

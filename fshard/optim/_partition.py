@@ -213,6 +213,11 @@ class Partition:
         new = state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]])
         return param, dataclasses.replace(new, extra=FrozenMap(extra)), copy
 
+    def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
+        """The bytes its optimizers' exchanges send in an update of the ``active`` slots (``fs.muon``'s)."""
+        return sum(o.exchange_bytes(layout, rank, [a and m for a, m in zip(active, self._mask(layout, label))], n)
+                   for label, o in self.optimizers if hasattr(o, "exchange_bytes"))
+
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "+".join(sorted({o.resolved_impl(device, dtype) for _, o in self.optimizers}))
 

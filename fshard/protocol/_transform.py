@@ -210,9 +210,14 @@ class DeviceUpdate(UpdatePolicy):
         def renewed(name, s):
             copy = state.copies.get(name)
             return state.params[name].nbytes + sum(r.nbytes for r in s.rows) + (0 if copy is None else copy.nbytes)
+        sent = getattr(state.spec.optimizer, "exchange_bytes", None)  # (a collective update's own traffic: fs.muon)
         return {"mem/new_state_bytes": sum(s.count.nbytes + (0 if donate else renewed(name, s))
                                            for name, s in state.opt_state.items()
-                                           if s is not None and any(active.get(name, ())))}
+                                           if s is not None and any(active.get(name, ()))),
+                "comm/update_bytes": 0 if sent is None else sum(
+                    sent(u, state.spec.mesh.shard_rank, active[u.name], state.spec.mesh.shard_size)
+                    for u in state.spec.units if state.opt_state.get(u.name) is not None
+                    and any(active.get(u.name, ())))}
 
 
 class OneBatch(BatchesPolicy):

@@ -35,6 +35,7 @@ TRAFFIC = (
     ("comm/reduce_bytes", "reductions (bytes reduced)"),
     ("comm/replica_bytes", "replica all-reduces (2-D meshes: between shard groups)"),
     ("comm/control_bytes", "control all-reduces"),
+    ("comm/update_bytes", "the optimizer's own exchanges (fs.muon's all-to-alls)"),
     ("io/read_bytes", "store reads"),
     ("io/write_bytes", "store writes"),
 )
