@@ -30,7 +30,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
-from ._protocol import OptState, Row
+from ._protocol import OptState, Row, drive
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim._muon's DEFAULT_A, _B, _C (Keller Jordan's)
 _ADJUST = (None, "original", "match_rms_adamw")
@@ -229,6 +229,14 @@ class Muon:
                copy: torch.Tensor | None = None, comm=None):
         """One Muon step on this rank's shard (see the module docstring); ``comm``: the step's collectives (None
         at world size 1). Returns the new parameter shard, state and copy."""
+        return drive(self.update_phases(layout, rank, param, grad, state, active, donate, grad_scale, updates, copy,
+                                        comm))
+
+    def update_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state: OptState,
+                      active: list[bool], donate: bool, grad_scale: float = 1.0, updates: int = 0,
+                      copy: torch.Tensor | None = None, comm=None):
+        """``update`` as a generator that pauses once its first exchange is in flight (the update policy then starts
+        the next unit's, so that it travels during this unit's Newton-Schulz); returns ``update``'s result."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         rows = state.rows
         if not any(active):
@@ -237,8 +245,9 @@ class Muon:
             param, rows = param.clone(), tuple(r.clone() for r in rows)
             copy = None if copy is None else copy.clone()
         ranges = layout.trainable_ranges(rank)
-        self.step_slots(layout, rank, param, grad, rows, [(k, ranges[k][0]) for k, a in enumerate(active) if a],
-                        grad_scale, updates, copy, comm)
+        yield from self.step_phases(layout, rank, param, grad, rows,
+                                    [(k, ranges[k][0]) for k, a in enumerate(active) if a], grad_scale, updates, copy,
+                                    comm)
         return param, state.with_rows(count, rows), copy
 
     def step_slots(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
@@ -246,6 +255,12 @@ class Muon:
                    copy: torch.Tensor | None = None, comm=None) -> None:
         """The step, in place, on the trainable slots ``mine`` (``(k, at)``: slot k, whose momentum starts at
         ``at`` of the row; the same slots on every rank): ``fs.partition`` calls it for Muon's parameters."""
+        drive(self.step_phases(layout, rank, param, grad, rows, mine, grad_scale, updates, copy, comm))
+
+    def step_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
+                    mine: list[tuple[int, int]], grad_scale: float = 1.0, updates: int = 0,
+                    copy: torch.Tensor | None = None, comm=None):
+        """``step_slots`` as a generator that pauses once, with its first exchange in flight."""
         (buf,) = rows
         _need_comm("fs.muon", layout, comm)
         n = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
@@ -273,6 +288,7 @@ class Muon:
         send = _pack([(rows_of[k], a, e) for o in range(n) for k, a, e in table[me][o]], param.dtype, param.device)
         recv = torch.empty(sum(r[me] for r in sizes), dtype=param.dtype, device=param.device)
         flight = comm.exchange(recv, send, [r[me] for r in sizes], sizes[me], tag, spec) if remote else None
+        yield  # (the update policy may start the next unit's exchange here)
         # 3. Newton-Schulz on the matrices this rank owns (bf16, as torch's: sent back in bf16, exact), first those
         # whole here, while the others' pieces travel
         done = {k: self._orthogonal(_pack([(rows_of[k], a, e)], param.dtype, param.device), train[k])
