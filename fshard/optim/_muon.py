@@ -12,6 +12,10 @@ may cut. So the update is collective (``collective = True``, fshard/optim/_proto
    of the results, in bf16 (Newton-Schulz's dtype: exact), back to the rank that holds it;
 4. each rank applies weight decay and the orthogonalised update, with torch's shape-adjusted learning rate.
 
+A matrix whole on its owner's shard stays out of both exchanges and is orthogonalised while they are in flight;
+``update_phases`` pauses once its first exchange is issued, so that the update policy starts the next unit's before
+finishing this one (design/OPTIM_GROUPS.md, "Overlap").
+
 Newton-Schulz runs in bf16 as torch's ``_zeropower_via_newtonschulz`` does (the same operations, in the same order),
 so the result equals torch.optim.Muon's on the same gradients.
 """
