@@ -32,10 +32,12 @@ of updates (Lion's peer rounds differently; sign flips of near-zero momenta move
 **Muon** (``--muon``): world size 2 on gloo, spawned as benchmarks/step.py does (its harness: fresh processes per
 round and config, a step's time the slowest rank's, medians), the GPT with its blocks' 2-D matrices on Muon and the
 rest (embeddings, head, norms, biases) on AdamW: ``fs.partition({"muon": fs.muon, "adamw": fs.adamw})`` with
-gather_ahead(2) + bucket_reduce(25) (step.py's best config, ``fshard+ahead+buckets``) against DDP +
-``torch.optim.Muon`` + ``torch.optim.AdamW(fused=True)`` on the same parameter split. Issue #40's bar: fshard's step
-<= 0.7x the DDP one. With ``--muon`` every other argument but ``--quick`` goes to step.py (``--rounds 3``,
-``--steps 10``, ``--tiny``, ``--threads``, ``--json``, ...).
+gather_ahead(2) + bucket_reduce(25) (step.py's best config, ``fshard+ahead+buckets``) and ``donate=True`` (the
+update in place, as DDP's torch optimizers update their parameters) against DDP + ``torch.optim.Muon`` +
+``torch.optim.AdamW(fused=True)`` on the same parameter split. Issue #40's bar: fshard's step <= 0.7x the DDP one.
+step.py's table lists each rank's ``comm/update_bytes`` (Muon's all-to-alls) beside ``comm/reduce_bytes``. With
+``--muon`` every other argument but ``--quick`` goes to step.py (``--rounds 3``, ``--steps 10``, ``--tiny``,
+``--threads``, ``--json``, ...).
 """
 from __future__ import annotations
 
@@ -255,14 +257,14 @@ def _register_muon_configs(stepbench) -> None:
 
         return Runner(step)
 
-    @stepbench.register("fshard+ahead+buckets+muon")
-    def _fshard_muon(ctx):
-        return stepbench.fshard_runner(ctx, *stepbench._ahead_buckets(), optimizer=lambda ctx: fs.partition(
-            {"muon": fs.muon(lr=MUON_LR, weight_decay=0.1), "adamw": fs.adamw(**stepbench._adamw_kwargs(ctx.args))},
+    @stepbench.register("fshard+ahead+buckets+muon+donate")
+    def _fshard_muon(ctx):  # (donate: the update in place, as DDP's optimizers update theirs)
+        return stepbench.fshard_runner(ctx, *stepbench._ahead_buckets(), donate=True, optimizer=lambda c: fs.partition(
+            {"muon": fs.muon(lr=MUON_LR, weight_decay=0.1), "adamw": fs.adamw(**stepbench._adamw_kwargs(c.args))},
             muon_label))
 
 
-MUON_CONFIGS = ("ddp+muon", "fshard+ahead+buckets+muon")
+MUON_CONFIGS = ("ddp+muon", "fshard+ahead+buckets+muon+donate")
 
 
 def run_muon(quick: bool, rest: list[str]) -> dict:

@@ -40,8 +40,8 @@ def test_optim_benchmark_muon_quick_runs_both_steps_at_two_ranks(tmp_path):
     out = tmp_path / "muon.json"
     log = run_logged([sys.executable, _SCRIPT, "--muon", "--quick", "--json", str(out)], env=_ENV, timeout=120)
     res = json.loads(out.read_text())
-    ddp, ours = res["configs"]["ddp+muon"], res["configs"]["fshard+ahead+buckets+muon"]
+    ddp, ours = res["configs"]["ddp+muon"], res["configs"]["fshard+ahead+buckets+muon+donate"]
     assert res["world_size"] == 2 and ddp["median_s"] > 0 and ours["median_s"] > 0
     assert len(ours["loss_curve"]) == 3  # 1 warm-up + 2 timed steps
     assert max(abs(a - b) for a, b in zip(ours["loss_curve"], ddp["loss_curve"])) <= 1e-5
-    assert "[optim.py] Muon step, world size 2: fshard+ahead+buckets+muon" in log and "(issue #40's bar" in log
+    assert "[optim.py] Muon step, world size 2: fshard+ahead+buckets+muon+donate" in log and "(issue #40's bar" in log

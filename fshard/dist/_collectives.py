@@ -121,7 +121,7 @@ class Comm:
         """The recorded spans and one per gather and reduction (issue to completion), in seconds since
         ``origin``, ordered by start."""
         flights = [(p, f.tag, f.t_issue, f.t_done if f.t_done is not None else f.t_issue)
-                   for p in ("gather", "reduce", "replica") for f in self.flights[p]]
+                   for p in ("gather", "reduce", "replica", "exchange") for f in self.flights[p]]
         return tuple(sorted(((lane, label, a - origin, b - origin) for lane, label, a, b in self.spans + flights),
                             key=lambda s: s[2]))
 
@@ -129,12 +129,12 @@ class Comm:
     def seq_hash(self) -> int:
         return self._hash & ((1 << HASH_BITS) - 1)
 
-    def _note(self, kind: str, tag: str, t: torch.Tensor, check: bool = True) -> None:
-        entry = (kind, tag, str(t.dtype).removeprefix("torch."), t.numel())
+    def _note(self, kind: str, tag: str, t: torch.Tensor, check: bool = True, sizes=None, nbytes=None) -> None:
+        entry = (kind, tag, str(t.dtype).removeprefix("torch."), t.numel() if sizes is None else sizes)
         if check:
             self._check(entry)
         self._hash = zlib.crc32(repr(entry).encode(), self._hash)
-        self.bytes[kind] += t.nbytes
+        self.bytes[kind] += t.nbytes if nbytes is None else nbytes
         if self.trace is not None:
             self.trace.append(entry)
 
@@ -309,6 +309,18 @@ class Comm:
                 for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
+    def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
+        """Start an all-to-all in the shard group: piece r of ``inp`` (``in_splits``) to shard rank r, and rank r's
+        piece for this rank into piece r of ``out``; ``sizes``: the group's table. Counted: the bytes sent away."""
+        self._note("exchange", tag, inp, True, sizes, inp.nbytes - in_splits[self.mesh.shard_rank] * inp.itemsize)
+        t0, g, works = time.perf_counter(), self.mesh.shard_group, []
+        if self.mesh.shard_size == 1 and not self.dry:  # one rank: every piece is its own
+            out.copy_(inp)
+        elif not self.dry:
+            with bare():
+                works = [dist.all_to_all_single(out, inp, out_splits, in_splits, group=g, async_op=True)]
+        return self._flight(works, t0, "exchange", tag)
+
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
         """Start the SUM all-reduce of a reduced shard ``t`` over this rank's replica group (2-D meshes: the ranks
         holding the same shard; nothing on a 1-D mesh). ``sizes``: what every rank checks and hashes in place of
@@ -378,6 +390,10 @@ class CollectivesView(Collectives):
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         self._before()
         return self._comm.reduce_each(sections, tag)
+
+    def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
+        self._before()
+        return self._comm.exchange(out, inp, out_splits, in_splits, tag, sizes)
 
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
         self._before()

@@ -48,6 +48,12 @@ class Collectives(Protocol):
         """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed into shard rank r's
         ``sections[r]``."""
 
+    def exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, tag: str,
+                 sizes: str) -> InFlight:
+        """Start an all-to-all over the shard group: piece r of ``inp`` (``in_splits[r]`` elements, in rank order) to
+        shard rank r; shard rank r's piece for this rank into piece r of ``out`` (``out_splits``). ``sizes``: the
+        entry every rank checks (the group's whole table of pieces, the same on every rank)."""
+
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> InFlight:
         """Start the SUM all-reduce of a reduced shard over the replica group (nothing on a 1-D mesh); ``sizes``:
         the entry every rank checks where the shard ranks' sizes differ."""

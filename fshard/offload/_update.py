@@ -146,6 +146,9 @@ class OffloadUpdate(UpdatePolicy):
             head = p.opt_numel * p.dtype.itemsize if sp else 0
             moved = self.params and not sp and u.name in chosen  # parameters this step puts in the store
             f["mem/new_state_bytes"] += s.count.nbytes if on or stored else 0  # a stored unit's count is renewed
+            if on and hasattr(spec.optimizer, "exchange_bytes"):  # (a collective update's own traffic: fs.muon)
+                f["comm/update_bytes"] = f.get("comm/update_bytes", 0) + spec.optimizer.exchange_bytes(
+                    u, spec.mesh.shard_rank, active[u.name], spec.mesh.shard_size)
             clone = not donate  # (with donate, an update begun during backward writes in place too)
             store = items.store if stored else chosen.get(u.name)
             if store is not None:

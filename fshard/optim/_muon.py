@@ -5,12 +5,16 @@ None). Its update is not elementwise: Newton-Schulz orthogonalises each whole ma
 may cut. So the update is collective (``collective = True``, fshard/optim/_protocol.py) and, per unit:
 
 1. each rank updates the momentum of its shard's elements (elementwise, as torch does on the whole tensor);
-2. the matrices of the unit are dealt out to the ranks, balanced by Newton-Schulz FLOPs (``owners``), and each
-   rank's pieces of a matrix are summed into its owner's buffer (``reduce_each``: every other rank adds zeros, so
-   the owner receives the matrix exactly);
-3. each rank orthogonalises only the matrices it owns (1/N of the work), writes them into a zero buffer of the
-   unit, and a SUM reduce-scatter brings every result back to the shards that hold it (again exact);
+2. the matrices of the unit are dealt out to the ranks, balanced by Newton-Schulz FLOPs (``owners``), and one
+   all-to-all (``Collectives.exchange``) sends each rank's pieces of each matrix to its owner: only the elements the
+   rank holds of the matrix (``pieces``), no padding and no sums, so the owner receives the matrix exactly;
+3. each rank orthogonalises only the matrices it owns (1/N of the work), and a second all-to-all sends each piece
+   of the results, in bf16 (Newton-Schulz's dtype: exact), back to the rank that holds it;
 4. each rank applies weight decay and the orthogonalised update, with torch's shape-adjusted learning rate.
+
+A matrix whole on its owner's shard stays out of both exchanges and is orthogonalised while they are in flight;
+``update_phases`` pauses once its first exchange is issued, so that the update policy starts the next unit's before
+finishing this one (design/OPTIM_GROUPS.md, "Overlap").
 
 Newton-Schulz runs in bf16 as torch's ``_zeropower_via_newtonschulz`` does (the same operations, in the same order),
 so the result equals torch.optim.Muon's on the same gradients.
@@ -30,7 +34,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
-from ._protocol import OptState, Row
+from ._protocol import OptState, Row, drive
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim._muon's DEFAULT_A, _B, _C (Keller Jordan's)
 _ADJUST = (None, "original", "match_rms_adamw")
@@ -85,6 +89,31 @@ def owners(layout: UnitLayout, slots: list[int], world_size: int, matrices: tupl
         r = min(range(world_size), key=lambda r: (load[r], (r - start) % world_size))
         out[k] = r
         load[r] += _ns_flops(train[k].shape)
+    return out
+
+
+def pieces(layout: UnitLayout, slots: list[int], own: dict[int, int], n: int) -> list:
+    """``[q][o]``: the pieces of the matrices (of ``slots``) that rank ``o`` orthogonalises which shard rank ``q``
+    holds, each ``(k, a, e)``: elements ``[a, e)`` of the unit, slot k's own (not the padding after it), in slot
+    order. Rank q sends ``[q][o]`` to o back to back in this order, and o sends them back in it. Alike on every rank."""
+    table = [[[] for _ in range(n)] for _ in range(n)]
+    for q in range(n):
+        lo, hi = layout.shard_range(q)
+        for k in slots:
+            s = layout.trainable[k]
+            a, e = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < e:
+                table[q][own[k]].append((k, a, e))
+    return table
+
+
+def _pack(parts: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """``parts`` (``((flat, start), a, e)``: elements ``[a, e)`` of the unit, read from ``flat``, which holds the
+    unit's elements from ``start`` on) back to back in one new tensor of ``dtype``."""
+    out, pos = torch.empty(sum(e - a for _, a, e in parts), dtype=dtype, device=device), 0
+    for (flat, start), a, e in parts:
+        out[pos:pos + e - a] = flat[a - start:e - start]
+        pos += e - a
     return out
 
 
@@ -204,6 +233,14 @@ class Muon:
                copy: torch.Tensor | None = None, comm=None):
         """One Muon step on this rank's shard (see the module docstring); ``comm``: the step's collectives (None
         at world size 1). Returns the new parameter shard, state and copy."""
+        return drive(self.update_phases(layout, rank, param, grad, state, active, donate, grad_scale, updates, copy,
+                                        comm))
+
+    def update_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state: OptState,
+                      active: list[bool], donate: bool, grad_scale: float = 1.0, updates: int = 0,
+                      copy: torch.Tensor | None = None, comm=None):
+        """``update`` as a generator that pauses once its first exchange is in flight (the update policy then starts
+        the next unit's, so that it travels during this unit's Newton-Schulz); returns ``update``'s result."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         rows = state.rows
         if not any(active):
@@ -212,8 +249,9 @@ class Muon:
             param, rows = param.clone(), tuple(r.clone() for r in rows)
             copy = None if copy is None else copy.clone()
         ranges = layout.trainable_ranges(rank)
-        self.step_slots(layout, rank, param, grad, rows, [(k, ranges[k][0]) for k, a in enumerate(active) if a],
-                        grad_scale, updates, copy, comm)
+        yield from self.step_phases(layout, rank, param, grad, rows,
+                                    [(k, ranges[k][0]) for k, a in enumerate(active) if a], grad_scale, updates, copy,
+                                    comm)
         return param, state.with_rows(count, rows), copy
 
     def step_slots(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
@@ -221,54 +259,89 @@ class Muon:
                    copy: torch.Tensor | None = None, comm=None) -> None:
         """The step, in place, on the trainable slots ``mine`` (``(k, at)``: slot k, whose momentum starts at
         ``at`` of the row; the same slots on every rank): ``fs.partition`` calls it for Muon's parameters."""
+        drive(self.step_phases(layout, rank, param, grad, rows, mine, grad_scale, updates, copy, comm))
+
+    def step_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
+                    mine: list[tuple[int, int]], grad_scale: float = 1.0, updates: int = 0,
+                    copy: torch.Tensor | None = None, comm=None):
+        """``step_slots`` as a generator that pauses once, with its first exchange in flight."""
         (buf,) = rows
         _need_comm("fs.muon", layout, comm)
-        n_ranks = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
-        train, ranges = layout.trainable, layout.trainable_ranges(rank)
-        lo0, hi0 = layout.shard_range(rank)
+        n = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
+        me, train, ranges = rank % n, layout.trainable, layout.trainable_ranges(rank)
+        lo0 = layout.shard_range(rank)[0]
         lr, mom = self.lr_at(updates), self.momentum
-        own = owners(layout, [k for k, _ in mine], n_ranks, self.matrices)
-        where, size = {}, [0] * n_ranks  # slot -> its place in its owner's section
-        for k, _ in mine:
-            where[k] = size[own[k]]
-            size[own[k]] += train[k].numel
-        sections = [torch.zeros(n, dtype=param.dtype, device=param.device) for n in size]
-        for k, at in mine:  # 1. the momentum, on this rank's elements; its update into the owner's section
+        own = owners(layout, [k for k, _ in mine], n, self.matrices)
+        table = pieces(layout, [k for k, _ in mine], own, n)
+        # a matrix whole on its owner's shard stays out of the exchanges (its step overlaps them, below)
+        remote = {k for q in range(n) for o in range(n) if q != o for k, _, _ in table[q][o]}
+        local = [(k, a, e) for k, a, e in table[me][me] if k not in remote]
+        table = [[[p for p in cell if p[0] in remote] for cell in row] for row in table]
+        sizes = [[sum(e - a for _, a, e in table[q][o]) for o in range(n)] for q in range(n)]  # q sends o
+        spec, tag = "|".join("+".join(map(str, row)) for row in sizes), f"{layout.name}/muon"
+        rows_of = {}  # slot -> its momentum-updated gradient over this rank's range of it, and where that starts
+        for k, at in mine:  # 1. the momentum, on this rank's elements
             lo, hi = ranges[k]
             if hi <= lo:
                 continue
             g = grad[lo:hi] if grad_scale == 1.0 else grad[lo:hi] * grad_scale
             b = buf[at:at + hi - lo]
             b.lerp_(g, 1 - mom)
-            u = g.lerp(b, mom) if self.nesterov else b
-            s = train[k]
-            a, e = max(s.offset, lo0), min(s.offset + s.numel, hi0)  # the parameter's own elements here
-            if a < e:
-                sections[own[k]][where[k] + a - s.offset:where[k] + e - s.offset] = u[a - lo0 - lo:e - lo0 - lo]
-        if n_ranks > 1:  # 2. each matrix whole on its owner (the others add zeros: exact)
-            comm.reduce_each(sections, f"{layout.name}/muon").wait()
-        full = torch.zeros(layout.numel, dtype=param.dtype, device=param.device)
-        for k, _ in mine:  # 3. Newton-Schulz on the matrices this rank owns
-            s = train[k]
-            if own[k] == rank % n_ranks and s.numel:
-                m = sections[own[k]][where[k]:where[k] + s.numel].view(s.shape)
-                full[s.offset:s.offset + s.numel] = _newton_schulz(m, self.ns_coefficients, self.ns_steps,
-                                                                   self.eps).reshape(-1)
-        if n_ranks > 1:  # ... and back to the shards (a SUM of one result and zeros)
-            out = torch.empty(layout.shard_numel, dtype=param.dtype, device=param.device)
-            comm.reduce_scatter(out, full, f"{layout.name}/muon").wait()
-        else:
-            out = full[lo0:hi0]
-        wd = self.weight_decay
-        for k, _ in mine:  # 4. decoupled weight decay, then the orthogonalised step
-            lo, hi = ranges[k]
-            if hi <= lo:
-                continue
-            p = param[lo:hi]
-            p.mul_(1 - lr * wd)
-            p.add_(out[lo:hi], alpha=-self.adjusted_lr(lr, train[k].shape))
+            rows_of[k] = (g.lerp(b, mom) if self.nesterov else b, lo0 + lo)
+        # 2. each matrix whole on its owner: this rank's pieces of it, and nothing else, in one all-to-all
+        send = _pack([(rows_of[k], a, e) for o in range(n) for k, a, e in table[me][o]], param.dtype, param.device)
+        recv = torch.empty(sum(r[me] for r in sizes), dtype=param.dtype, device=param.device)
+        flight = comm.exchange(recv, send, [r[me] for r in sizes], sizes[me], tag, spec) if remote else None
+        yield  # (the update policy may start the next unit's exchange here)
+        # 3. Newton-Schulz on the matrices this rank owns (bf16, as torch's: sent back in bf16, exact), first those
+        # whole here, while the others' pieces travel
+        done = {k: self._orthogonal(_pack([(rows_of[k], a, e)], param.dtype, param.device), train[k])
+                for k, a, e in local}
+        whole, pos = {}, 0
+        if flight is not None:
+            flight.wait()
+        for q in range(n):
+            for k, a, e in table[q][me]:
+                s = train[k]
+                m = whole.setdefault(k, torch.empty(s.numel, dtype=param.dtype, device=param.device))
+                m[a - s.offset:e - s.offset] = recv[pos:pos + e - a]
+                pos += e - a
+        done.update((k, self._orthogonal(m, train[k])) for k, m in whole.items())
+        back = _pack([(done[k], a, e) for q in range(n) for k, a, e in table[q][me]], torch.bfloat16, param.device)
+        got = torch.empty(sum(sizes[me]), dtype=torch.bfloat16, device=param.device)
+        flight = comm.exchange(got, back, sizes[me], [r[me] for r in sizes], f"{tag}/back", spec) if remote else None
+        out = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        for k, a, e in local:  # (while each remote piece goes back to the rank that holds it)
+            out[a - lo0:e - lo0] = done[k][0]
+        wd, held = self.weight_decay, [(k, *ranges[k]) for k, _ in mine if ranges[k][1] > ranges[k][0]]
+        for k, lo, hi in held:  # 4. decoupled weight decay (needs no result), then the orthogonalised step
+            param[lo:hi].mul_(1 - lr * wd)
+        if flight is not None:
+            flight.wait()
+        pos = 0
+        for k, a, e in (p for o in range(n) for p in table[me][o]):
+            out[a - lo0:e - lo0] = got[pos:pos + e - a]
+            pos += e - a
+        for k, lo, hi in held:
+            param[lo:hi].add_(out[lo:hi], alpha=-self.adjusted_lr(lr, train[k].shape))
             if copy is not None:
-                copy[lo:hi].copy_(p)
+                copy[lo:hi].copy_(param[lo:hi])
+
+    def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
+        """The bytes this rank's exchanges send to the others in an update of the ``active`` slots over ``n`` ranks
+        (step.plan's ``comm/update_bytes``): its pieces of the others' matrices in the parameters' dtype, and its
+        results for the others' pieces of its own in bf16."""
+        if n == 1:
+            return 0
+        slots = [k for k, a in enumerate(active) if a]
+        table, me = pieces(layout, slots, owners(layout, slots, n, self.matrices), n), rank % n
+        out = sum(e - a for o in range(n) if o != me for _, a, e in table[me][o])
+        return out * layout.dtype.itemsize + 2 * sum(e - a for q in range(n) if q != me for _, a, e in table[q][me])
+
+    def _orthogonal(self, m: torch.Tensor, s) -> tuple[torch.Tensor, int]:
+        """Newton-Schulz of the matrix of slot ``s`` (``m``: its elements, a tensor of its own), flat (bf16), and
+        where it starts in the unit."""
+        return _newton_schulz(m.view(s.shape), self.ns_coefficients, self.ns_steps, self.eps).reshape(-1), s.offset
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "muon"

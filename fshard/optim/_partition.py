@@ -27,7 +27,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
-from ._protocol import Row
+from ._protocol import Row, drive
 
 
 @register_node
@@ -180,6 +180,14 @@ class Partition:
                copy: torch.Tensor | None = None, comm=None):
         """Each optimizer's step on its own parameters (see the module docstring); ``comm``: the step's collectives,
         passed to an optimizer that needs them. Returns the new parameter shard, state and copy."""
+        return drive(self.update_phases(layout, rank, param, grad, state, active, donate, grad_scale, updates, copy,
+                                        comm))
+
+    def update_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
+                      state: PartitionState, active: list[bool], donate: bool, grad_scale: float = 1.0,
+                      updates: int = 0, copy: torch.Tensor | None = None, comm=None):
+        """``update`` as a generator that pauses where a member's ``step_phases`` does (``fs.muon``'s exchange in
+        flight: the update policy starts the next unit's there); returns ``update``'s result."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         if not any(active):
             return param, state.with_rows(count, state.rows), copy
@@ -200,8 +208,12 @@ class Partition:
                 kw = {"comm": comm} if getattr(o, "collective", False) else {}
                 if hasattr(o, "extra_entries"):  # (its counts and its state beside the rows: Adafactor's)
                     kw.update(count=count, extra=extra[label])
-                o.step_slots(layout, rank, param, grad, rows, [(k, at[k]) for k, a in enumerate(on) if a],
-                             grad_scale, updates, copy, **kw)
+                phased = getattr(o, "step_phases", None)
+                phases = (phased or o.step_slots)(layout, rank, param, grad, rows,
+                                                  [(k, at[k]) for k, a in enumerate(on) if a], grad_scale, updates,
+                                                  copy, **kw)
+                if phased is not None:
+                    yield from phases
             elif any(on):
                 start = {ranges[k][0]: at[k] for k, a in enumerate(on) if a and ranges[k][1] > ranges[k][0]}
                 _, segments = o.plan(layout, rank, state.count, on, updates)
@@ -212,6 +224,11 @@ class Partition:
             parts[label] = rows
         new = state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]])
         return param, dataclasses.replace(new, extra=FrozenMap(extra)), copy
+
+    def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
+        """The bytes its optimizers' exchanges send in an update of the ``active`` slots (``fs.muon``'s)."""
+        return sum(o.exchange_bytes(layout, rank, [a and m for a, m in zip(active, self._mask(layout, label))], n)
+                   for label, o in self.optimizers if hasattr(o, "exchange_bytes"))
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return "+".join(sorted({o.resolved_impl(device, dtype) for _, o in self.optimizers}))

@@ -22,7 +22,10 @@ Optional declarations extend this for optimizers that are not elementwise or cov
 - ``collective = True``: ``update`` needs the step's collectives (Muon's Newton-Schulz needs whole matrices), so the
   update policy passes ``comm=`` (the step's ``fs.protocol.Collectives``) to it; every rank calls ``update`` for the
   same units in the same order, so the collectives inside it match. Such an optimizer has no per-run ``apply`` a
-  streaming policy could call (``streamable``): ``fs.offload_state`` updates it a whole unit at a time.
+  streaming policy could call (``streamable``): ``fs.offload_state`` updates it a whole unit at a time. It may
+  have ``update_phases`` (``update``'s arguments): ``update`` as a generator that pauses once, its first collective
+  in flight, and returns ``update``'s result (``drive`` runs one); ``DeviceUpdate`` then starts the next unit's
+  before it finishes this one (``fs.muon``, ``fs.partition``).
 - ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
   holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
   covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's
@@ -242,6 +245,15 @@ def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dty
     element at the row's initial value (``Row.init``: zero for most), for a unit of parameter dtype ``dtype``."""
     return [torch.full((row_numel(opt, layout, rank, i),), r.init, dtype=r.dtype_for(dtype), device=device)
             for i, r in enumerate(opt.rows)]
+
+
+def drive(phases):
+    """Run a phased update (a generator: ``update_phases``, ``step_phases``) to its end; returns its result."""
+    try:
+        while True:
+            next(phases)
+    except StopIteration as stop:
+        return stop.value
 
 
 def state_bytes(s: UnitOptState) -> int:

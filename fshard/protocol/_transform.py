@@ -183,11 +183,28 @@ class BlockingReduce(ReducePolicy):
 
 class DeviceUpdate(UpdatePolicy):
     """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
-    holds them, in the same pass)."""
+    holds them, in the same pass). An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py) is
+    pipelined by one unit: a unit's first exchange is issued before the unit before it finishes, so that it travels
+    while that one orthogonalises (every rank in the same order: the units' order)."""
 
     def __call__(self, step, state, grads: Grads, active, donate):
         rank, params, opt_state = step.spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
-        copies = dict(state.copies)
+        copies, pending = dict(state.copies), []  # (a unit whose update is paused, its phases)
+
+        def keep(name, result):
+            params[name], opt_state[name], copy = result
+            if copy is not None:
+                copies[name] = copy
+
+        def advance(phases, to_end: bool = True):  # its result, or None while it is paused
+            try:
+                next(phases)
+                while to_end:
+                    next(phases)
+            except StopIteration as stop:
+                return stop.value
+            return None
+
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
                 if not all(isinstance(r, torch.Tensor) for r in opt_state[u.name].rows) or not isinstance(
@@ -196,12 +213,23 @@ class DeviceUpdate(UpdatePolicy):
                         f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
                         "compose this step with the same fs.offload_state(store, ...) to update it.")
                 opt = step.spec.optimizer  # (collective: its update issues collectives, fshard/optim/_protocol.py)
-                params[u.name], opt_state[u.name], copy = opt.update(
-                    u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name], active[u.name],
-                    donate, grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name),
-                    **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
-                if copy is not None:
-                    copies[u.name] = copy
+                args = (u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name],
+                        active[u.name], donate)
+                kw = dict(grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name),
+                          **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
+                if not hasattr(opt, "update_phases"):
+                    keep(u.name, opt.update(*args, **kw))
+                    continue
+                phases = opt.update_phases(*args, **kw)
+                result = advance(phases, to_end=False)
+                if result is not None:
+                    keep(u.name, result)
+                    continue
+                for name, paused in pending:  # this unit's exchange in flight: the one before it ends
+                    keep(name, advance(paused))
+                pending = [(u.name, phases)]
+        for name, paused in pending:
+            keep(name, advance(paused))
         return params, opt_state, {}, copies
 
     def plan(self, step, state, active, donate):
@@ -210,9 +238,14 @@ class DeviceUpdate(UpdatePolicy):
         def renewed(name, s):
             copy = state.copies.get(name)
             return state.params[name].nbytes + sum(r.nbytes for r in s.rows) + (0 if copy is None else copy.nbytes)
+        sent = getattr(state.spec.optimizer, "exchange_bytes", None)  # (a collective update's own traffic: fs.muon)
         return {"mem/new_state_bytes": sum(s.count.nbytes + (0 if donate else renewed(name, s))
                                            for name, s in state.opt_state.items()
-                                           if s is not None and any(active.get(name, ())))}
+                                           if s is not None and any(active.get(name, ()))),
+                "comm/update_bytes": 0 if sent is None else sum(
+                    sent(u, state.spec.mesh.shard_rank, active[u.name], state.spec.mesh.shard_size)
+                    for u in state.spec.units if state.opt_state.get(u.name) is not None
+                    and any(active.get(u.name, ())))}
 
 
 class OneBatch(BatchesPolicy):

@@ -151,7 +151,7 @@ def plan(step, state, batch, observed=None) -> Plan:
          "mem/param_read_bytes": max(r._read_peak for r in runs),
          "comm/gather_bytes": comm.bytes.get("all_gather", 0),
          "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/replica_bytes": comm.bytes.get("replica", 0),
+         "comm/replica_bytes": comm.bytes.get("replica", 0), "comm/update_bytes": 0,  # (the update's plan says)
          "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
          "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
          "mem/new_state_bytes": 0, **state_figures(state)}

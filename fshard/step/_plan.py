@@ -35,6 +35,7 @@ TRAFFIC = (
     ("comm/reduce_bytes", "reductions (bytes reduced)"),
     ("comm/replica_bytes", "replica all-reduces (2-D meshes: between shard groups)"),
     ("comm/control_bytes", "control all-reduces"),
+    ("comm/update_bytes", "the optimizer's own exchanges (fs.muon's all-to-alls)"),
     ("io/read_bytes", "store reads"),
     ("io/write_bytes", "store writes"),
 )
@@ -168,7 +169,8 @@ class Plan:
             mem.append(("the store at its peak (disk for NVMe), at most", self.bounds["store/peak_bytes"]))
         mem += [("peak of fshard-owned memory", f["mem/peak_bytes"]),
                 ("peak RSS of this process, predicted", self.predicted_rss)]
-        moved = [(what, f[k]) for k, what in TRAFFIC if k != "comm/replica_bytes" or f[k]]  # (a 1-D mesh: none)
+        moved = [(what, f[k]) for k, what in TRAFFIC  # (none on a 1-D mesh; none without fs.muon)
+                 if k not in ("comm/replica_bytes", "comm/update_bytes") or f[k]]
         w = max(len(what) for what, _ in mem + moved) + 2
         row = lambda what, b: f"  {what:<{w}}{_size(b)}"  # noqa: E731
         lines = [f"fshard step plan: rank {self.rank} of {self.world_size}, {self.micro_batches} micro-batch(es), "

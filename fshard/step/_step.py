@@ -309,7 +309,7 @@ class Step:
              "mem/peak_gathered_bytes_backward": max(r._phase_peak["backward"] for r in runs),
              "comm/gather_bytes": g["comm/gather_bytes"],
              "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-             "comm/replica_bytes": comm.bytes.get("replica", 0),
+             "comm/replica_bytes": comm.bytes.get("replica", 0), "comm/update_bytes": comm.bytes.get("exchange", 0),
              "optim/impl": "+".join(sorted({new.spec.optimizer.resolved_impl(new.spec.mesh.device, u.dtype)
                                             for u in new.spec.units if u.trainable})), **grad_metrics}
         return env.traced(m)

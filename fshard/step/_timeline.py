@@ -8,6 +8,7 @@ A step composed with ``timeline=True`` puts ``metrics["trace/timeline"]``: this 
     reduce   the ``Comm``: one span per reduce_scatter or reduce_each call (a bucket's N reduces are one span)
     replica  the ``Comm``, on a 2-D mesh: one span per all-reduce of a reduced shard between shard groups
     control  the ``Comm``: each small blocking all-reduce (the rank checks, the gradient norm)
+    exchange the ``Comm``: one span per all-to-all of an optimizer's update (fs.muon's pieces), issue -> completion
     update   the step: the update stage; offload_state: each unit updated early, in its worker thread
     store    offload_state, through ``StepView.record``: each unit's chunks streamed, moments written
     wait     ``Flight.wait()``: compute blocked on a gather or reduction that was still running
