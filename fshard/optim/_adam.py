@@ -37,7 +37,6 @@ class Adam(Elementwise):
     weight_decay_mask: Callable | None = None
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     label: ClassVar[str] = "fs.optim.adam"
-    auto_impl: ClassVar[str] = "fused"  # what "auto" runs on the CPU (see resolve_single_tensor)
 
     def __post_init__(self):
         check_single_tensor_impl(self)
@@ -69,6 +68,7 @@ class Adam(Elementwise):
             ops.adam_(p, g, m, v, vmax, step=float(step), lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             return
         if impl == "fused":
+            g = g.to(p.dtype)  # (the fused kernel takes one dtype; torch's ops promote a bf16 gradient alike)
             st = torch.tensor(float(step), device=p.device)
             torch._fused_adam_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
                                weight_decay=wd, eps=eps, amsgrad=self.amsgrad, maximize=False)

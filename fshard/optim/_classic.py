@@ -40,7 +40,6 @@ class SGD(Elementwise):
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     impl: str = "auto"
     label: ClassVar[str] = "fs.optim.sgd"
-    auto_impl: ClassVar[str] = "native"  # what "auto" runs on the CPU (see resolve_single_tensor)
     count_key: ClassVar[str | None] = None
 
     def __post_init__(self):
@@ -72,6 +71,7 @@ class SGD(Elementwise):
                      weight_decay=wd, nesterov=self.nesterov, maximize=self.maximize)
             return
         if impl == "fused":  # torch.optim.SGD(fused=True)'s kernel: one pass over the run
+            g = g.to(p.dtype)  # (it takes one dtype; torch's ops promote a bf16 gradient alike)
             torch._fused_sgd_([p], [g], list(rows), weight_decay=wd, momentum=self.momentum, lr=lr,
                               dampening=self.dampening, nesterov=self.nesterov, maximize=self.maximize,
                               is_first_step=step == 1)
@@ -104,7 +104,6 @@ class Adagrad(Elementwise):
     decay: frozenset | None = dataclasses.field(default=None, repr=False)
     impl: str = "auto"
     label: ClassVar[str] = "fs.optim.adagrad"
-    auto_impl: ClassVar[str] = "fused"  # as Adam's: torch's sqrt holds its bitwise kernel back (design/OPS.md)
     eager_state: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -134,6 +133,7 @@ class Adagrad(Elementwise):
                          eps=self.eps, maximize=self.maximize)
             return
         if impl == "fused":  # torch.optim.Adagrad(fused=True)'s kernel (its step: the count after this one)
+            g = g.to(p.dtype)  # (it takes one dtype; torch's ops promote a bf16 gradient alike)
             torch._fused_adagrad_([p], [g], [state_sum], [torch.tensor(float(step))], lr=lr, lr_decay=self.lr_decay,
                                   weight_decay=wd, eps=self.eps, maximize=self.maximize)
             return

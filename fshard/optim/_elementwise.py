@@ -222,19 +222,14 @@ SINGLE_TENSOR_IMPLS = ("auto", "torch", "fused", "native")
 
 
 def resolve_single_tensor(opt, device: torch.device, dtype: torch.dtype) -> str:
-    """``impl`` of fs.optim.adam, sgd and adagrad as it runs for state of ``dtype`` on ``device``. "auto" on the CPU
-    is the optimizer's ``auto_impl``: "native" (SGD: fshard.ops' single-tensor kernel, bitwise torch's single-tensor
-    arithmetic in one pass, for fp32 state where the build loads) or "fused" (Adam, Adagrad: torch's fused kernel,
-    within 1e-6; their bitwise kernel is held back by torch's sqrt, design/OPS.md "Single-tensor kernels"); "torch"
-    (torch's single-tensor ops) anywhere else."""
+    """``impl`` of fs.optim.adam, sgd and adagrad as it runs for state of ``dtype`` on ``device``. "auto" is torch's
+    fused kernel on the CPU (within 1e-6 of torch's default, and as fast as torch's fastest: benchmarks/RESULTS.md,
+    "Optimizers"; the bitwise one-pass kernels, impl="native", measured 0.43-0.48x fused for Adam and Adagrad, whose
+    sqrt must be torch's, and 0.84-0.95x for SGD: design/OPS.md "Single-tensor kernels"), torch's single-tensor ops
+    anywhere else."""
     if opt.impl != "auto":
         return opt.impl
-    if torch.device(device).type != "cpu":
-        return "torch"
-    if opt.auto_impl == "fused":
-        return "fused"
-    from .. import ops
-    return "native" if dtype == torch.float32 and ops.native_available() else "torch"
+    return "fused" if torch.device(device).type == "cpu" else "torch"
 
 
 def check_single_tensor_impl(opt) -> None:
@@ -243,19 +238,16 @@ def check_single_tensor_impl(opt) -> None:
 
 
 def native_fits(opt, impl: str, *tensors) -> bool:
-    """Whether this run goes to the native kernel: ``impl`` "native" and every tensor fp32, contiguous, on the CPU.
-    Under "auto" a run that does not fit (a bf16 gradient, say) runs torch's ops, with the same bits; an explicit
-    "native" that does not fit is an error naming the fix."""
+    """Whether this run goes to the native kernel: ``impl`` "native" and every tensor fp32, contiguous, on the CPU;
+    "native" with a tensor that does not fit (a bf16 gradient, say) is an error naming the fix."""
     if impl != "native":
         return False
     if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return True
-    if opt.impl == "auto":
-        return False
     bad = next(t for t in tensors if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()))
     raise ArgumentError(f"{opt.label}(impl='native'): the native kernel takes contiguous float32 CPU tensors, got "
-                        f"{bad.dtype} on {bad.device}; use impl='auto' (native where it fits, torch's ops elsewhere) "
-                        "or impl='torch'.")
+                        f"{bad.dtype} on {bad.device}; use impl='torch' (the same bits, several passes) or impl='auto' "
+                        "(torch's fused kernel on the CPU, within 1e-6).")
 
 
 def segments(ranges, active, counts, decays) -> list[tuple[int, int, int, float]]:
