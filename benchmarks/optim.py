@@ -90,8 +90,8 @@ class ForeachLion(torch.optim.Optimizer):
 
 
 # name -> (fshard optimizer, torch peer class, the peer's arguments (the same hyperparameters), how the peer runs).
-# The plain names are the defaults ("auto": adam and adagrad run torch's fused kernel on the CPU, sgd fshard.ops'
-# single-tensor kernel); the impl= rows the other one-pass choice (the bitwise native kernels of adam and adagrad).
+# The plain names are the defaults ("auto": adam, sgd and adagrad run torch's fused kernel on the CPU); the impl=
+# rows the other one-pass choice (fshard.ops' bitwise single-tensor kernels).
 CASES = {
     "adamw": (lambda: fs.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1), O.AdamW,
               dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True), "fused"),

@@ -203,8 +203,9 @@ def test_a_failed_steps_last_collectives_are_held_until_gloo_lets_go_and_the_mes
         assert len(finalized) == 1 and finalized[0][0] >= 4 and finalized[0][1], (rank, finalized)
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "gather",
-                "reduce", "reduce_scatter_tensor")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all_single",
+                "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+                "reduce_scatter_tensor", "scatter_object_list")  # (fshard's calls, and DCP's entry points)
 
 
 def _issued(tmp):
@@ -223,7 +224,8 @@ def _issued(tmp):
             return _real(*args, **kwargs)
         setattr(dist, name, spy)
     mesh = fs.Mesh.from_env()
-    state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]), mesh, fs.adamw())
+    opt = fs.partition({"muon": fs.muon(0.02), "adamw": fs.adamw()}, lambda n, p: "muon" if p.ndim == 2 else "adamw")
+    state = fs.init(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]), mesh, opt)
 
     def loss_fn(m, x):
         in_forward.append(top(True) is not None)  # fshard's hooks are in force in the forward (and a user's)
@@ -235,6 +237,7 @@ def _issued(tmp):
         for _ in range(2):
             state, metrics = step(state, torch.randn(4, 8))
         fs.save(os.path.join(tmp, "ckpt"), state)
+        fs.load(os.path.join(tmp, "ckpt"), state)
         fs.timeline(metrics, mesh=mesh)
     fail_a_step(mesh)
     return seen, in_forward
@@ -245,14 +248,16 @@ def test_no_collective_carries_the_steps_saved_tensor_hooks(tmp_path):
     holds the mesh and its process group), and torch copies the hooks in force into every work it makes: gloo's
     thread then dropped them, taking the GIL, after the work finished, which aborted a script exiting at that moment
     and kept the group alive past ``destroy_process_group()``. Every collective fshard issues in a step (gathers
-    ahead, bucketed reductions, checks, the vote), in ``fs.save``, and in a failing step's exchange is issued with
-    none on the stack, even inside a user's own hooks."""
+    ahead, bucketed reductions, Muon's exchange, checks, the vote), in ``fs.save`` and ``fs.load`` (DCP's own
+    collectives too), and in a failing step's exchange is issued with none on the stack, even inside a user's own
+    hooks."""
     from _dist import run_ranks
     for rank, (seen, in_forward) in enumerate(run_ranks(_issued, 2, str(tmp_path))):
         assert in_forward and all(in_forward), (rank, in_forward)  # (the premise: hooks were in force)
         kinds = {name for name, _ in seen}
-        assert {"all_reduce", "all_gather"} <= kinds and kinds & {"all_gather_into_tensor", "broadcast"} and \
-            kinds & {"reduce_scatter_tensor", "reduce"}, (rank, kinds)
+        assert {"all_reduce", "all_gather", "all_to_all_single"} <= kinds and kinds & {"all_gather_into_tensor",
+                "broadcast"} and kinds & {"reduce_scatter_tensor", "reduce"} and kinds & {"gather_object",
+                "broadcast_object_list", "scatter_object_list"}, (rank, kinds)
         assert [name for name, hooked in seen if hooked] == [], (rank, seen)
 
 

@@ -139,23 +139,29 @@ def test_the_sqrt_is_torchs(native):
     assert native.classic_sqrt_is_mkl() == torch.backends.mkl.is_available()
 
 
-def test_auto_resolves_as_documented(native):
+def test_auto_resolves_as_documented(native, monkeypatch):
     """Torch's fused kernel on the CPU (the bitwise one-pass kernels measured slower than it: design/OPS.md), torch's
-    ops anywhere else; an explicit impl is what runs."""
+    ops anywhere else; an explicit impl is what runs, "native" where its kernel can (else torch's ops, the same
+    bits)."""
     cpu = torch.device("cpu")
     for opt in (fs.optim.adam(), fs.optim.sgd(momentum=0.9), fs.optim.adagrad()):
         assert opt.impl == "auto"
         assert opt.resolved_impl(cpu) == "fused" and opt.resolved_impl(cpu, torch.bfloat16) == "fused"
         assert opt.resolved_impl(torch.device("cuda")) == "torch"
         assert type(opt)(impl="native").resolved_impl(cpu) == "native"
+        assert type(opt)(impl="native").resolved_impl(torch.device("cuda")) == "torch"
+        assert type(opt)(impl="native").resolved_impl(cpu, torch.bfloat16) == "torch"
         assert type(opt)(impl="torch").resolved_impl(cpu) == "torch"
+    monkeypatch.setattr(ops, "native_available", lambda: False)  # no build: torch's ops, the same bits
+    assert fs.optim.sgd(impl="native").resolved_impl(cpu) == "torch"
 
 
-def test_an_explicit_native_that_cannot_run_is_named(native):
-    opt = fs.optim.sgd(lr=0.1, impl="native")
+def test_a_run_the_native_kernel_cannot_take_runs_torchs_ops_and_low_precision_gradients_are_taken(native):
     p, g = torch.zeros(5), torch.ones(5, dtype=torch.bfloat16)
-    with pytest.raises(fs.ArgumentError, match="impl='native'.*torch.bfloat16.*impl='torch'"):
-        opt.apply(p, g, 1)
+    want = torch.zeros(5)
+    fs.optim.sgd(lr=0.1, momentum=0.9, impl="torch").apply(want, g, torch.zeros(5), 1)
+    fs.optim.sgd(lr=0.1, momentum=0.9, impl="native").apply(p, g, torch.zeros(5), 1)  # (a bf16 gradient)
+    assert torch.equal(p, want) and torch.equal(p, torch.full((5,), -0.1))
     for opt in (fs.optim.sgd(lr=0.1), fs.optim.adam(lr=0.1), fs.optim.adagrad(lr=0.1)):  # the defaults take it
         want, got = torch.zeros(5), torch.zeros(5)
         rows = [torch.zeros(5) for _ in opt.rows]

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dist._call import Call
 from ..dist._agreement import explain
+from ..dist._bare import bare
 from ._files import (FORMAT, check_target, commit, crc_share, data_files, discard, latest,  # noqa: F401
                           start, token)  # (latest: fs.latest)
 from ._dcp import _Boxes, _Chunks, _SavePlanner, slot_boxes
@@ -226,10 +227,12 @@ def _dcp(call, what: str, intact: str, fn, sd, **kw):
     """``fn`` (dcp.save or dcp.load) over ``call``'s mesh: without a process group, DCP's single-process mode
     (DCP would otherwise use the world group: a ``Mesh.local()`` state under torchrun). DCP tells every rank of a
     failure on one (``CheckpointException``), which becomes a ``CheckpointError``; a transport failure in DCP's own
-    collectives, a ``CollectiveError``."""
+    collectives, a ``CollectiveError``. DCP's collectives are issued as fshard's own: without the caller's
+    saved-tensor hooks in their works (fshard/dist/_bare.py)."""
     group = call.mesh.group
     try:
-        return fn(sd, process_group=group, no_dist=group is None, **kw)
+        with bare():
+            return fn(sd, process_group=group, no_dist=group is None, **kw)
     except (Exception, CheckpointException) as e:
         if not isinstance(e, CheckpointException) and _transport(e):
             raise CollectiveError(explain(call.comm, f"DCP's collectives while {what}", e)) from e

@@ -43,6 +43,10 @@ def adam_(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, step: float, lr: fl
 def sgd_(p, g, momentum_buffer=None, *, first: bool, lr: float, momentum: float = 0.0, dampening: float = 0.0,
          weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, isa: str | None = None) -> None:
     """torch.optim.SGD's single-tensor step in place; ``first``: the buffer starts as a copy of the gradient."""
+    if momentum != 0 and momentum_buffer is None:
+        from ..errors import ArgumentError
+        raise ArgumentError(f"fshard.ops.sgd_(momentum={momentum}): momentum needs its momentum_buffer (a float32 "
+                            "tensor of p's length, updated in place); pass momentum_buffer=, or momentum=0.")
     rows = () if momentum == 0 else (momentum_buffer,)
     _run(SGD, p, g, rows, wd=weight_decay, maximize=maximize, momentum=momentum, damp1=1 - dampening, neg_lr=-lr,
          nesterov=nesterov, first=first, isa=isa)

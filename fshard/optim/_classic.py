@@ -1,8 +1,8 @@
 """``fs.optim.sgd``, ``fs.optim.adagrad`` and ``fs.optim.rmsprop``: torch.optim.SGD, Adagrad and RMSprop over flat
 shards, each the arithmetic of torch's single-tensor implementation (``torch.optim.sgd._single_tensor_sgd`` etc.,
-what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there; SGD and Adagrad run it in
-one pass with fshard.ops' native single-tensor kernel (``impl="native"``, SGD's default); Adagrad's default is
-torch's fused kernel (within 1e-6, design/OPS.md "Single-tensor kernels" says why). Their rows are torch's
+what torch runs on the CPU by default) kernel for kernel, so bitwise equal to it there (``impl="torch"``); SGD
+and Adagrad also run it in one pass with fshard.ops' native single-tensor kernel (``impl="native"``); their default
+is torch's fused kernel on the CPU (within 1e-6, design/OPS.md "Single-tensor kernels" says why). Their rows are torch's
 state keys, present only where the hyperparameters call for them (SGD's ``momentum_buffer`` only with momentum,
 RMSprop's ``momentum_buffer`` and ``grad_avg`` only with momentum and ``centered``); the elementwise base
 (``_elementwise.py``) does the rest.
@@ -204,10 +204,10 @@ def sgd(lr: _Lr = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_de
         impl: str = "auto") -> SGD:
     """torch.optim.SGD's arithmetic and defaults on flat shards; ``lr`` may be a schedule (``fs.schedules``) and
     ``weight_decay_mask(name, param) -> bool`` chooses the parameters that decay. ``impl``: "auto" (the default)
-    is "native" for fp32 state on the CPU where fshard.ops builds, else "torch"; "native" fshard.ops' single-tensor
-    kernel (``ops.sgd_``: torch's single-tensor arithmetic in one pass, bitwise ``torch.optim.SGD()`` on the CPU);
-    "torch" its single-tensor kernels (the same bits, several passes); "fused" its fused kernel (``fused=True``, one
-    pass, within 1e-6)."""
+    is "fused" on the CPU (torch's ``fused=True`` kernel, one pass, within 1e-6), else "torch"; "native" fshard.ops'
+    single-tensor kernel (``ops.sgd_``: torch's single-tensor arithmetic in one pass, bitwise ``torch.optim.SGD()``
+    on the CPU; torch's ops where it cannot run, the same bits); "torch" its single-tensor kernels (the same bits,
+    several passes); "fused" as "auto" on the CPU."""
     return SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, weight_decay_mask, impl=impl)
 
 

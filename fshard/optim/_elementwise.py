@@ -226,10 +226,15 @@ def resolve_single_tensor(opt, device: torch.device, dtype: torch.dtype) -> str:
     fused kernel on the CPU (within 1e-6 of torch's default, and as fast as torch's fastest: benchmarks/RESULTS.md,
     "Optimizers"; the bitwise one-pass kernels, impl="native", measured 0.43-0.48x fused for Adam and Adagrad, whose
     sqrt must be torch's, and 0.84-0.95x for SGD: design/OPS.md "Single-tensor kernels"), torch's single-tensor ops
-    anywhere else."""
+    anywhere else. "native" runs where the kernel can (fp32 CPU state, the build loaded), else torch's ops: the
+    same bits."""
+    cpu = torch.device(device).type == "cpu"
+    if opt.impl == "native":
+        from .. import ops
+        return "native" if cpu and dtype == torch.float32 and ops.native_available() else "torch"
     if opt.impl != "auto":
         return opt.impl
-    return "fused" if torch.device(device).type == "cpu" else "torch"
+    return "fused" if cpu else "torch"
 
 
 def check_single_tensor_impl(opt) -> None:
@@ -239,15 +244,9 @@ def check_single_tensor_impl(opt) -> None:
 
 def native_fits(opt, impl: str, *tensors) -> bool:
     """Whether this run goes to the native kernel: ``impl`` "native" and every tensor fp32, contiguous, on the CPU;
-    "native" with a tensor that does not fit (a bf16 gradient, say) is an error naming the fix."""
-    if impl != "native":
-        return False
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return True
-    bad = next(t for t in tensors if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()))
-    raise ArgumentError(f"{opt.label}(impl='native'): the native kernel takes contiguous float32 CPU tensors, got "
-                        f"{bad.dtype} on {bad.device}; use impl='torch' (the same bits, several passes) or impl='auto' "
-                        "(torch's fused kernel on the CPU, within 1e-6).")
+    a run that does not fit (a bf16 gradient, say) runs torch's ops, with the same bits."""
+    return impl == "native" and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 def segments(ranges, active, counts, decays) -> list[tuple[int, int, int, float]]:

@@ -111,7 +111,8 @@ def timeline(metrics, path=None, *, mesh: Mesh | None = None, title: str | None 
     ranks.sort(key=lambda x: x[0])
     flat = tuple((r, *s) for r, sp, _ in ranks for s in sp)
     busy = [_union([(a, b) for lane, _, a, b in sp if lane in ("gather", "reduce")]) for _, sp, _ in ranks]
-    waits = [sum(b - a for lane, _, a, b in sp if lane == "wait") for _, sp, _ in ranks]
+    waits = [sum(b - a for lane, label, a, b in sp if lane == "wait" and label.startswith(("gather:", "reduce:")))
+             for _, sp, _ in ranks]  # (the waits on the lanes counted busy; replica and exchange waits are not)
     tl = Timeline(flat, max(s for *_, s in ranks), _overlap(sum(waits), sum(busy)), tuple(s for *_, s in ranks),
                   tuple(_overlap(w, b) for w, b in zip(waits, busy)))
     if path is None or rank != 0:
