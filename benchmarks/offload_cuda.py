@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--mode", default="fshard", choices=("fshard", "fsdp2", "floors", "all"))
     ap.add_argument("--params", action="store_true", help="master weights in the store too (params=True)")
+    ap.add_argument("--timeline", default=None, help="fshard mode: write the last step's timeline (PNG and spans"
+                    " as JSON beside it) here")
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
     a = ap.parse_args()
@@ -153,7 +155,8 @@ def main() -> int:
     print(f"[offload_cuda] fs.init {out['init_s']:.1f} s, GPU {torch.cuda.memory_allocated() / GIB:.1f} GiB, "
           f"host RSS {rss_gib():.1f} GiB; moments: {frac:.0%} in {type(store).__name__}", flush=True)
     rows = []
-    with fs.compose(loss_fn, fs.gather_ahead(2), fs.mixed_precision(), offload, donate=True) as step:
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.mixed_precision(), offload, donate=True,
+                    timeline=a.timeline is not None) as step:
         for s, batch in enumerate(batches):
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
@@ -171,6 +174,11 @@ def main() -> int:
                   f" update {row.get('time/update', 0):.2f} s, io wait {row.get('time/io_wait', 0):.2f} s", flush=True)
             if a.json:  # after each step: a run cut off by its limit still leaves what it measured
                 Path(a.json).write_text(json.dumps({**out, "steps": rows}, indent=1))
+            if a.timeline and s == len(batches) - 1:
+                tl = fs.timeline(m, a.timeline, title=f"offload_cuda fshard step {s}")
+                Path(a.timeline).with_suffix(".json").write_text(json.dumps(
+                    [list(sp) for sp in tl.spans], default=str))
+                print(f"[offload_cuda] timeline: {a.timeline} (overlap {getattr(tl, 'overlap', None)})", flush=True)
     out["steps"] = rows
     out["config"] = dict(params=a.params, pin=a.pin, chunk_mb=a.chunk_mb, batch=a.batch, seq=a.seq)
     losses = [r["loss"] for r in rows]
@@ -215,6 +223,8 @@ def floors(a) -> int:
     p, g, mm, v = torch.randn(m), torch.randn(m), torch.zeros(m), torch.zeros(m)
     adam = _bw(lambda: ops.adamw_([p], [g], [mm], [v], step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
                                   weight_decay=0.1, grad_scale=1.0, param_copies=None, check_finite=False), 28 * m)
+    p = g = mm = v = None
+    out_probe = _update_probe(a.chunk_mb)
     with torch.device("meta"):
         params = GPT(_cfg(a)).num_params()
     pcie_s = 2 * params / (d2h * 1e9) + 2 * params / (h2d * 1e9)
@@ -222,7 +232,7 @@ def floors(a) -> int:
     dram_s = 28 * params / (max(dram, adam) * 1e9)
     out = dict(h2d_gbps=h2d, d2h_gbps=d2h, dram_copy_gbps=dram, host_adamw_gbps=adam, threads=torch.get_num_threads(),
                params=params, pcie_floor_s=pcie_s, dram_floor_s=dram_s, floor_s=pcie_s + dram_s,
-               adamw_kernel_s=28 * params / (adam * 1e9))
+               adamw_kernel_s=28 * params / (adam * 1e9), update_probe=out_probe)
     print(f"[offload_cuda] floors: PCIe h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s; host DRAM copy {dram:.1f} GB/s; "
           f"host AdamW kernel {adam:.1f} GB/s ({torch.get_num_threads()} threads); {params / 1e9:.2f}B params: "
           f"PCIe floor {pcie_s:.2f} s + DRAM floor {dram_s:.2f} s = {pcie_s + dram_s:.2f} s (kernel pass "
@@ -230,6 +240,75 @@ def floors(a) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _update_probe(chunk_mb: float) -> dict:
+    """The host update's kernel as offload_state's worker runs it: bf16 gradients, 256M parameters in calls of
+    ``chunk_mb`` MiB of fp32, from a thread of its own at nice 0 or 5 (offload_state's worker_nice), alone, beside a
+    thread that spins (a CUDA synchronisation's wait), or beside pinned host-to-device copies (a gather's upload):
+    GB/s at 26 bytes a parameter; also beside a Python thread (the GIL, which each chunk's call takes back). Says what keeps the step's update below the kernel's bare speed."""
+    import threading
+    import fshard.ops as ops
+    from fshard.dist._threads import lower_priority
+    n, k = 1 << 28, max(1, int(chunk_mb * 2**20) // 4)
+    p, mm, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n).to(torch.bfloat16)
+    host = torch.empty(1 << 28, pin_memory=True)
+    dev = torch.empty(1 << 28, device="cuda")
+
+    def one_pass():
+        for lo in range(0, n, k):
+            hi = min(n, lo + k)
+            ops.adamw_([p[lo:hi]], [g[lo:hi]], [mm[lo:hi]], [v[lo:hi]], step=1, lr=1e-4, beta1=0.9, beta2=0.95,
+                       eps=1e-8, weight_decay=0.1, grad_scale=1.0, param_copies=None, check_finite=False)
+
+    def timed(nice: int, load: str | None) -> float:
+        res, stop = [], threading.Event()
+
+        def worker():
+            lower_priority(nice)
+            one_pass()
+            ts = []
+            for _ in range(3):
+                t = time.perf_counter()
+                one_pass()
+                ts.append(time.perf_counter() - t)
+            res.append(sorted(ts)[1])
+
+        def spin():  # a CUDA wait (the driver spins with the GIL let go)
+            while not stop.is_set():
+                torch.cuda._sleep(10**7)
+                torch.cuda.synchronize()
+
+        def python():  # Python code on another thread (the GIL held, let go when the worker asks)
+            x = 0
+            while not stop.is_set():
+                x += 1
+
+        def dma():
+            s = torch.cuda.Stream()
+            while not stop.is_set():
+                with torch.cuda.stream(s):
+                    dev.copy_(host, non_blocking=True)
+                s.synchronize()
+
+        side = None if load is None else threading.Thread(target={"spin": spin, "dma": dma, "python": python}[load], daemon=True)
+        if side is not None:
+            side.start()
+        w = threading.Thread(target=worker)
+        w.start()
+        w.join()
+        stop.set()
+        if side is not None:
+            side.join()
+        return 26 * n / res[0] / 1e9
+
+    out = {f"nice{nice}_{load or 'alone'}": timed(nice, load)
+           for nice, load in ((0, None), (5, None), (5, "spin"), (0, "spin"), (5, "dma"), (5, "python"))}
+    out["chunk_numel"], out["threads"] = k, torch.get_num_threads()
+    print(f"[offload_cuda] update probe (GB/s, 26 B/param, chunks of {k} elements): "
+          + ", ".join(f"{key} {val:.1f}" for key, val in out.items() if isinstance(val, float)), flush=True)
+    return out
 
 
 def fsdp2(a) -> int:

@@ -13,6 +13,13 @@ using TList = std::vector<at::Tensor>;
 
 std::string arg(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
 
+// Numbers in messages go in as strings: an extension built by another compiler than torch's crashed inside
+// std::ostream's numeric formatting (the locale's num_put facet) on the H100 image (torch 2.11, session 25:
+// every message with a number segfaulted; those with strings, devices and dtypes raised), and std::to_string
+// needs no locale. TORCH_CHECK streams its arguments, so nothing numeric may reach it.
+template <typename T>
+std::string num(T x) { return std::to_string(x); }
+
 void check_state(const at::Tensor& t, const at::Tensor& p0, const char* name, size_t i) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "fshard.ops.adamw_: ", arg(name, i),
                    " must be float32 (fp32 master params and moments), got ", t.scalar_type(),
@@ -25,10 +32,10 @@ void check_state(const at::Tensor& t, const at::Tensor& p0, const char* name, si
 }
 
 void check_same_numel(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
-  TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops.adamw_: ", arg(name, i), " has ", t.numel(),
-                    " elements but params[", i, "] has ", p.numel(), "; they must match one to one");
+  TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops.adamw_: ", arg(name, i), " has ", num(t.numel()),
+                    " elements but params[", num(i), "] has ", num(p.numel()), "; they must match one to one");
   TORCH_CHECK_VALUE(t.device() == p.device(), "fshard.ops.adamw_: ", arg(name, i), " is on ",
-                    t.device(), " but params[", i, "] is on ", p.device(),
+                    t.device(), " but params[", num(i), "] is on ", p.device(),
                     "; all tensors of one call must live on one device");
   TORCH_CHECK_VALUE(t.is_contiguous(), "fshard.ops.adamw_: ", arg(name, i),
                     " is not contiguous; pass .contiguous() storage or a 1-D slice of a flat shard");
@@ -77,9 +84,9 @@ std::vector<std::string> cpu_isas() {
 AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
                        double grad_scale, bool adam_w_mode) {
   TORCH_CHECK_VALUE(step >= 1, "fshard.ops.adamw_: step must be >= 1 (the step count after "
-                    "incrementing, as torch's bias correction uses it), got ", step);
+                    "incrementing, as torch's bias correction uses it), got ", num(step));
   TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
-                    "fshard.ops.adamw_: betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+                    "fshard.ops.adamw_: betas must be in [0, 1), got (", num(beta1), ", ", num(beta2), ")");
   // As ATen's fused Adam: fold in double, cast to float once.
   const double bc1 = 1 - std::pow(beta1, double(step));
   const double bc2 = 1 - std::pow(beta2, double(step));
@@ -105,10 +112,10 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
                     "fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
-                    "length, got ", n, ", ", grads.size(), ", ", exp_avgs.size(), ", ",
-                    exp_avg_sqs.size());
+                    "length, got ", num(n), ", ", num(grads.size()), ", ", num(exp_avgs.size()), ", ",
+                    num(exp_avg_sqs.size()));
   TORCH_CHECK_VALUE(copies.empty() || copies.size() == n, "fshard.ops.adamw_: param_copies has ",
-                    copies.size(), " tensors but params has ", n, "; pass one copy per param or None");
+                    num(copies.size()), " tensors but params has ", num(n), "; pass one copy per param or None");
   const AdamConsts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adam_w_mode);
   const int level = parse_isa(isa);
   if (n == 0) return false;
@@ -201,8 +208,8 @@ void norm_continue_(const TList& xs, const std::vector<int64_t>& starts, const s
     TORCH_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "fshard.ops.norm_continue_: ",
                       arg("xs", k), " must be a contiguous float32 CPU tensor");
     TORCH_CHECK_VALUE(starts[k] >= 0 && starts[k] + t.numel() <= totals[k], "fshard.ops.norm_continue_: ",
-                      arg("xs", k), " (", t.numel(), " elements from ", starts[k], ") overruns its parameter of ",
-                      totals[k]);
+                      arg("xs", k), " (", num(t.numel()), " elements from ", num(starts[k]), ") overruns its parameter of ",
+                      num(totals[k]));
     norm_continue(t.numel() ? t.data_ptr<float>() : nullptr, starts[k], t.numel(), totals[k], st + 8 * k);
   }
 }
@@ -213,9 +220,9 @@ void classic_step(int64_t kind, const at::Tensor& p, const at::Tensor& g, const 
                   bool maximize, double lerp_w, double beta2, double sq_coeff, double bc2_sqrt, double eps,
                   double neg_step, bool amsgrad, double momentum, double damp1, double neg_lr, bool nesterov,
                   bool first, const std::string& isa) {
-  TORCH_CHECK_VALUE(kind >= kClassicAdam && kind <= kClassicAdagrad, "fshard.ops: unknown kernel kind ", kind);
+  TORCH_CHECK_VALUE(kind >= kClassicAdam && kind <= kClassicAdagrad, "fshard.ops: unknown kernel kind ", num(kind));
   const size_t want = kind == kClassicAdam ? (amsgrad ? 3 : 2) : kind == kClassicAdagrad ? 1 : (momentum != 0 ? 1 : 0);
-  TORCH_CHECK_VALUE(rows.size() == want, "fshard.ops: this update keeps ", want, " row(s), got ", rows.size());
+  TORCH_CHECK_VALUE(rows.size() == want, "fshard.ops: this update keeps ", num(want), " row(s), got ", num(rows.size()));
   const char* names[] = {"param", "grad", "rows[0]", "rows[1]", "rows[2]"};
   std::vector<const at::Tensor*> all = {&p, &g};
   for (const auto& r : rows) all.push_back(&r);
@@ -223,8 +230,8 @@ void classic_step(int64_t kind, const at::Tensor& p, const at::Tensor& g, const 
     const at::Tensor& t = *all[i];
     TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat && t.is_cpu() && t.is_contiguous(), "fshard.ops: ", names[i],
                      " must be a contiguous float32 CPU tensor (got ", t.scalar_type(), " on ", t.device(), ")");
-    TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops: ", names[i], " has ", t.numel(),
-                      " elements but param has ", p.numel());
+    TORCH_CHECK_VALUE(t.numel() == p.numel(), "fshard.ops: ", names[i], " has ", num(t.numel()),
+                      " elements but param has ", num(p.numel()));
   }
   ClassicConsts c{};
   c.kind = static_cast<int>(kind);

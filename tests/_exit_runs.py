@@ -119,10 +119,40 @@ def _rank(mode: str, rank: int, port: int) -> int:
         meshes = [o for o in gc.get_objects() if isinstance(o, fs.Mesh)]
     left = [n for n in _threads() if n.startswith(_TORCH_THREADS)]
     if meshes or left:
-        print(f"rank {rank}: after destroy_process_group, meshes {meshes}, threads {left}", file=sys.stderr,
+        print(f"rank {rank}: after destroy_process_group, meshes {meshes}, threads {left}; held by "
+              f"{_holders(meshes[0]) if meshes else '-'}; after gc.collect(): {_after_collect()}", file=sys.stderr,
               flush=True)
         return 3
     return 0
+
+
+def _holders(obj, depth: int = 4) -> str:
+    """What holds ``obj``: its referrers' types (a frame by its function and line), ``depth`` levels up, for the
+    report of a mesh left alive (which torch or Python keeps it is what a fix needs)."""
+    import types
+    seen, out, level = {id(obj)}, [], [obj]
+    for d in range(depth):
+        nxt = []
+        for o in level:
+            for r in gc.get_referrers(o):
+                if id(r) in seen or r is level or r is nxt:
+                    continue
+                seen.add(id(r))
+                nxt.append(r)
+        nxt = nxt[:8]
+        names = [f"frame {r.f_code.co_name}:{r.f_lineno}" if isinstance(r, types.FrameType) else
+                 f"{type(r).__module__}.{type(r).__qualname__}" for r in nxt]
+        out.append(f"L{d + 1}[{', '.join(names)}]")
+        level = nxt
+    return " <- ".join(out)
+
+
+def _after_collect() -> str:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        n = sum(isinstance(o, fs.Mesh) for o in gc.get_objects())
+    return f"{n} meshes, threads {[t for t in _threads() if t.startswith(_TORCH_THREADS)]}"
 
 
 def _port() -> int:

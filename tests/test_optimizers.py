@@ -530,3 +530,33 @@ def test_replayed_scalars_of_counts_apart_take_linear_work():
         q.grad = torch.zeros(1)
         ref.step()
     assert all(torch.equal(got[k], ref.state[q][k]) for k in got)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([1, 2, 7]), st.sampled_from([1e-3, 3e-4]),
+                          st.sampled_from([0.0, 0.1]), st.sampled_from([None, torch.bfloat16, torch.float16,
+                                                                        torch.float32]),
+                          st.sampled_from([1.0, 0.5])), min_size=1, max_size=6),
+       st.sampled_from(["native", "fused", "torch"]))
+def test_apply_runs_is_apply_on_each_run_bitwise(runs, impl):
+    """``apply_runs`` (offload_state's host update hands a unit's runs over at once; fs.adamw's native kernel takes
+    them in one call per hyper-parameter group) writes the bits a call of ``apply`` per run writes: parameters,
+    both moments and the low-precision copies, for any mix of steps, lrs, decays, copy dtypes and grad scales."""
+    from fshard.optim._protocol import apply_runs
+    opt = fs.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, impl=impl)
+    g = torch.Generator().manual_seed(len(runs))
+    made = [(torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g).abs(),
+             torch.randn(n, generator=g).abs(), step, lr, wd, cdt, scale) for n, step, lr, wd, cdt, scale in runs]
+
+    def state():
+        return [(p.clone(), gr, m.clone(), v.clone(), None if cdt is None else torch.zeros(p.numel(), dtype=cdt))
+                for p, gr, m, v, _, _, _, cdt, _ in made]
+
+    one, many = state(), state()
+    for (p, gr, m, v, c), (_, _, _, _, step, lr, wd, _, scale) in zip(one, made):
+        opt.apply(p, gr, m, v, step, scale, lr=lr, weight_decay=wd, copy=c)
+    apply_runs(opt, [(p, gr, (m, v), step, scale, lr, wd, c)
+                     for (p, gr, m, v, c), (_, _, _, _, step, lr, wd, _, scale) in zip(many, made)])
+    for a, b in zip(one, many):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)

@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..optim._protocol import apply_runs
 from ..state._stored import StoredParam, _Items, param_key
 from ..store._protocol import locked
-from ._staging import HostStaging
+from ._staging import HostStaging, copy_down
 
 
 class Streamed(NamedTuple):
@@ -55,6 +56,12 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
         streams = [open_stream(keys)]
         if pkeys:
             streams.append(open_stream(pkeys))
+    # The runs go to the optimizer together (optim._protocol.apply_runs: fs.adamw's kernel takes them in one call,
+    # so this thread takes the GIL back once per call, not once per run, beside a step's Python thread that holds
+    # it: each take waited up to the interpreter's switch interval, and the update ran at a tenth of its speed
+    # beside a busy Python thread, benchmarks/RESULTS.md, session 25): a chunk's runs, or a whole unit's where the
+    # items are the stored tensors themselves (in place: nothing is read or written, so none is held up).
+    runs, held = [], []  # the runs not yet applied; the items they use, written back once they are
     try:
         its = [iter(s) for s in streams]
         for i, c in where:
@@ -71,10 +78,14 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
             for a, b, step, lr, wd in w.segs:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    _apply(opt, p, w.grad, rows, a, b, lo, (step, scale, lr, wd), w.copy, plo)
+                    runs.append(_run(p, w.grad, rows, a, b, lo, (step, scale, lr, wd), w.copy, plo))
+            held.append([(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else []))
+            if in_place is not None and c != last[i]:
+                continue
+            apply_runs(opt, runs)
+            runs = []
             t0 = time.perf_counter()
-            done = [(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else [])
-            for s, it_, k in done:
+            for s, it_, k in (d for done in held for d in done):
                 with locked(store):
                     s.writeback(it_, key=k)  # async; waits only if too many writes are in flight
                 if not donate:
@@ -82,6 +93,7 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
                 n = it_.tensor.numel() * it_.tensor.element_size()
                 m["io/read_bytes"] += n
                 m["io/write_bytes"] += n
+            held = []
             if c == last[i]:
                 staging.up(i)
             spans[i][1] = time.perf_counter()
@@ -107,13 +119,14 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     return up
 
 
-def _apply(opt, p, g, rows, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> None:
-    """One optimizer pass over shard elements [a, b) whose state sits at [a - lo, b - lo) of each chunk row and
-    parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay); ``copy``: the shard's
-    low-precision copy, written in the same pass. Every tensor is on the host (``HostStaging`` put it there)."""
+def _run(p, g, rows, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> tuple:
+    """One optimizer run (``apply_runs``'s tuple) over shard elements [a, b) whose state sits at [a - lo, b - lo) of
+    each chunk row and parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay);
+    ``copy``: the shard's low-precision copy, written in the same pass. Every tensor is on the host
+    (``HostStaging`` put it there)."""
     step, scale, lr, wd = run
-    opt.apply(p[a - plo:b - plo], g[a:b], *(r[a - lo:b - lo] for r in rows), step, scale, lr=lr,
-              weight_decay=wd, copy=None if copy is None else copy[a:b])
+    return (p[a - plo:b - plo], g[a:b], tuple(r[a - lo:b - lo] for r in rows), step, scale, lr, wd,
+            None if copy is None else copy[a:b])
 
 
 class _Early:
@@ -134,6 +147,10 @@ class _Early:
         # ready: a CUDA event after which the gradient is final (None on a CPU mesh); ups: the events after the
         # parameters' copies back to the GPU, which the step's stream waits for when it takes the result
         self.ready, self.ups = ready, []
+        # where parameters live in the store (the worker's queue is bounded: offload_state's depth), the
+        # gradient comes down now (``copy_down``), so host memory holds at most that many more of them
+        if ready is not None and self.data.device.type == "cuda" and isinstance(param, StoredParam):
+            self.data, self.ready = copy_down(self.data, ready)
         self.created: list = []  # keys written so far (appended by the worker)
         self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
         self.started, self.seconds = float("inf"), 0.0

@@ -152,6 +152,29 @@ class AdamW(Elementwise):
         if copy is not None:
             copy.copy_(p)
 
+    def apply_runs(self, runs) -> None:
+        """``apply`` on each of ``runs`` (``(p, g, rows, step, grad_scale, lr, weight_decay, copy)``, disjoint),
+        through the native kernel in one call per distinct (step, grad_scale, lr, weight_decay, copy or not): the
+        same bits as a call per run (the kernel is elementwise), with one release of the GIL for them all. The
+        runs another implementation takes, or with a copy the kernel does not write, go through ``apply``."""
+        groups: dict = {}
+        for run in runs:
+            p, g, rows, step, scale, lr, wd, copy = run
+            fused = copy is None or copy.dtype in (torch.bfloat16, torch.float16)
+            if (self.amsgrad or lr is None or wd is None or not fused
+                    or self.resolved_impl(p.device, p.dtype) != "native"):
+                self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
+                continue
+            groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(run)
+        if not groups:
+            return
+        from .. import ops
+        (b1, b2), eps = self.betas, self.eps
+        for (step, scale, lr, wd, no_copy, _), rs in groups.items():
+            ops.adamw_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs], [r[2][1] for r in rs],
+                       step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale,
+                       param_copies=None if no_copy else [r[7] for r in rs], check_finite=False)
+
 
 _ROWS = (Row("exp_avg"), Row("exp_avg_sq"))
 

@@ -226,6 +226,19 @@ def streamable(opt: Optimizer) -> bool:
     return not getattr(opt, "collective", False) and getattr(opt, "covers", None) is None
 
 
+def apply_runs(opt: Optimizer, runs) -> None:
+    """``opt.apply`` on each of ``runs``: ``(p, g, rows, step, grad_scale, lr, weight_decay, copy)`` tuples over
+    disjoint elements. An optimizer may define ``apply_runs(runs)`` to take them at once (``fs.adamw``'s native
+    kernel: one call, so the host update of ``fs.offload_state`` takes the GIL back once for a unit instead of once
+    a run, beside a step whose Python thread holds it); the result is the same either way."""
+    many = getattr(opt, "apply_runs", None)
+    if many is not None:
+        return many(runs)
+    for p, g, rows, step, scale, lr, wd, copy in runs:
+        opt.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
+    return None
+
+
 def optimizer_of(opt: Optimizer, name: str) -> Optimizer:
     """The optimizer that updates parameter ``name``: ``opt``, or for one that holds several (``fs.partition``'s
     ``optimizer_of``) the one for that parameter; its ``eager_state`` and ``saved_scalars`` are the parameter's."""
