@@ -117,6 +117,8 @@ def main() -> int:
                     " as JSON beside it) here")
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
+    ap.add_argument("--all-modes", default="floors,fshard,fsdp2",
+                    help="--mode all: the modes to run, in order (floors measured in an earlier call may be left out)")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -381,9 +383,14 @@ def run_all(a) -> int:
               "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--chunk-mb", str(a.chunk_mb)]
     res = {}
     with tempfile.TemporaryDirectory() as d:
-        for mode, extra in (("floors", []), ("fshard", ["--params", "--skip-peer"] + (["--pin"] if a.pin else [])),
-                            ("fsdp2", [])):
-            path = f"{d}/{mode}.json"
+        extras = {"floors": [], "fsdp2": [],
+                  "fshard": ["--params", "--skip-peer"] + (["--pin"] if a.pin else [])
+                  + (["--timeline", a.timeline] if a.timeline else [])}
+        for mode in a.all_modes.split(","):
+            extra = extras[mode]
+            # beside --json where given: a call cut off by its limit still leaves each finished mode's figures
+            path = (f"{d}/{mode}.json" if not a.json else
+                    str(Path(a.json).with_name(f"{Path(a.json).stem}_{mode}.json")))
             cmd = [sys.executable, __file__, "--mode", mode, "--json", path, *common, *extra]
             print(f"[offload_cuda] $ {' '.join(cmd[1:])}", flush=True)
             try:
@@ -392,9 +399,9 @@ def run_all(a) -> int:
                 rc = "timeout"
             res[mode] = json.loads(Path(path).read_text()) if Path(path).exists() else {"rc": rc}
     med = lambda rows: sorted(r["seconds"] for r in rows[1:])[len(rows[1:]) // 2] if len(rows) > 1 else None  # noqa
-    fs_s = med(res["fshard"].get("steps", []))
-    peer_s = med(res["fsdp2"].get("steps", []))
-    floor = res["floors"].get("floor_s")
+    fs_s = med(res.get("fshard", {}).get("steps", []))
+    peer_s = med(res.get("fsdp2", {}).get("steps", []))
+    floor = res.get("floors", {}).get("floor_s")
     res["summary"] = dict(fshard_step_s=fs_s, fsdp2_step_s=peer_s, floor_s=floor,
                           over_floor=fs_s / floor if fs_s and floor else None,
                           over_fsdp2=fs_s / peer_s if fs_s and peer_s else None)

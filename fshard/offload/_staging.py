@@ -31,8 +31,7 @@ class HostStaging:
         self.stream = None if dev is None else torch.cuda.Stream(dev)
         if self.stream is not None and ready is None:
             ready = torch.cuda.current_stream(dev).record_event()
-        # ready with nothing to stage here: host tensors an earlier copy down fills (``copy_down``)
-        self._ready, self._staged, self._host_ready = ready, {}, ready if self.stream is None else None
+        self._ready, self._staged = ready, {}
 
     def host(self, i: int):
         """Unit i's work item with host tensors (waits for its copies down; starts those of the units after it)."""
@@ -42,10 +41,12 @@ class HostStaging:
         event, staged = self._staged[i]
         if event is not None:
             event.synchronize()
-        if self._host_ready is not None:
-            self._host_ready.synchronize()
-            self._host_ready = None
         return staged
+
+    def start(self) -> None:
+        """Start the first unit's copies down now (``host(0)`` then finds them done or in flight)."""
+        if 0 not in self._staged and self.work:
+            self._staged[0] = self._down(self.work[0])
 
     def up(self, i: int) -> None:
         """Unit i's host update is done: send its parameter shard and copy back to the GPU (asynchronously)."""
@@ -87,14 +88,3 @@ def _down(t, stream):
     out.copy_(t, non_blocking=True)
     return out
 
-
-def copy_down(t: torch.Tensor, ready):
-    """Start ``t``'s copy into new pinned host memory on a copy stream once the CUDA event ``ready`` has passed:
-    (the host tensor, an event after the copy). An update begun during backward starts its gradient's copy so,
-    when backward hands the gradient over, and the worker, busy with the units before it, finds it on the host
-    (the copy started by the worker itself left the host update idle while each unit's gradient came down)."""
-    stream = torch.cuda.Stream(t.device)
-    with torch.cuda.stream(stream):
-        stream.wait_event(ready)
-        out = _down(t, stream)
-        return out, stream.record_event()
