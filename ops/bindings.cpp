@@ -13,10 +13,11 @@ using TList = std::vector<at::Tensor>;
 
 std::string arg(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
 
-// Numbers in messages go in as strings: an extension built by another compiler than torch's crashed inside
-// std::ostream's numeric formatting (the locale's num_put facet) on the H100 image (torch 2.11, session 25:
-// every message with a number segfaulted; those with strings, devices and dtypes raised), and std::to_string
-// needs no locale. TORCH_CHECK streams its arguments, so nothing numeric may reach it.
+// Numbers in messages go in as strings. On the H100 image (torch 2.11, the extension built there by its own
+// compiler; session 25) every failed check whose message streamed a number segfaulted, while those streaming only
+// strings, devices and dtypes raised: the numbers went through std::ostream's numeric formatting in this .so
+// (c10::str streams its arguments), std::to_string needs no stream or locale. Not yet confirmed on that image
+// (its device time ran out); tests/test_ops.py::test_errors_name_the_argument is the check.
 template <typename T>
 std::string num(T x) { return std::to_string(x); }
 
