@@ -46,12 +46,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Pinned host memory through malloc, its pages touched by 8 threads, then cudaHostRegister: 7.6-8.5 GiB/s on an H100
+# where cudaHostAlloc (torch's default) gave 2.2-2.4, most of fs.init's time with 70 GiB of pinned items
+# (design/OFFLOAD.md, "What init costs"). Every mode (the FSDP2 peer pins its parameters too) runs under it; a
+# PYTORCH_CUDA_ALLOC_CONF of the caller's own wins. Set before torch starts CUDA, which reads it once.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -136,7 +143,8 @@ def main() -> int:
           f"fp32 AdamW state {16 * n / GIB:.0f} GiB vs {torch.cuda.get_device_properties(0).total_memory / GIB:.0f}"
           f" GiB of GPU memory; batch {a.batch} x seq {a.seq}", flush=True)
     batches = [tuple(t.cuda() for t in b) for b in synthetic_batches(cfg, a.batch, a.steps, seed=0)]
-    out = {"params": n, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out = {"params": n, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if not a.skip_peer:
         out["plain_torch"] = plain_torch(cfg, batches[0])
         print(f"[offload_cuda] plain torch (AdamW fused, autocast bf16): {out['plain_torch']}", flush=True)

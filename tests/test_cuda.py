@@ -385,3 +385,29 @@ def test_one_rank_makes_no_copy_on_the_gpu(mesh):
     assert calls.get("copy_", 0) == units, calls
     assert calls.get("cat", 0) == units, calls
     assert cast_bytes == fp32_grad_bytes, (cast_bytes, fp32_grad_bytes)
+
+
+# --- fs.init(offload=) from the GPU: each stored byte written once (init speed) ---
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_init_into_a_store_from_the_gpu_holds_the_bits_of_init_on_the_gpu(pin):
+    """fs.init on a CUDA mesh with offload_state(CPUStore(pin=...), params=True, items of 256 elements): each
+    parameter shard goes into the store item by item straight from the GPU (no host copy of the whole shard), the
+    moments' rows straight into their items (CPUStore.put_stacked); read back, every shard and moment is the bits
+    fs.init keeps on the GPU without offload."""
+    import fshard as fs
+    from gpt import GPT, GPTConfig
+
+    def model():
+        with torch.device("meta"):
+            return GPT(GPTConfig.tiny(n_layers=2))
+
+    mesh, opt = fs.Mesh.local("cuda"), fs.adamw(lr=1e-3, weight_decay=0.1)
+    ref = fs.init(model(), mesh, opt, seed=0)
+    off = fs.offload_state(fs.CPUStore(pin=pin), chunk_mb=256 * 4 / 2**20, params=True)
+    state = fs.init(model(), mesh, opt, seed=0, offload=off)
+    for name, p in ref.params.items():
+        assert p.is_cuda and isinstance(state.params[name], fs.state.StoredParam)
+        assert torch.equal(state.params[name].load().view(torch.uint8), p.cpu().view(torch.uint8)), name
+        for r, s in zip(ref.opt_state[name].rows, state.opt_state[name].rows):
+            assert torch.equal(s.load().view(torch.uint8), r.cpu().view(torch.uint8)), name

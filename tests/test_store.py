@@ -694,3 +694,63 @@ def test_read_into_casts_in_one_pass_and_a_forwarding_wrapper_keeps_its_own_get(
                         for part in (sp.head, sp.tail)), sp.numel, sp.opt_numel, sp.dtype, sp.location)
     assert torch.equal(sp2.load(torch.bfloat16), p.to(torch.bfloat16))
     assert wrapped.gets == len(sp.head.chunks) + len(sp.tail.chunks)
+
+
+# --- CPUStore: one pass per put (fs.init's speed) ---
+
+def test_put_stacked_is_the_padded_stack_copied_once_and_its_checksum_is_taken_when_asked():
+    """CPUStore.put_stacked(key, rows, width) stores what put(key, <rows stacked, zero padded to width>) would,
+    copying each row straight in (no stack first), and owns its memory; a put's checksum is taken when meta()
+    asks, from the bytes stored (not a placeholder)."""
+    from fshard.store._protocol import as_bytes
+    store = fs.CPUStore(pin=False)
+    rows = [torch.randn(7), torch.randn(4), torch.randn(0)]
+    want = torch.zeros(3, 7)
+    want[0], want[1, :4] = rows[0], rows[1]
+    store.put_stacked("s", rows, 7).wait()
+    store.put("p", want).wait()
+    rows[0].fill_(5.0)
+    want_bytes = want.clone()
+    want.fill_(3.0)  # neither item aliases what it was made from
+    for k in ("s", "p"):
+        got = store.get(k).wait()
+        assert got.shape == (3, 7) and torch.equal(got.view(torch.uint8), want_bytes.view(torch.uint8))
+        m = store.meta(k)
+        assert (m.dtype, m.shape, m.nbytes) == (torch.float32, (3, 7), 84)
+        assert m.checksum == checksum(as_bytes(want_bytes))
+    assert store.resident_bytes == 2 * 84
+
+
+def test_write_rows_through_a_cpu_store_makes_no_stack_and_the_same_items_as_stack_then_put(monkeypatch):
+    """Optimizer rows go into a CPUStore's items through put_stacked: no stacked temporary (torch.stack is never
+    called) and the same bytes, for rows of one length (AdamW's) and of several (compact rows, zero padded), as
+    through a store that has only put (a forwarding wrapper, which keeps its own put)."""
+    from fshard.state._stored import _Items, write_rows
+
+    class Forwarding:
+        def __init__(self, inner):
+            self.inner, self.puts = inner, 0
+
+        def put(self, key, t):
+            self.puts += 1
+            return self.inner.put(key, t)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    for lengths in ((50, 50), (50, 19, 0)):
+        g = torch.Generator().manual_seed(len(lengths))
+        rows = [torch.randn(n, generator=g) for n in lengths]
+        chunks = [(0, 16), (16, 32), (32, 48), (48, 50)]
+        plain, wrapped = fs.CPUStore(pin=False), Forwarding(fs.CPUStore(pin=False))
+        items = {s: _Items(s, "k", chunks, tuple(f"r{i}" for i in range(len(rows)))) for s in (plain, wrapped)}
+        write_rows(items[wrapped], rows, [])
+        assert wrapped.puts == len(chunks)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "stack", lambda *a, **k: pytest.fail("a stacked temporary was made"))
+            write_rows(items[plain], rows, created := [])
+        assert created == [("k", i) for i in range(len(chunks))]
+        for k in created:
+            a, b = plain.get(k).wait(), wrapped.get(k).wait()
+            assert a.shape == b.shape == (len(rows), 16 if k[1] < 3 else 2)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and plain.meta(k) == wrapped.meta(k)

@@ -168,8 +168,10 @@ class StoredParam(_Flat):
 
 def put_param(store, key: str, p: torch.Tensor, opt_numel: int, chunk: int, created: list) -> StoredParam:
     """The parameter shard ``p`` written to ``store`` (the caller holds its lock): its head ``[0, opt_numel)`` as
-    items ``(key, i)`` chunked as the moments, its tail as items ``(key + "/tail", i)``; keys noted in ``created``."""
-    p = p.detach().to("cpu")
+    items ``(key, i)`` chunked as the moments, its tail as items ``(key + "/tail", i)``; keys noted in ``created``.
+    Each item is put straight from ``p`` wherever it is (a GPU shard goes down item by item into the store's pinned
+    memory), never through a host copy of the whole shard."""
+    p = p.detach()
     parts = []
     for k, (lo, hi) in ((key, (0, opt_numel)), (key + "/tail", (opt_numel, p.numel()))):
         if hi <= lo:
@@ -210,9 +212,16 @@ def put_moments(store, key: str, s, names: tuple[str, ...], chunk: int, created:
 def write_rows(items: _Items, rows, created: list) -> None:
     """``rows`` (tensors, one per name of ``items``) written as ``items``' chunk items, stacked, each zero padded at
     its end to the longest (the caller holds the store's lock); each key noted in ``created``. An item already
-    there is replaced (the store keeps the previous version until the new one is complete)."""
+    there is replaced (the store keeps the previous version until the new one is complete). A store with
+    ``put_stacked`` (the CPUStore) copies the rows straight into its item, with no stacked temporary of the item's
+    size."""
     handles, even = [], len({r.numel() for r in rows}) == 1  # (even: every row the same length, as AdamW's)
+    put_stacked = _put_stacked(items.store)
     for k, (lo, hi) in zip(items.item_keys(), items.chunks):
+        if put_stacked is not None:
+            handles.append(put_stacked(k, [r[lo:hi] for r in rows], hi - lo))
+            created.append(k)
+            continue
         if even:
             item = torch.stack([r[lo:hi] for r in rows])
         else:
@@ -223,6 +232,15 @@ def write_rows(items: _Items, rows, created: list) -> None:
         created.append(k)
     for h in handles:
         h.wait()
+
+
+def _put_stacked(store):
+    """``store.put_stacked`` where the class that defines the store's ``put`` defines it too, else None: a wrapper
+    that forwards other calls (``__getattr__``), or a subclass that overrides ``put`` alone, keeps its own ``put``."""
+    for c in type(store).__mro__:
+        if "put" in vars(c):
+            return store.put_stacked if "put_stacked" in vars(c) else None
+    return None
 
 
 def stored_state(like, items: _Items, count, numel, dtype, location: str):
