@@ -12,12 +12,12 @@ T0=$(date +%s); BUDGET=${BUDGET:-330}
 . scripts/gpu_setup.sh > /tmp/setup.log 2>&1; grep -v -i warning /tmp/setup.log | tail -3
 echo "setup $(( $(date +%s) - T0 )) s"; t0=$(date +%s)
 ( CUDA_VISIBLE_DEVICES= timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py -k errors_name > /tmp/ops_hidden.log 2>&1; echo "rc $?" >> /tmp/ops_hidden.log ) &
-( timeout 60 python3 tests/_exit_runs.py fails 2 > $OUT/exit_fails.log 2>&1; echo "rc $?" >> $OUT/exit_fails.log ) &
+( timeout 60 python3 tests/_exit_runs.py fails 2 > /tmp/exit_fails.log 2>&1; echo "rc $?" >> /tmp/exit_fails.log ) &
 ( timeout 80 python3 -m pytest -q -n 2 -p no:cacheprovider tests/test_ops.py -k "cuda or errors_name" > /tmp/ops_gpu.log 2>&1; echo "rc $?" >> /tmp/ops_gpu.log ) &
 timeout 90 python3 -m pytest -q -n 4 -p no:cacheprovider --timeout 85 tests/test_cuda.py > $OUT/cuda_tests.log 2>&1
 echo "cuda tests rc $? $(( $(date +%s) - t0 )) s"
 wait
-tail -1 $OUT/cuda_tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda_tests.log | head; tail -2 /tmp/ops_hidden.log; tail -2 /tmp/ops_gpu.log; grep -v -i warn $OUT/exit_fails.log | tail -5
+tail -1 $OUT/cuda_tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda_tests.log | head; tail -2 /tmp/ops_hidden.log; tail -2 /tmp/ops_gpu.log; grep -v -i warn /tmp/exit_fails.log | tail -5
 left=$(( BUDGET - ($(date +%s) - T0) )); echo "offload budget $left s"
 timeout $left python3 benchmarks/offload_cuda.py --mode all --all-modes floors,fshard,fshard_moments,fsdp2 --pin \
   --timeout $(( left / 3 + 10 )) --timeline $OUT/timeline43e.png --json $OUT/offload43e.json 2>&1 | grep "^\[offload"
