@@ -399,12 +399,16 @@ def run_all(a) -> int:
         runs = {"floors": ("floors", []), "fsdp2": ("fsdp2", []),
                 "fshard": ("fshard", ["--params", "--skip-peer"] + pin + tl),
                 "fshard_moments": ("fshard", ["--skip-peer"] + pin)}
-        for label in a.all_modes.split(","):
+        labels = a.all_modes.split(",")
+        if set(labels) - set(runs):
+            raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
+        for label in labels:
             mode, extra = runs[label]
             # beside --json where given: a call cut off by its limit still leaves each finished mode's figures
             path = (f"{d}/{label}.json" if not a.json else
                     str(Path(a.json).with_name(f"{Path(a.json).stem}_{label}.json")))
             cmd = [sys.executable, __file__, "--mode", mode, "--json", path, *common, *extra]
+            Path(path).unlink(missing_ok=True)  # an earlier run's figures never stand in for a mode that fails
             print(f"[offload_cuda] $ {' '.join(cmd[1:])}", flush=True)
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode
