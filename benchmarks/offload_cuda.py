@@ -125,7 +125,8 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
     ap.add_argument("--all-modes", default="floors,fshard,fsdp2",
-                    help="--mode all: the modes to run, in order (floors measured in an earlier call may be left out)")
+                    help="--mode all: what to run, in order, of floors, fshard (params=True), fshard_moments (master "
+                    "weights on the GPU, moments on the host) and fsdp2")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -390,29 +391,39 @@ def run_all(a) -> int:
     common = ["--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads), "--vocab", str(a.vocab),
               "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--chunk-mb", str(a.chunk_mb)]
     res = {}
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
-        extras = {"floors": [], "fsdp2": [],
-                  "fshard": ["--params", "--skip-peer"] + (["--pin"] if a.pin else [])
-                  + (["--timeline", a.timeline] if a.timeline else [])}
-        for mode in a.all_modes.split(","):
-            extra = extras[mode]
+        pin, tl = (["--pin"] if a.pin else []), (["--timeline", a.timeline] if a.timeline else [])
+        # label -> (mode, its arguments); fshard_moments: master weights on the GPU, only the moments on the host
+        runs = {"floors": ("floors", []), "fsdp2": ("fsdp2", []),
+                "fshard": ("fshard", ["--params", "--skip-peer"] + pin + tl),
+                "fshard_moments": ("fshard", ["--skip-peer"] + pin)}
+        labels = a.all_modes.split(",")
+        if set(labels) - set(runs):
+            raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
+        for label in labels:
+            mode, extra = runs[label]
             # beside --json where given: a call cut off by its limit still leaves each finished mode's figures
-            path = (f"{d}/{mode}.json" if not a.json else
-                    str(Path(a.json).with_name(f"{Path(a.json).stem}_{mode}.json")))
+            path = (f"{d}/{label}.json" if not a.json else
+                    str(Path(a.json).with_name(f"{Path(a.json).stem}_{label}.json")))
             cmd = [sys.executable, __file__, "--mode", mode, "--json", path, *common, *extra]
+            Path(path).unlink(missing_ok=True)  # an earlier run's figures never stand in for a mode that fails
             print(f"[offload_cuda] $ {' '.join(cmd[1:])}", flush=True)
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
-            res[mode] = json.loads(Path(path).read_text()) if Path(path).exists() else {"rc": rc}
+            res[label] = json.loads(Path(path).read_text()) if Path(path).exists() else {"rc": rc}
     med = lambda rows: sorted(r["seconds"] for r in rows[1:])[len(rows[1:]) // 2] if len(rows) > 1 else None  # noqa
     fs_s = med(res.get("fshard", {}).get("steps", []))
     peer_s = med(res.get("fsdp2", {}).get("steps", []))
+    moments_s = med(res.get("fshard_moments", {}).get("steps", []))
     floor = res.get("floors", {}).get("floor_s")
     res["summary"] = dict(fshard_step_s=fs_s, fsdp2_step_s=peer_s, floor_s=floor,
                           over_floor=fs_s / floor if fs_s and floor else None,
-                          over_fsdp2=fs_s / peer_s if fs_s and peer_s else None)
+                          over_fsdp2=fs_s / peer_s if fs_s and peer_s else None, moments_step_s=moments_s,
+                          moments_over_fsdp2=moments_s / peer_s if moments_s and peer_s else None)
     print(f"[offload_cuda] summary: {json.dumps(res['summary'])}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -2,6 +2,7 @@
 // tensors -> Segments, hyper-parameter folding, and the GIL release.
 #include <torch/extension.h>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include "adamw_ops.h"
 #include "classic.h"
@@ -20,6 +21,11 @@ std::string arg(const char* name, size_t i) { return std::string(name) + "[" + s
 // (its device time ran out); tests/test_ops.py::test_errors_name_the_argument is the check.
 template <typename T>
 std::string num(T x) { return std::to_string(x); }
+std::string num(double x) {  // 17 significant digits (a round trip), not to_string's six fixed decimals
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
+}
 
 void check_state(const at::Tensor& t, const at::Tensor& p0, const char* name, size_t i) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "fshard.ops.adamw_: ", arg(name, i),

@@ -119,18 +119,20 @@ def _rank(mode: str, rank: int, port: int) -> int:
         meshes = [o for o in gc.get_objects() if isinstance(o, fs.Mesh)]
     left = [n for n in _threads() if n.startswith(_TORCH_THREADS)]
     if meshes or left:
-        print(f"rank {rank}: after destroy_process_group, meshes {meshes}, threads {left}; held by "
-              f"{_holders(meshes[0]) if meshes else '-'}; after gc.collect(): {_after_collect()}", file=sys.stderr,
-              flush=True)
+        found, held = repr(meshes), _holders(meshes[0], ignore=meshes) if meshes else "-"
+        del meshes  # (before the collection below: this list would keep them alive)
+        print(f"rank {rank}: after destroy_process_group, meshes {found}, threads {left}; held by {held}; after "
+              f"gc.collect(): {_after_collect()}", file=sys.stderr, flush=True)
         return 3
     return 0
 
 
-def _holders(obj, depth: int = 4) -> str:
+def _holders(obj, depth: int = 4, ignore=()) -> str:
     """What holds ``obj``: its referrers' types (a frame by its function and line), ``depth`` levels up, for the
-    report of a mesh left alive (which torch or Python keeps it is what a fix needs)."""
+    report of a mesh left alive (which torch or Python keeps it is what a fix needs); ``ignore``: the caller's own
+    list of what it found."""
     import types
-    seen, out, level = {id(obj)}, [], [obj]
+    seen, out, level = {id(obj), id(ignore), id(sys._getframe())}, [], [obj]
     for d in range(depth):
         nxt = []
         for o in level:

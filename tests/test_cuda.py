@@ -180,13 +180,18 @@ def test_offloaded_moments_are_bitwise_on_the_gpu(mesh, tmp_path):
     assert runs["cpu", False][0][-1] < runs["cpu", False][0][0]
 
 
-def _host_update_runs(mesh):
+def _host_update_runs(mesh, directory):
     """Moments (and with params=True the master weights) in host memory, the update on the host: gradients and
     parameters staged through pinned memory on a copy stream (fshard/offload/_staging.py), after backward or during it
     (overlap_backward: each unit's update starts once its gradient is final), with and without donate; and with
     bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy); and
-    stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream."""
+    stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream; and tiers: half
+    of the units on the GPU and half in host memory, and (with tensornvme) parameters and moments split between a
+    pinned CPUStore and an NVMeStore."""
     out = {}
+    tiers = [("half on the GPU", dict(fraction=0.5, overlap_backward=True), True)]
+    if _has_tensornvme():
+        tiers.append(("cpu+nvme tiers", dict(params=True, overlap_backward=True, nvme=(0.5, 0.5)), True))
     for k, kw, donate in (("none", None, False), ("after", dict(overlap_backward=False), False),
                           ("during", dict(overlap_backward=True), False),
                           ("during+donate", dict(overlap_backward=True), True),
@@ -195,7 +200,8 @@ def _host_update_runs(mesh):
                           ("params after+donate", dict(params=True, overlap_backward=False), True),
                           ("during+buckets", dict(overlap_backward=True), True),
                           ("params pinned", dict(params=True, overlap_backward=True, pin=True), False),
-                          ("params pinned+donate", dict(params=True, overlap_backward=True, pin=True), True)):
+                          ("params pinned+donate", dict(params=True, overlap_backward=True, pin=True), True),
+                          *tiers):
         for mixed in (False, True):
             def ts(f, kw=kw, mixed=mixed, k=k):
                 extra = (f.gather_ahead(2),) + ((f.bucket_reduce(0.002),) if "buckets" in k else ()) \
@@ -204,6 +210,9 @@ def _host_update_runs(mesh):
                     return extra
                 kw = dict(kw)
                 store = f.CPUStore(pin=kw.pop("pin", False))  # pinned: stored parameters go up straight from it
+                if "nvme" in kw:  # two tiers after the GPU: a pinned CPUStore, then an NVMeStore
+                    kw["fraction"] = kw.pop("nvme")
+                    store = (f.CPUStore(pin=True), f.NVMeStore(os.path.join(directory, f"nvme-{mixed}")))
                 return extra + (f.offload_state(store, chunk_mb=0.001, **kw),)
             ms = []
             losses, full = _train(mesh, "gpt", "native", ts, donate=donate, metrics=ms)
@@ -212,8 +221,8 @@ def _host_update_runs(mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_the_host_update_streams_bitwise_after_and_during_backward(mesh):
-    runs = _on_mesh(mesh, _host_update_runs)
+def test_the_host_update_streams_bitwise_after_and_during_backward(mesh, tmp_path):
+    runs = _on_mesh(mesh, _host_update_runs, str(tmp_path))
     bad = [(k, mixed) for (k, mixed), (losses, full, _) in runs.items()
            if (losses, full) != runs["none", mixed][:2]]
     assert not bad, f"differ from moments on the GPU: {bad}"
@@ -222,7 +231,7 @@ def test_the_host_update_streams_bitwise_after_and_during_backward(mesh):
         assert losses == base_losses, f"{k} (mixed={mixed}): losses {losses} vs {base_losses}"
         assert full == base, f"{k} (mixed={mixed}): parameters differ"
         expect = k in ("during", "during+donate", "params", "params+donate", "during+buckets", "params pinned",
-                       "params pinned+donate")
+                       "params pinned+donate", "half on the GPU", "cpu+nvme tiers")
         assert (overlapped > 0) == expect, f"{k} (mixed={mixed}): {overlapped} units updated during backward"
 
 

@@ -369,3 +369,30 @@ def test_init_puts_the_moments_in_the_store_and_trains_bitwise_the_same(tmp_path
     assert runs["init"][1:] == runs["step"][1:]
     with pytest.raises(fs.ArgumentTypeError, match="offload="):
         fs.init(model, fs.Mesh.local(), fs.adamw(), offload=fs.CPUStore())
+
+
+def test_a_cpu_store_takes_no_checksum_in_init_or_in_steps(monkeypatch):
+    """A CPUStore's checksums are for ``meta()`` callers only: fs.init's puts take none, and a step's stream reads
+    items by ``layout`` (dtype, shape, size), so neither a donated nor a fresh-version step sweeps the stored bytes
+    (each sweep is single-threaded: at 6.3B parameters about 8 s of init, and as much again per step)."""
+    import fshard as fs
+    import fshard.store._cpu as cpu
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    calls = []
+    monkeypatch.setattr(cpu, "checksum", lambda u8, *a: calls.append(u8.numel()) or 0)
+    for donate in (False, True):
+        torch.manual_seed(0)
+        cfg = GPTConfig.tiny(n_layers=2)
+        store = fs.CPUStore(pin=False)
+        off = fs.offload_state(store, chunk_mb=0.01, params=True)
+        state = fs.init(GPT(cfg), fs.Mesh.local("cpu"), fs.adamw(lr=1e-3), offload=off)
+        assert calls == [], f"fs.init took {len(calls)} checksums"
+        with fs.compose(loss_fn, off, donate=donate) as step:
+            for b in synthetic_batches(cfg, 2, 2, seed=0):
+                state, _ = step(state, b)
+        assert calls == [], f"donate={donate}: the steps took {len(calls)} checksums"
+        key = next(iter(store.keys()))
+        store.meta(key)  # a caller that asks gets one
+        assert len(calls) == 1
+        calls.clear()
+        store.close()

@@ -560,3 +560,20 @@ def test_apply_runs_is_apply_on_each_run_bitwise(runs, impl):
     for a, b in zip(one, many):
         for x, y in zip(a, b):
             assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_apply_runs_calls_a_subclasss_own_apply():
+    """A subclass of fs.adamw's class that overrides ``apply`` alone (to log, to inject a failure) has it called
+    for every run offload_state hands over, not the inherited batched ``apply_runs``."""
+    from fshard.optim._protocol import apply_runs
+    seen = []
+
+    class Logged(type(fs.adamw())):
+        def apply(self, p, g, *rest, **kw):
+            seen.append(p.numel())
+            return super().apply(p, g, *rest, **kw)
+
+    opt = Logged(1e-3, (0.9, 0.999), 1e-8, 0.01, "native", None, False)
+    runs = [(torch.zeros(n), torch.ones(n), (torch.zeros(n), torch.zeros(n)), 1, 1.0, 1e-3, 0.0, None) for n in (3, 5)]
+    apply_runs(opt, runs)
+    assert seen == [3, 5]

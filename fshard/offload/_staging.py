@@ -39,8 +39,9 @@ class HostStaging:
             if j not in self._staged:
                 self._staged[j] = self._down(self.work[j])
         event, staged = self._staged[i]
-        if event is not None:
-            event.synchronize()
+        if event is not None:  # once per unit: synchronize() lets go of the GIL even for a finished event, and
+            event.synchronize()  # each take back waits beside a busy Python thread (design/OFFLOAD.md, "On a GPU")
+            self._staged[i] = (None, staged)
         return staged
 
     def start(self) -> None:

@@ -2,7 +2,8 @@
 reference in tests. Tensors are copied on put (pinned when CUDA is present, so H2D copies can be asynchronous).
 An item's checksum is taken when ``meta`` first asks for it, not on put: nothing reads a CPUStore's items back
 through a checksum check (an NVMeStore verifies its files), and a put-time pass over every byte cost fs.init of a
-6.3B GPT one single-threaded sweep of its 75 GB of moments and parameters."""
+6.3B GPT one single-threaded sweep of its 75 GB of moments and parameters. A stream reads items by ``layout``
+(dtype, shape and size only), so a step takes no checksum either."""
 from __future__ import annotations
 
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence
@@ -80,8 +81,15 @@ class CPUStore(DeferredDeletes):
         if key not in self._meta:
             raise MissingKeyError(f"key {key!r} is not in the CPUStore (never put, or deleted)")
         if key in self._stale:  # put, or updated in place, since its checksum was taken
-            self._stale.discard(key)
             self._meta[key] = meta_of(self._items[key], checksum(as_bytes(self._items[key])))
+            self._stale.discard(key)  # (after: a failed checksum leaves the key stale, never a placeholder)
+        return self._meta[key]
+
+    def layout(self, key: Hashable) -> ItemMeta:
+        """``meta(key)`` without its checksum (the field may be stale): the dtype, shape and size a stream reads an
+        item by, without a pass over its bytes (the stream asks for every item it reads)."""
+        if key not in self._meta:
+            raise MissingKeyError(f"key {key!r} is not in the CPUStore (never put, or deleted)")
         return self._meta[key]
 
     def borrow(self, key: Hashable) -> torch.Tensor:

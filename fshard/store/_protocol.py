@@ -57,7 +57,7 @@ class Store(Protocol):
     directory: Optional[str]
     resident_bytes: int
 
-    def put(self, key: Hashable, tensor: torch.Tensor) -> Handle: ...
+    def put(self, key: Hashable, tensor: torch.Tensor) -> Handle: ...  # tensor: on any device (a GPU shard too)
 
     def get(self, key: Hashable, out: Optional[torch.Tensor] = None) -> Handle: ...
 
