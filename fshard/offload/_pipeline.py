@@ -29,7 +29,8 @@ class Streamed(NamedTuple):
     pkey: str | None = None
 
 
-def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True):
+def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
+                  staging=None):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
@@ -40,13 +41,14 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole units at a
     time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after
     which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
-    which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits)."""
+    which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits);
+    ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made here."""
     items = [w.state.rows[0].items for w in work]  # (a stored unit's rows share their items)
     keys = [k for it in items for k in it.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
     where = [(i, c) for i, it in enumerate(items) for c in range(len(it.chunks))]
     last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
-    staging = HostStaging(work, ready)
+    staging = HostStaging(work, ready) if staging is None else staging
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
     # an in-memory store updated in place where the input may be overwritten: no copy out and back
     # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own stream)
@@ -136,7 +138,7 @@ class _Early:
     policy marked the input donated first)."""
 
     def __init__(self, owner, store, opt, name, param, copy, grad, s, segs, count, key, record, free_grad=None,
-                 in_place=False, ready=None, cloned=False, data=None):
+                 in_place=False, ready=None, cloned=False, data=None, after=None):
         self.store, self.opt, self.name, self.param, self.grad, self.s = store, opt, name, param, grad, s
         # free_grad: (step, unit) whose shard to free once consumed, or None; in_place: the step donates
         self.free_grad, self.in_place = free_grad, in_place
@@ -144,33 +146,54 @@ class _Early:
         self.data = grad if data is None else data  # what the update reads: the gradient shard, or a copy of it
         self.copy = copy  # the parameter's low-precision copy (TrainState.copies), or None
         self.count, self.key, self.record = count, key, record  # record: the step's StepView.record
-        # ready: a CUDA event after which the gradient is final (None on a CPU mesh); ups: the events after the
-        # parameters' copies back to the GPU, which the step's stream waits for when it takes the result
-        self.ready, self.ups = ready, []
+        # ups: the events after the parameters' copies back to the GPU, which the step's stream waits for when it
+        # takes the result
+        self.ups = []
         self.created: list = []  # keys written so far (appended by the worker)
         self.metrics = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
         self.started, self.seconds = float("inf"), 0.0
+        self.pkey = None  # a stored parameter's head: rewritten in place, or under a new key
+        if isinstance(param, StoredParam) and param.head is not None:
+            self.pkey = param.head.key if in_place else param_key(key)
+        # On a GPU (ready: the CUDA event after which the gradient is final) the unit's tensors are final now and
+        # go down to pinned host memory while the worker updates the unit before this one: their copies start
+        # when the worker starts that unit (``after``: the update submitted before this one, if it has not
+        # started yet), else now. So at most two units are staged on the host at once, and the worker finds each
+        # unit's tensors there instead of waiting for their copies (HostStaging staged one unit at a time).
+        self.staging, self._then, self._running = None, None, False
+        if ready is not None:
+            c = None if isinstance(param, StoredParam) else copy
+            self.staging = HostStaging([Streamed(param, self.data, segs, s, key, c, self.pkey)], ready)
+            with owner.chain:
+                if after is None or after._running:
+                    self.staging.start()
+                else:
+                    after._then = self
         self.future = owner.worker.submit(self._run, owner, segs)
 
     def _run(self, owner, segs):
         t0 = self.started = time.perf_counter()
-        p, c, pkey = self.param, self.copy, None
+        with owner.chain:
+            self._running, then, self._then = True, self._then, None
+        if then is not None:
+            then.staging.start()
+        p, c, pkey = self.param, self.copy, self.pkey
         if isinstance(p, StoredParam):  # read, updated and written beside the moments
             c = None
-            pkey = None if p.head is None else p.head.key if self.in_place else param_key(self.key)
         elif not self.in_place and not self.cloned:
             p, c = p.clone(), None if c is None else c.clone()
         try:
             self.ups = owner._stream(self.opt, [Streamed(p, self.data, segs, self.s, self.key, c, pkey)], 1.0,
                                      self.created, self.metrics, donate=self.in_place, record=self.record,
-                                     ready=self.ready, wait_up=False)
+                                     staging=self.staging, wait_up=False)
             if pkey is not None and not self.in_place:
                 p = p.renewed(_Items(self.store, pkey, p.head.chunks, rows=p.head.rows))
             if self.free_grad is not None and _free(self.grad):  # nothing reads it after its update (grads_unread)
                 step, unit = self.free_grad
                 step.grad_freed(unit)
         finally:
-            self.data = self.grad  # a copy of the gradient made for the update is done with (its memory goes back)
+            # the host copies made for the update are done with (their pinned memory goes back)
+            self.data, self.staging = self.grad, None
             self.seconds = time.perf_counter() - t0
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
         return p, c

@@ -44,6 +44,11 @@ class HostStaging:
             self._staged[i] = (None, staged)
         return staged
 
+    def start(self) -> None:
+        """Start the first unit's copies down now (``host(0)`` then finds them done or in flight)."""
+        if 0 not in self._staged and self.work:
+            self._staged[0] = self._down(self.work[0])
+
     def up(self, i: int) -> None:
         """Unit i's host update is done: send its parameter shard and copy back to the GPU (asynchronously)."""
         w, (_, staged) = self.work[i], self._staged.pop(i)
@@ -83,3 +88,4 @@ def _down(t, stream):
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+

@@ -5,6 +5,7 @@ hold and move (``plan``), and cleans up after a failure (``abort``, ``OffloadErr
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ class OffloadUpdate(UpdatePolicy):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fshard-offload",
                                          initializer=lower_priority, initargs=(worker_nice,))
         self.reader = Reader()  # reads parameter shards held in a store ahead of their gathers (read_ahead)
+        self.chain = threading.Lock()  # orders the start of units' copies down between this thread and the worker
 
     def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
@@ -78,12 +80,13 @@ class OffloadUpdate(UpdatePolicy):
         # A bucket's view on a GPU: its buffer is written again on this stream while the copy down (on its own
         # stream) would still read it, so the update reads a copy made here, in stream order.
         data = unit.grad.clone() if cuda and not owns_storage(unit.grad) else None
+        after = next(reversed(early.values()), None)  # the update submitted before this one (its copies first)
         early[name] = _Early(self, items.store, opt, name, p, c, unit.grad, s, segs, count,
                              items.key if in_place else self._key(name), step.record,
                              free_grad=(step, unit) if stored and step.grads_unread else None,
                              in_place=in_place, cloned=cuda and not stored and not in_place,
                              ready=torch.cuda.current_stream(unit.grad.device).record_event() if cuda else None,
-                             data=data)
+                             data=data, after=after)
 
     def overlaps(self, device) -> bool:
         """Whether updates begin during backward: as asked, or by default (None) on a GPU mesh, where backward runs
@@ -329,15 +332,16 @@ class OffloadUpdate(UpdatePolicy):
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
-    def _stream(self, opt, work, scale, created, m, donate, record, ready=None, wait_up=True) -> list:
+    def _stream(self, opt, work, scale, created, m, donate, record, ready=None, wait_up=True, staging=None) -> list:
         """Stream ``work`` through the stores its units live in, one store after the other (model order within).
-        Returns the CUDA events after the parameters' copies back to the GPU (none on a CPU mesh); ``ready`` and
-        ``wait_up``: as ``stream_update`` takes them."""
+        Returns the CUDA events after the parameters' copies back to the GPU (none on a CPU mesh); ``ready``,
+        ``wait_up`` and ``staging`` (one unit's, in one store): as ``stream_update`` takes them."""
         ups = []
         for store in self.stores:
             mine = [w for w in work if stored_items(w.state).store is store]
             if mine:
-                up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up)
+                up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up,
+                                   staging)
                 if up is not None:
                     ups.append(up)
         return ups
