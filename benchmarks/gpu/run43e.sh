@@ -17,8 +17,9 @@ echo "setup $(( $(date +%s) - T0 )) s"; t0=$(date +%s)
 timeout 90 python3 -m pytest -q -n 4 -p no:cacheprovider --timeout 85 tests/test_cuda.py > $OUT/cuda_tests.log 2>&1
 echo "cuda tests rc $? $(( $(date +%s) - t0 )) s"
 wait
-tail -1 $OUT/cuda_tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda_tests.log | head; tail -2 /tmp/ops_hidden.log; tail -2 /tmp/ops_gpu.log; grep -v -i warn /tmp/exit_fails.log | tail -5
+cp /tmp/exit_fails.log /tmp/ops_hidden.log /tmp/ops_gpu.log $OUT/ 2>/dev/null; tail -1 $OUT/cuda_tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda_tests.log | head; tail -2 /tmp/ops_hidden.log; tail -2 /tmp/ops_gpu.log; grep -v -i warn /tmp/exit_fails.log | tail -5
 left=$(( BUDGET - ($(date +%s) - T0) )); echo "offload budget $left s"
 timeout $left python3 benchmarks/offload_cuda.py --mode all --all-modes floors,fshard,fshard_moments,fsdp2 --pin \
   --timeout $(( left / 3 + 10 )) --timeline $OUT/timeline43e.png --json $OUT/offload43e.json 2>&1 | grep "^\[offload"
 echo "offload $(( $(date +%s) - T0 )) s since start"
+cp /tmp/ops_hidden.log /tmp/ops_gpu.log /tmp/exit_fails.log /tmp/setup.log $OUT/ 2>/dev/null
