@@ -288,3 +288,67 @@ def test_a_gloo_mesh_waits_for_gloo_to_run_and_let_go_of_the_completion_callback
     t0 = time.monotonic()
     del mesh
     assert time.monotonic() - t0 >= 0.15 and other == []
+
+
+def _frames_of(error: BaseException) -> list:
+    """Every frame in the tracebacks of ``error`` and of its causes and contexts."""
+    frames, todo, seen = [], [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+    return frames
+
+
+@pytest.mark.parametrize("how", ["raises", "reaches_in"])
+def test_a_failed_steps_error_holds_no_generator_frame_of_fshard_and_frees_the_mesh_without_a_collection(how):
+    """Session 26, on the GPU machine (Python 3.12): after a failed step was caught and dropped, the mesh (and
+    through it the process group and gloo's threads) lived on until a garbage collection. A generator context
+    manager that catches the exception thrown into it and raises another keeps its finished frame linked to
+    contextlib's ``__exit__`` frame (``f_back``, Python >= 3.12: cpython#100964, #129280), whose ``value`` is the
+    caught exception, whose traceback holds the generator's frame: a cycle, and every frame of the failed step
+    with it. So fshard handles errors in class context managers (the step's envelope, the meta-read translation).
+    Checked on any Python: no frame of an fshard generator in the error's tracebacks; and, with the collector off,
+    the mesh and the model die with the error (what fails on 3.12 with the cycle)."""
+    import gc
+    import inspect
+    import weakref
+
+    import torch
+
+    import fshard as fs
+
+    def failed():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        mesh = fs.Mesh.local()
+        state = fs.init(model, mesh, fs.adamw(), units=[model[0], model[1]] if how == "reaches_in" else None)
+
+        def loss_fn(m, x):
+            if how == "raises":
+                raise ValueError("boom")
+            return (x * m[0].weight).sum()  # a unit's parameter read outside its call: UnboundParameterError
+
+        with fs.compose(loss_fn) as step:
+            try:
+                step(state, torch.randn(4, 4))
+            except fs.FshardError as e:
+                made = [f for f in _frames_of(e) if f.f_code.co_flags & inspect.CO_GENERATOR
+                        and os.sep + "fshard" + os.sep in f.f_code.co_filename]
+                kind = type(e).__name__
+        return [f"{f.f_code.co_filename}:{f.f_code.co_name}" for f in made], kind, weakref.ref(mesh), weakref.ref(model)
+
+    gc.collect()
+    gc.disable()
+    try:
+        made, kind, mesh, model = failed()
+        assert kind == ("StepError" if how == "raises" else "UnboundParameterError")
+        assert made == [], f"the error passed through fshard generator frames {made}"
+        assert mesh() is None and model() is None, "a reference cycle keeps the failed step's mesh and model"
+    finally:
+        gc.enable()

@@ -13,7 +13,6 @@ run is closed, freeing its buffers now rather than at a later collection.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 from ..dist._agreement import foreign, step_error
@@ -44,29 +43,53 @@ class Envelope:
         return metrics
 
 
-@contextlib.contextmanager
-def envelope(step, state, context: str, train: bool):
+class envelope:
     """The envelope (the module docstring) of one call of ``step`` on ``state``; ``context`` names it in messages
-    (``"step {}"``: formatted with the state's step), ``train``: a training step (its update policy's ``abort``)."""
-    t0 = time.perf_counter()
-    spec = spec_of(state)
-    comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
-                verify=step._verify(spec.mesh), context=context.format(int(state.step)))
-    env, ok = Envelope(comm, t0), False
-    with exclusive(step, spec):
+    (``"step {}"``: formatted with the state's step), ``train``: a training step (its update policy's ``abort``).
+
+    A class, not a ``contextlib.contextmanager`` generator: a generator that catches the error thrown into it and
+    raises another (here the ``StepError``) leaves, from Python 3.12, its finished frame linked to contextlib's
+    ``__exit__`` frame, whose ``value`` is the caught error, whose traceback holds the generator's frame: a cycle
+    that keeps every frame of the failed step, and through them the mesh, its process group and gloo's threads,
+    until a garbage collection (seen on the GPU machine, session 26; cpython#100964, #129280)."""
+
+    def __init__(self, step, state, context: str, train: bool):
+        self.step, self.state, self.context, self.train = step, state, context, train
+
+    def __enter__(self) -> Envelope:
+        step, state = self.step, self.state
+        t0 = time.perf_counter()
+        spec = spec_of(state)
+        comm = Comm(spec.mesh, trace=step.trace, stream=step._gather_stream(spec.mesh.device), timeline=step.timeline,
+                    verify=step._verify(spec.mesh), context=self.context.format(int(state.step)))
+        self.env = Envelope(comm, t0)
+        self._guard = exclusive(step, spec)
+        self._guard.__enter__()
         try:
             check_usable(step, state)
-            yield env
-            ok = True
         except BaseException as e:
-            told = comm.fail(e)  # drains what is in flight, then tells the other ranks at their next check
-            if not foreign(e):  # fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
-                raise
-            raise step_error(comm, e, told) from e  # one error family on every rank (no local: no cycle)
+            self._end(e)
+            raise
+        return self.env
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self._end(error)
+        return False  # the body's own error (or the step error _end raised) goes on
+
+    def _end(self, error: BaseException | None) -> None:
+        env, comm = self.env, self.env.comm
+        try:
+            if error is not None:
+                told = comm.fail(error)  # drains what is in flight, then tells the other ranks at their next check
+                if foreign(error):  # not fshard's own errors, KeyboardInterrupt, SystemExit: raised as they are
+                    raise step_error(comm, error, told) from error  # one error family on every rank
         finally:
-            if not ok:
-                comm.drain()  # an error mid-call: no gather or reduction may still be writing into our buffers
-            if train and env.runs:  # work begun during backward that no update took (failed, or skipped)
-                step.policy.update.abort(env.runs[-1])
-            for run in env.runs:
-                run._close()  # free this call's buffers now, also when it raised
+            try:
+                if error is not None:
+                    comm.drain()  # an error mid-call: no gather or reduction may still be writing into our buffers
+                if self.train and env.runs:  # work begun during backward that no update took (failed, or skipped)
+                    self.step.policy.update.abort(env.runs[-1])
+                for run in env.runs:
+                    run._close()  # free this call's buffers now, also when it raised
+            finally:
+                self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)

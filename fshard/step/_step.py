@@ -16,7 +16,6 @@ step ends with a commit vote.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -338,15 +337,20 @@ def _backward(run: StepRun, buffers, out) -> None:
         with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
 
 
-@contextlib.contextmanager
-def _meta_reads(what: str):
-    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``."""
-    try:
-        yield
-    except (RuntimeError, NotImplementedError) as e:
-        if "meta" not in str(e):
-            raise
-        raise UnboundParameterError(f"{what} ({e})") from e
+class _meta_reads:
+    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``. A class, not a
+    generator: see ``envelope`` (fshard/step/_envelope.py) for the cycle a generator that translates an error makes."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, (RuntimeError, NotImplementedError)) and "meta" in str(error):
+            raise UnboundParameterError(f"{self.what} ({error})") from error
+        return False
 
 
 def _close(policy) -> None:
