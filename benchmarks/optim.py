@@ -116,6 +116,9 @@ CASES = {
     "adafactor": (lambda: fs.adafactor(lr=1e-2), O.Adafactor, dict(lr=1e-2, foreach=True), "foreach"),
     "from_torch(NAdam)": (lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01), O.NAdam,
                           dict(lr=2e-3, weight_decay=0.01, foreach=True), "foreach"),
+    "from_torch(NAdam)[foreach=True]": (
+        lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01, foreach=True), O.NAdam,
+        dict(lr=2e-3, weight_decay=0.01, foreach=True), "foreach"),
 }
 
 

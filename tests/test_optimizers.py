@@ -85,6 +85,8 @@ CASES = {
     "lion": (lambda: fs.optim.lion(lr=1e-3, weight_decay=0.1), PaperLion, dict(lr=1e-3, weight_decay=0.1)),
     "nadam": (lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01), O.NAdam,
               dict(lr=2e-3, weight_decay=0.01)),
+    "nadam_foreach": (lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01, foreach=True), O.NAdam,
+                      dict(lr=2e-3, weight_decay=0.01, foreach=True)),  # a unit's runs in one multi-tensor call
     "radam": (lambda: fs.optim.from_torch(O.RAdam, lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1), O.RAdam,
               dict(lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1)),
     "adamax": (lambda: fs.optim.from_torch(O.Adamax, lr=2e-3), O.Adamax, dict(lr=2e-3)),
@@ -513,6 +515,48 @@ class _CountedASGD(torch.optim.ASGD):
     def step(self, closure=None):
         type(self).steps += 1
         return super().step(closure)
+
+
+class _SeenNAdam(torch.optim.NAdam):
+    """NAdam that records how many parameters each step() on runs takes (not the one-element replays of its
+    per-parameter scalars)."""
+    seen: list = []
+
+    def step(self, closure=None):
+        params = self.param_groups[0]["params"]
+        if params[0].numel() > 1:
+            type(self).seen.append(len(params))
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+def test_from_torch_takes_a_units_runs_in_one_torch_step_and_equals_torch(foreach):
+    """A unit of two Linears with the matrices decayed and the biases not is 4 runs (w, b, w, b): from_torch makes
+    one torch optimizer per (count, rate, decay), so 2 steps of 2 parameters each (foreach: one multi-tensor call
+    over a unit's runs, as over a model's parameters), and the result is torch's on the same parameter groups:
+    bitwise."""
+    torch.manual_seed(0)
+    unit = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    model = torch.nn.Sequential(unit)
+    ref = copy.deepcopy(model)
+    mask = lambda name, p: p.ndim >= 2  # noqa: E731
+    opt = fs.optim.from_torch(_SeenNAdam, lr=2e-3, weight_decay=0.1, weight_decay_mask=mask, foreach=foreach)
+    state = fs.init(model, fs.Mesh.local(), opt, units=[unit])
+    ps = list(ref.parameters())
+    topt = torch.optim.NAdam([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}], lr=2e-3,
+                             foreach=foreach)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    _SeenNAdam.seen = []
+    with fs.compose(loss_fn) as step:
+        for _ in range(3):
+            x = torch.randn(4, 5)
+            state, _ = step(state, x)
+            topt.zero_grad()
+            loss_fn(ref, x).backward()
+            topt.step()
+    assert _SeenNAdam.seen == [2, 2] * 3
+    assert all(torch.equal(a, b) for a, b in zip(fs.full_params(state).values(), ref.state_dict().values()))
 
 
 def test_replayed_scalars_of_counts_apart_take_linear_work():

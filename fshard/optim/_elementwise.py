@@ -24,7 +24,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
-from ._protocol import OptState, Row, initial_rows
+from ._protocol import OptState, Row, apply_runs, initial_rows
 
 _UNSHARED = ("lr", "weight_decay_mask", "decay")  # fields that are not part of the static fingerprint as they are
 
@@ -171,7 +171,8 @@ class Elementwise:
 
     def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state, active,
                donate: bool, grad_scale: float = 1.0, updates: int = 0, copy: torch.Tensor | None = None):
-        """One step on ``param`` (this rank's shard): ``plan``, then ``apply`` on each run. ``active[i]``: trainable
+        """One step on ``param`` (this rank's shard): ``plan``, then ``apply`` on each run (``apply_runs``: at once,
+        where the optimizer takes runs together). ``active[i]``: trainable
         slot i got a gradient on some rank; the others are skipped as torch skips a parameter whose .grad is None
         (no decay, no row update, no count). The gradient is multiplied by ``grad_scale`` first (clipping).
         ``copy``: a low-precision copy of ``param`` (``TrainState.copies``), kept equal to the cast of the new
@@ -184,9 +185,8 @@ class Elementwise:
         if not donate:  # purity: the input state stays valid, so the update writes into copies
             param, rows = param.clone(), tuple(r.clone() for r in rows)
             copy = None if copy is None else copy.clone()
-        for lo, hi, step, lr, wd in runs:
-            self.apply(param[lo:hi], grad[lo:hi], *(r[lo:hi] for r in rows), step, grad_scale, lr=lr,
-                       weight_decay=wd, copy=None if copy is None else copy[lo:hi])
+        apply_runs(self, [(param[lo:hi], grad[lo:hi], tuple(r[lo:hi] for r in rows), step, grad_scale, lr, wd,
+                           None if copy is None else copy[lo:hi]) for lo, hi, step, lr, wd in runs])
         return param, state.with_rows(count, rows), copy
 
     def apply(self, p, g, *rows_step_scale, lr: float | None = None, weight_decay: float | None = None,

@@ -1,9 +1,10 @@
 """``fs.optim.from_torch(torch.optim.X, **kwargs)``: any elementwise torch optimizer (NAdam, RAdam, Adamax, ASGD,
 Adadelta, Rprop, ...) run on flat shards by torch's own implementation.
 
-Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X([run], **kwargs)`` as one parameter, with the
-run's gradient as its ``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its
-single-tensor function on the CPU, foreach on CUDA, as torch picks them), in place on the run's slices; rows that
+Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X(runs, **kwargs)`` as one parameter (the runs
+of an update with the same count, rate and decay in one optimizer: ``apply_runs``), with the run's gradient as its
+``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its single-tensor function on
+the CPU, foreach on CUDA, as torch picks them; ``foreach=True`` asks for it on the CPU), in place on the run's slices; rows that
 ``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals ``torch.optim.X`` on the whole
 parameters wherever X is elementwise, which is what fshard needs: a run is a parameter or a part of one.
 
@@ -111,26 +112,57 @@ class FromTorch(Elementwise):
     def group_fields(self) -> dict:
         return dict(self._fields)
 
+    apply = Elementwise.apply  # (defined here, beside apply_runs: optim._protocol.apply_runs's rule)
+
     def update_run(self, p, g, rows, step, lr, wd):
-        opt = self.cls([p], **self._kw(lr, wd))
-        st = opt.state[p]
+        self._step_runs([p], [g], [rows], step, lr, wd)
+
+    def apply_runs(self, runs) -> None:
+        """``apply`` on each of ``runs`` (``(p, g, rows, step, grad_scale, lr, weight_decay, copy)``, disjoint) with
+        one torch optimizer per (step, lr, weight decay), each run one of its parameters: torch's multi-tensor
+        implementation (``foreach=True``, torch's default on CUDA) then takes a unit's runs in one call, as it takes a
+        model's parameters, and the single-tensor one loops over them as it would. The same result as a run at a time:
+        each run is its own parameter either way."""
+        if type(self).update_run is not FromTorch.update_run:  # a subclass's own arithmetic: a run at a time
+            for p, g, rows, step, scale, lr, wd, copy in runs:
+                self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
+            return
+        groups: dict = {}
+        for p, g, rows, step, scale, lr, wd, copy in runs:
+            lr = float(self.lr) if lr is None else lr  # (apply's defaults; a schedule's lr comes from plan)
+            wd = self.weight_decay if wd is None else wd
+            groups.setdefault((int(step), lr, wd), []).append((p, g if scale == 1.0 else g * scale, rows, copy))
+        for (step, lr, wd), rs in groups.items():
+            self._step_runs([r[0] for r in rs], [r[1] for r in rs], [r[2] for r in rs], step, lr, wd)
+            for p, _, _, copy in rs:
+                if copy is not None:
+                    copy.copy_(p)
+
+    def _step_runs(self, ps, gs, rowss, step, lr, wd) -> None:
+        """One ``X.step()`` over the runs ``ps`` (their gradients ``gs``, rows ``rowss``), all at count ``step``."""
+        opt = self.cls(ps, **self._kw(lr, wd))
+        sts = [opt.state[p] for p in ps]
         if step > 1 or self.eager_state:  # a first update of a lazy optimizer: torch makes its state itself
-            on = self._placement(p.device)
-            where = lambda k: p.device if on.get(k, False) else torch.device("cpu")  # noqa: E731 - as torch has it
-            if self.count_key is not None:
-                st[self.count_key] = torch.tensor(float(step - 1), dtype=self._step_dtype,
-                                                  device=where(self.count_key))
-            st.update(zip((r.name for r in self.rows), rows))
-            if self._scalars and step > 1:
-                st.update((k, v.clone().to(where(k))) for k, v in self._replayed(step - 1, lr, wd).items())
-        p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+            on = self._placement(ps[0].device)
+            where = lambda k: ps[0].device if on.get(k, False) else torch.device("cpu")  # noqa: E731 - as torch has it
+            scalars = self._replayed(step - 1, lr, wd) if self._scalars and step > 1 else {}
+            for st, rows in zip(sts, rowss):
+                if self.count_key is not None:
+                    st[self.count_key] = torch.tensor(float(step - 1), dtype=self._step_dtype,
+                                                      device=where(self.count_key))
+                st.update(zip((r.name for r in self.rows), rows))
+                st.update((k, v.clone().to(where(k))) for k, v in scalars.items())
+        for p, g in zip(ps, gs):
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         try:
             opt.step()
         finally:
-            p.grad = None
-        for r, row in zip(self.rows, rows):
-            if st[r.name] is not row:  # replaced, not updated in place (a first momentum buffer, a fresh state)
-                row.copy_(st[r.name])
+            for p in ps:
+                p.grad = None
+        for st, rows in zip(sts, rowss):
+            for r, row in zip(self.rows, rows):
+                if st[r.name] is not row:  # replaced, not updated in place (a first momentum buffer, a fresh state)
+                    row.copy_(st[r.name])
 
     def _placement(self, device: torch.device) -> dict:
         """Which of X's 0-dim state tensors (``step``, the scalars) X keeps on the parameter's device rather than
