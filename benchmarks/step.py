@@ -232,9 +232,18 @@ def _fsdp2_fp16(ctx):  # fp16 gathers and compute, fp32 reduce, and ShardedGradS
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
 
 
+def autocast_loss_fn(module, batch):
+    """``loss_fn`` under ``torch.autocast("cpu", bfloat16)``, as the torch peers' bf16 step runs it: DDP's way of
+    mixed precision (fp32 parameters, each op cast by autocast) inside an fshard step."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return loss_fn(module, batch)
+
+
 def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kwargs: dict | None = None,
-                  env: dict | None = None, optimizer: Callable | None = None, **compose_kwargs) -> Runner:
+                  env: dict | None = None, optimizer: Callable | None = None, loss: Callable | None = None,
+                  **compose_kwargs) -> Runner:
     """fshard: ``fs.init`` + ``fs.compose(loss_fn, *transforms, **compose_kwargs)`` (e.g. ``donate=True``);
+    ``loss`` replaces ``loss_fn`` (``autocast_loss_fn``);
     ``opt_kwargs`` go to ``fs.adamw`` on top of the shared hyper-parameters (e.g. ``impl="fused"``), or
     ``optimizer(ctx)`` makes another optimizer (benchmarks/optim.py's Muon); ``env`` is set while the config runs
     (e.g. ``FSHARD_GATHER``)."""
@@ -253,7 +262,7 @@ def fshard_runner(ctx: Ctx, *transforms, init_kwargs: dict | None = None, opt_kw
     model, meta_kwargs = ctx.fshard_model()
     state = fs.init(model, mesh, opt, **{**meta_kwargs, **(init_kwargs or {})})
     del model
-    step_fn = fs.compose(loss_fn, *transforms, **compose_kwargs)
+    step_fn = fs.compose(loss or loss_fn, *transforms, **compose_kwargs)
     holder = {"state": state}
 
     def step(batch):
@@ -313,6 +322,10 @@ def _clip():
 
 
 register("fshard+bf16")(lambda ctx: fshard_runner(ctx, _bf16()))
+# bf16 the DDP way: fp32 state and gathers, torch.autocast inside loss_fn (against torch+bf16 / ddp+bf16)
+register("fshard+autocast+donate")(lambda ctx: fshard_runner(ctx, donate=True, loss=autocast_loss_fn))
+register("fshard+ahead+buckets+autocast+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, loss=autocast_loss_fn))
 register("fshard+bf16+donate")(lambda ctx: fshard_runner(ctx, _bf16(), donate=True))
 register("fshard+ahead+buckets+bf16")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16()))
 register("fshard+ahead+buckets+bf16+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), _bf16(), donate=True))

@@ -167,3 +167,44 @@ def test_accumulated_micro_batches_sum_in_the_reduce_dtype_as_fsdp2(param_dtype)
     for ours, theirs, equal in run_ranks(_accumulate_against_fsdp2, 2, param_dtype):
         assert ours == theirs, (ours, theirs)
         assert equal
+
+
+def _autocast_against_ddp(transforms: str):
+    """bf16 the DDP way: fp32 state, ``torch.autocast`` inside ``loss_fn`` (each op cast as autocast casts it, norms,
+    softmax and the loss in fp32), against DDP (or the plain model at one rank) with the same loss_fn and
+    ``torch.optim.AdamW``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fs, mesh, model, loss_fn, batches = _setup()
+
+    def autocast_loss(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(m, b)
+
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref) if mesh.world_size > 1 else ref
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ts = (fs.gather_ahead(2), fs.bucket_reduce(0.01)) if transforms == "ahead+buckets" else ()
+    state = fs.init(model, mesh, fs.adamw(**HP, impl="torch"))
+    ours, theirs = [], []
+    with fs.compose(autocast_loss, *ts, donate=True) as step:
+        for b in batches[:8]:
+            state, m = step(state, b)
+            ours.append(m["loss"])
+            theirs.append(oracle_step(ddp, opt, autocast_loss, b, mesh.world_size))
+    full = fs.full_params(state)
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    equal = all(torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
+    return ours, theirs, diff, equal, m["comm/gather_bytes"]
+
+
+@pytest.mark.parametrize("world_size,transforms", [(1, "blocking"), (2, "blocking"), (2, "ahead+buckets")])
+def test_autocast_inside_loss_fn_equals_ddp_with_autocast(world_size, transforms):
+    """A user's ``torch.autocast`` in ``loss_fn`` works inside the step (gathers, hooks, backward, gradients
+    averaged over ranks in fp32): losses and parameters bitwise DDP's (the plain model's at one rank) with the same
+    loss_fn. The gathers move fp32 (autocast casts after them): ``fs.mixed_precision`` is the way to halve them."""
+    out = run_ranks(_autocast_against_ddp, 2, transforms) if world_size == 2 else [_autocast_against_ddp(transforms)]
+    for ours, theirs, diff, equal, gathered in out:
+        assert ours == theirs, (ours, theirs)
+        assert equal, diff
+        assert ours[-1] < ours[0]
