@@ -352,3 +352,91 @@ def test_a_failed_steps_error_holds_no_generator_frame_of_fshard_and_frees_the_m
         assert mesh() is None and model() is None, "a reference cycle keeps the failed step's mesh and model"
     finally:
         gc.enable()
+
+
+def test_an_update_that_fails_in_the_offload_worker_frees_the_mesh_without_a_collection():
+    """The worker's error sits in its future; its traceback holds the worker's frame, whose ``self`` is the work,
+    which held the future: a cycle (on any Python) that kept the failed step and its mesh until a garbage collection
+    (found by session 26's review). ``_Early.result`` lets go of the future before the error goes on."""
+    import gc
+    import weakref
+
+    import torch
+
+    import fshard as fs
+
+    class Boom(torch.optim.SGD):
+        armed = False
+
+        def step(self, closure=None):
+            if Boom.armed and self.param_groups[0]["params"][0].numel() > 3:  # (not the probes' small parameters)
+                raise ValueError("boom in the worker")
+            return super().step(closure)
+
+    def failed():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        mesh = fs.Mesh.local()
+        state = fs.init(model, mesh, fs.optim.from_torch(Boom, lr=0.1, momentum=0.9), units=[model[0], model[1]])
+        store = fs.CPUStore()
+        kind = None
+        with fs.compose(lambda m, x: m(x).sum(), fs.offload_state(store, overlap_backward=True)) as step:
+            state, _ = step(state, torch.randn(2, 4))
+            Boom.armed = True
+            try:
+                step(state, torch.randn(2, 4))
+            except fs.FshardError as e:
+                kind = (type(e).__name__, "boom in the worker" in str(e))
+        store.close()
+        return kind, weakref.ref(mesh), weakref.ref(step)
+
+    gc.collect()
+    gc.disable()
+    try:
+        kind, mesh, step = failed()
+        assert kind == ("OffloadError", True)
+        assert mesh() is None and step() is None, "a reference cycle keeps the failed step and its mesh"
+    finally:
+        gc.enable()
+
+
+def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path):
+    """``SaveHandle.wait()`` raises a copy of the save's error: the kept error itself, raised through the caller's
+    frame (which holds the handle, which keeps the error), would make a cycle that kept the state and its mesh until
+    a garbage collection (session 26). The copy has the error's type, message, cause and the save thread's
+    traceback, and each wait() raises it again."""
+    import gc
+    import traceback
+    import weakref
+
+    import torch
+
+    import fshard as fs
+    import fshard.checkpoint._save as save_module
+
+    def disk_full(path, state, *rest):
+        raise fs.errors.CheckpointError("disk full (simulated)")
+
+    monkeypatch.setattr(save_module, "_write", disk_full)
+
+    def failed():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        mesh = fs.Mesh.local()
+        state = fs.init(model, mesh, fs.adamw())
+        handle = fs.save(tmp_path / "ckpt", state, blocking=False)
+        seen = []
+        for _ in range(2):
+            try:
+                handle.wait()
+            except fs.errors.CheckpointError as e:
+                seen.append((str(e), any(f.name == "disk_full" for f in traceback.extract_tb(e.__traceback__))))
+        mesh.close()
+        return seen, weakref.ref(mesh), weakref.ref(state)
+
+    gc.collect()
+    gc.disable()
+    try:
+        seen, mesh, state = failed()
+        assert seen == [("disk full (simulated)", True)] * 2  # its message and the save thread's frames, each time
+        assert mesh() is None and state() is None, "a reference cycle keeps the state and mesh of a failed save"
+    finally:
+        gc.enable()

@@ -517,6 +517,22 @@ class _CountedASGD(torch.optim.ASGD):
         return super().step(closure)
 
 
+class _GroupScaledSGD(torch.optim.SGD):
+    """Elementwise within a parameter, but its rate is divided by the number of parameters in the group: the same
+    on a matrix as on its halves each in its own optimizer, not on the halves in one optimizer."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] / len(group["params"]))
+
+
+def test_from_torch_refuses_an_update_that_couples_the_parameters_of_a_group():
+    with pytest.raises(fs.errors.ArgumentError, match="couples the parameters of a group"):
+        fs.optim.from_torch(_GroupScaledSGD, lr=0.1)
+
+
 class _SeenNAdam(torch.optim.NAdam):
     """NAdam that records how many parameters each step() on runs takes (not the one-element replays of its
     per-parameter scalars)."""

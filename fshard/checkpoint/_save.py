@@ -21,6 +21,7 @@ the state as it is: a state is immutable unless donated, so the save needs no co
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -171,6 +172,19 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     return handle
 
 
+def _copy_of(error: BaseException) -> BaseException:
+    """A new exception like ``error`` (type, arguments, cause, the save thread's traceback). Raising the kept error
+    itself would add the frames it passes through to its traceback, among them the caller's, which holds the handle
+    that keeps the error: a reference cycle that would keep the state and its mesh (their process group and gloo's
+    threads) until a garbage collection after a failed save was caught and dropped."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an error that cannot be copied is raised as it is
+        return error
+    new.__cause__, new.__suppress_context__ = error.__cause__, error.__suppress_context__
+    return new.with_traceback(error.__traceback__)
+
+
 def _target(path, state: TrainState, keep_last, blocking) -> Path:
     """fs.save's checks on this rank, before anything is written: the arguments, the state, the target."""
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -259,16 +273,19 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the save is complete; return its path. Raises ``CheckpointError`` if it failed, or if
-        ``timeout`` seconds passed first (then the save goes on: wait again)."""
+        """Block until the save is complete; return its path. Raises ``CheckpointError`` if it failed (a copy of the
+        save's error at each call), or if ``timeout`` seconds passed first (then the save goes on: wait again)."""
         try:
-            return self._future.result(timeout)
+            error = self._future.exception(timeout)
         except FutureTimeout:
             raise CheckpointError(f"fs.save(..., blocking=False) of {self.path} did not finish within {timeout} s; "
                                   "it is still running: call wait() again.") from None
         finally:
             if self._future.done() and self in self._donation.saves:
                 self._donation.saves.remove(self)
+        if error is None:
+            return self._future.result()
+        raise _copy_of(error)  # (not the kept error itself: see _copy_of)
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, {'done' if self.done() else 'running'})"

@@ -4,7 +4,7 @@ backward (``overlap_backward``) in the worker thread; ``Streamed``, one unit's w
 from __future__ import annotations
 
 import time
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from typing import Any, NamedTuple
 
 import torch
@@ -198,17 +198,32 @@ class _Early:
             self.record("update", f"{self.name} (early)", t0, t0 + self.seconds)
         return p, c
 
+    def result(self):
+        """The worker's ``(parameter shard, copy)``, or its error, raised once: the error's traceback holds the
+        worker's frame, whose ``self`` is this work, which holds the future that holds the error, a cycle that
+        would keep the failed step (and its mesh) alive until a garbage collection; so the future is let go
+        first."""
+        try:
+            return self.future.result()
+        except BaseException:
+            self.future = _DONE
+            raise
+
     def abandon(self) -> None:
         """Wait for the worker, then delete what it wrote: the step did not take this update. (The caller has let
         the worker finish every other update first, so the store has one user at a time.)"""
         try:
-            self.future.result()
+            self.result()
         except Exception:  # noqa: BLE001 - the step already failed for its own reason; this work is discarded
             pass
         with locked(self.store):
             for k in self.created:
                 _quiet_delete(self.store, k)
         self.created = []
+
+
+_DONE: Future = Future()  # what a work's failed future is swapped for (finished; read-only once set)
+_DONE.set_result((None, None))
 
 
 def owns_storage(t: torch.Tensor) -> bool:

@@ -220,7 +220,7 @@ class OffloadUpdate(UpdatePolicy):
                     work.abandon()
                     continue
                 try:
-                    taken[name] = (*work.future.result(), work)  # the updated parameter shard and its copy
+                    taken[name] = (*work.result(), work)  # the updated parameter shard and its copy
                     for up in work.ups:  # its parameters' copies back to the GPU, before anything reads them
                         torch.cuda.current_stream().wait_event(up)
                 except BaseException:

@@ -4,8 +4,8 @@ Adadelta, Rprop, ...) run on flat shards by torch's own implementation.
 Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X(runs, **kwargs)`` as one parameter (the runs
 of an update with the same count, rate and decay in one optimizer: ``apply_runs``), with the run's gradient as its
 ``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its single-tensor function on
-the CPU, foreach on CUDA, as torch picks them; ``foreach=True`` asks for it on the CPU), in place on the run's slices; rows that
-``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals ``torch.optim.X`` on the whole
+the CPU, foreach on CUDA, as torch picks them; ``foreach=True`` asks for it on the CPU), in place on the run's
+slices; rows that ``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals ``torch.optim.X`` on the whole
 parameters wherever X is elementwise, which is what fshard needs: a run is a parameter or a part of one.
 
 What the state is, is read from X itself, once, when the optimizer is built: one step on a 3-element probe
@@ -123,13 +123,12 @@ class FromTorch(Elementwise):
         implementation (``foreach=True``, torch's default on CUDA) then takes a unit's runs in one call, as it takes a
         model's parameters, and the single-tensor one loops over them as it would. The same result as a run at a time:
         each run is its own parameter either way."""
-        if type(self).update_run is not FromTorch.update_run:  # a subclass's own arithmetic: a run at a time
-            for p, g, rows, step, scale, lr, wd, copy in runs:
-                self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
-            return
         groups: dict = {}
         for p, g, rows, step, scale, lr, wd, copy in runs:
-            lr = float(self.lr) if lr is None else lr  # (apply's defaults; a schedule's lr comes from plan)
+            # a subclass's own arithmetic, or a run without its rate (apply's checks and defaults): a run at a time
+            if type(self).update_run is not FromTorch.update_run or lr is None:
+                self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
+                continue
             wd = self.weight_decay if wd is None else wd
             groups.setdefault((int(step), lr, wd), []).append((p, g if scale == 1.0 else g * scale, rows, copy))
         for (step, lr, wd), rs in groups.items():
@@ -267,22 +266,35 @@ def _probe(cls: type, kw: dict) -> tuple[dict, dict, dict]:
 
 def _check_elementwise(cls: type, kw: dict) -> None:
     """Refuse ``cls`` unless two steps on a (3, 4) matrix equal the same steps on its two halves as parameters of
-    their own: a state not shaped like the parameter (factored statistics) or an update that reads whole-tensor
+    their own, and on the halves as two parameters of one optimizer (``apply_runs`` steps a unit's runs together):
+    a state not shaped like the parameter (factored statistics) or an update that reads whole-tensor
     norms (LAMB's and LARS's trust ratios) would make each run of a shard a different optimizer."""
     g = torch.linspace(-1.0, 2.0, 12).reshape(3, 4)
     whole = torch.linspace(0.5, -0.5, 12).reshape(3, 4)
     halves = [h.clone() for h in whole.reshape(-1).split(6)]
-    for params, grads in (([whole], [g]), (halves, list(g.reshape(-1).split(6)))):
-        for p, gp in zip(params, grads):
-            opt = cls([p], **kw)
+    together = [h.clone() for h in halves]  # the halves as two parameters of one optimizer (apply_runs)
+    gh = list(g.reshape(-1).split(6))
+    for group in ([[whole]], [[h] for h in halves], [together]):
+        grads = [g] if group[0][0] is whole else gh
+        k = 0
+        for params in group:
+            opt = cls(params, **kw)
+            gs, k = grads[k:k + len(params)], k + len(params)
             for _ in range(2):
-                p.grad = gp.clone()
+                for p, gp in zip(params, gs):
+                    p.grad = gp.clone()
                 opt.step()
-            bad = [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
+            bad = [name for p in params for name, v in opt.state[p].items()
+                   if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
             if bad:
                 raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): its state {bad[0]!r} on a (3, 4) "
                                     "matrix is not shaped like the matrix, so it is not elementwise and cannot run on "
                                     "flat shards.")
+    if not torch.allclose(torch.cat(together), torch.cat(halves), rtol=1e-5, atol=1e-7):
+        raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): two parameters stepped by one optimizer move "
+                            "differently from the same parameters stepped by one optimizer each (its update couples "
+                            "the parameters of a group), so it cannot run on runs of flat shards; write it on the "
+                            "optimizer protocol (examples/custom_optimizer.py).")
     if not torch.allclose(whole.reshape(-1), torch.cat(halves), rtol=1e-5, atol=1e-7):
         raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): stepping a matrix whole and as two halves "
                             "gives different results (its update reads whole-tensor quantities, e.g. a norm), so it "

@@ -27,7 +27,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
-from ._protocol import Row, drive
+from ._protocol import Row, apply_runs, drive
 
 
 @register_node
@@ -217,10 +217,10 @@ class Partition:
             elif any(on):
                 start = {ranges[k][0]: at[k] for k, a in enumerate(on) if a and ranges[k][1] > ranges[k][0]}
                 _, segments = o.plan(layout, rank, state.count, on, updates)
-                for lo, hi, step, lr, wd in segments:
-                    a = start[lo]  # (a run is adjacent slots of this label: adjacent in the rows too)
-                    o.apply(param[lo:hi], grad[lo:hi], *(r[a:a + hi - lo] for r in rows), step, grad_scale, lr=lr,
-                            weight_decay=wd, copy=None if copy is None else copy[lo:hi])
+                # (a run is adjacent slots of this label: adjacent in the rows too)
+                apply_runs(o, [(param[lo:hi], grad[lo:hi], tuple(r[start[lo]:start[lo] + hi - lo] for r in rows), step,
+                                grad_scale, lr, wd, None if copy is None else copy[lo:hi])
+                               for lo, hi, step, lr, wd in segments])
             parts[label] = rows
         new = state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]])
         return param, dataclasses.replace(new, extra=FrozenMap(extra)), copy

@@ -166,8 +166,11 @@ class UnitRun(UnitView):
                 shard = self._stored.load(dtype).to(self.shard.device)
             else:
                 read, self._read = self._read, None
-                with comm.gather_scope():  # uploaded on the gather stream (from pinned memory): compute goes on
-                    shard = read.result().to(self.shard.device, non_blocking=True)
+                try:
+                    with comm.gather_scope():  # uploaded on the gather stream (from pinned memory): compute goes on
+                        shard = read.result().to(self.shard.device, non_blocking=True)
+                finally:
+                    read = None  # (a failed read's traceback holds this frame: no way back to it through the future)
         else:
             shard = self.shard.detach() if self._copy is None or self._copy.dtype != dtype else self._copy
         if shard.dtype != dtype and self.layout.world_size > 1:
@@ -188,6 +191,7 @@ class UnitRun(UnitView):
                 read.result()
             except BaseException:  # noqa: BLE001 - the step already failed for its own reason
                 pass
+            read = None  # (its error's traceback holds this frame: see _issue)
 
     def _gathered(self) -> None:
         """Wait for the gather in flight; the shard read for it is gone with it."""

@@ -47,11 +47,11 @@ class envelope:
     """The envelope (the module docstring) of one call of ``step`` on ``state``; ``context`` names it in messages
     (``"step {}"``: formatted with the state's step), ``train``: a training step (its update policy's ``abort``).
 
-    A class, not a ``contextlib.contextmanager`` generator: a generator that catches the error thrown into it and
-    raises another (here the ``StepError``) leaves, from Python 3.12, its finished frame linked to contextlib's
-    ``__exit__`` frame, whose ``value`` is the caught error, whose traceback holds the generator's frame: a cycle
-    that keeps every frame of the failed step, and through them the mesh, its process group and gloo's threads,
-    until a garbage collection (seen on the GPU machine, session 26; cpython#100964, #129280)."""
+    A class, not a ``contextlib.contextmanager`` generator: a generator that catches the error thrown into it (to
+    raise another, here the ``StepError``, or to suppress it) leaves, from Python 3.12, its finished frame linked to
+    contextlib's ``__exit__`` frame, whose ``value`` is the caught error, whose traceback holds the generator's
+    frame: a cycle that keeps every frame of the failed step, and through them the mesh, its process group and
+    gloo's threads, until a garbage collection (seen on the GPU machine, session 26; cpython#100964, #129280)."""
 
     def __init__(self, step, state, context: str, train: bool):
         self.step, self.state, self.context, self.train = step, state, context, train

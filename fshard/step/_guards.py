@@ -10,7 +10,7 @@ import optree
 import torch
 
 from ..errors import (ArgumentTypeError, ConcurrentStepError, EmptyBatchError, InitError, LossError,
-                      MeshMismatchError, PolicyError, StepClosedError)
+                      MeshMismatchError, PolicyError, StepClosedError, UnboundParameterError)
 from ..state._train_state import ShardSpec, TrainState
 from ..state._stored import in_store
 
@@ -116,3 +116,19 @@ def checked_update(policy, out, state: TrainState):
                           f"state holds copies of {sorted(state.copies)} (wrong or missing: {bad}); it must return "
                           "each unit's copy, written with the new shard (fs.adamw's update(copy=...)).")
     return out
+
+
+class meta_reads:
+    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``. A class, not a
+    generator: see ``envelope`` (fshard/step/_envelope.py) for the cycle a generator that catches an error makes."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, (RuntimeError, NotImplementedError)) and "meta" in str(error):
+            raise UnboundParameterError(f"{self.what} ({error})") from error
+        return False

@@ -29,9 +29,9 @@ from ..dist._agreement import agree, check_ranks, small_hash
 from ..dist._collectives import Comm
 from ._envelope import envelope
 from ._eval import evaluate, train_mode
-from ._guards import check_empty, check_loss, check_template, check_usable, checked_update, spec_of
-from ..errors import (ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError,
-                      UnboundParameterError)
+from ._guards import (check_empty, check_loss, check_template, check_usable, checked_update, meta_reads,
+                      spec_of)
+from ..errors import ArgumentTypeError, LossError, RankDivergenceError, TransformConflictError
 from ..state._flat import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._dry_run import plan
@@ -256,7 +256,7 @@ class Step:
         if root is not None:
             gather.before_forward(run, root)
             binding.update(root._bind([s.aliases for s in root.layout.slots]))
-        with _meta_reads(
+        with meta_reads(
                 "a parameter was used while its unit was not gathered (outside a step, the template's tensors are "
                 "on the meta device). fshard binds a unit's parameters only while the unit module itself is called: "
                 "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
@@ -329,28 +329,12 @@ def _backward(run: StepRun, buffers, out) -> None:
     """Backward, with the step's buffers bound: an activation checkpoint's recompute may read them. ``backward``
     rather than ``grad(out, leaves)``, which a reentrant checkpoint refuses: the leaves (shards) get no ``.grad``,
     since gradients end at ``_Gather.backward``, in the units."""
-    with _meta_reads(
+    with meta_reads(
             "backward read a parameter whose unit was not gathered: an activation checkpoint recomputed code that "
             "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
             "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
             "one (fs.init(..., units=[...]))."):
         with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
-
-
-class _meta_reads:
-    """Torch's error for a meta tensor met in computation, as ``UnboundParameterError(what)``. A class, not a
-    generator: see ``envelope`` (fshard/step/_envelope.py) for the cycle a generator that translates an error makes."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if isinstance(error, (RuntimeError, NotImplementedError)) and "meta" in str(error):
-            raise UnboundParameterError(f"{self.what} ({error})") from error
-        return False
 
 
 def _close(policy) -> None:
