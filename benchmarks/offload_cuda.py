@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--nvme", default=None, help="a directory: put --nvme-fraction of the moments in an NVMeStore")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)
+    ap.add_argument("--fraction", type=float, default=1.0, help="the units whose moments go to the CPUStore; the "
+                    "rest stay on the GPU (offload_state(fraction=): DeepSpeed ZeRO-Offload++'s ratio)")
     ap.add_argument("--chunk-mb", type=float, default=64, help="MiB of each moment per store item")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--json", default=None)
@@ -156,7 +158,7 @@ def main() -> int:
     if a.nvme:
         store, frac = fs.NVMeStore(a.nvme), a.nvme_fraction
     else:
-        store, frac = fs.CPUStore(pin=a.pin), 1.0
+        store, frac = fs.CPUStore(pin=a.pin), a.fraction
     offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params,
                                overlap_backward=True if a.params else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights
@@ -398,7 +400,9 @@ def run_all(a) -> int:
         # label -> (mode, its arguments); fshard_moments: master weights on the GPU, only the moments on the host
         runs = {"floors": ("floors", []), "fsdp2": ("fsdp2", []),
                 "fshard": ("fshard", ["--params", "--skip-peer"] + pin + tl),
-                "fshard_moments": ("fshard", ["--skip-peer"] + pin)}
+                "fshard_moments": ("fshard", ["--skip-peer"] + pin),
+                # the same with 30% of the units' moments on the GPU (a partial offload: not FSDP2's comparison)
+                "fshard_partial": ("fshard", ["--skip-peer", "--fraction", "0.7"] + pin)}
         labels = a.all_modes.split(",")
         if set(labels) - set(runs):
             raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
@@ -419,11 +423,14 @@ def run_all(a) -> int:
     fs_s = med(res.get("fshard", {}).get("steps", []))
     peer_s = med(res.get("fsdp2", {}).get("steps", []))
     moments_s = med(res.get("fshard_moments", {}).get("steps", []))
+    partial_s = med(res.get("fshard_partial", {}).get("steps", []))
     floor = res.get("floors", {}).get("floor_s")
     res["summary"] = dict(fshard_step_s=fs_s, fsdp2_step_s=peer_s, floor_s=floor,
                           over_floor=fs_s / floor if fs_s and floor else None,
                           over_fsdp2=fs_s / peer_s if fs_s and peer_s else None, moments_step_s=moments_s,
-                          moments_over_fsdp2=moments_s / peer_s if moments_s and peer_s else None)
+                          moments_over_fsdp2=moments_s / peer_s if moments_s and peer_s else None,
+                          partial_step_s=partial_s,
+                          partial_over_fsdp2=partial_s / peer_s if partial_s and peer_s else None)
     print(f"[offload_cuda] summary: {json.dumps(res['summary'])}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
