@@ -622,6 +622,48 @@ def test_apply_runs_is_apply_on_each_run_bitwise(runs, impl):
             assert (x is None and y is None) or torch.equal(x, y)
 
 
+_FROM_TORCH = {
+    "nadam": lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01),
+    "nadam_foreach": lambda: fs.optim.from_torch(O.NAdam, lr=2e-3, weight_decay=0.01, foreach=True),
+    "asgd": lambda: fs.optim.from_torch(O.ASGD, lr=1e-2, t0=2),
+    "adagrad": lambda: fs.optim.from_torch(O.Adagrad, lr=0.05, initial_accumulator_value=0.1),
+    "sgd_momentum": lambda: fs.optim.from_torch(O.SGD, lr=0.05, momentum=0.9, foreach=True),
+    "rprop": lambda: fs.optim.from_torch(O.Rprop, lr=1e-3),
+    "adamax": lambda: fs.optim.from_torch(O.Adamax, lr=2e-3, weight_decay=0.1),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 7), st.sampled_from([1, 2, 7]), st.sampled_from([1e-3, 3e-4]),
+                          st.sampled_from([0.0, 0.1]), st.sampled_from([None, torch.bfloat16]),
+                          st.sampled_from([1.0, 0.5])), min_size=1, max_size=6),
+       st.sampled_from(sorted(_FROM_TORCH)))
+def test_from_torch_apply_runs_is_apply_on_each_run_bitwise(runs, name):
+    """``FromTorch.apply_runs`` (one torch optimizer over the runs of the same count, rate and decay) writes the bits
+    a torch optimizer per run writes: parameters, rows and copies, for any mix of counts (the replayed scalars of
+    NAdam and ASGD included), rates, decays, grad scales and copies; eager (Adagrad), lazy and foreach optimizers."""
+    from fshard.optim._protocol import apply_runs
+    opt = _FROM_TORCH[name]()
+    g = torch.Generator().manual_seed(len(runs) + 31 * runs[0][0])
+    made = [(torch.randn(n, generator=g), torch.randn(n, generator=g),
+             [torch.randn(n, generator=g).abs() + 0.1 for _ in opt.rows], step, lr, wd, cdt, scale)
+            for n, step, lr, wd, cdt, scale in runs]
+
+    def state():
+        return [(p.clone(), gr, tuple(r.clone() for r in rows), None if cdt is None else torch.zeros(p.numel(),
+                                                                                                     dtype=cdt))
+                for p, gr, rows, _, _, _, cdt, _ in made]
+
+    one, many = state(), state()
+    for (p, gr, rows, c), (*_, step, lr, wd, _, scale) in zip(one, made):
+        opt.apply(p, gr, *rows, step, scale, lr=lr, weight_decay=wd, copy=c)
+    apply_runs(opt, [(p, gr, rows, step, scale, lr, wd, c)
+                     for (p, gr, rows, c), (*_, step, lr, wd, _, scale) in zip(many, made)])
+    for (pa, _, ra, ca), (pb, _, rb, cb) in zip(one, many):
+        assert torch.equal(pa, pb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
+        assert (ca is None and cb is None) or torch.equal(ca, cb)
+
+
 def test_apply_runs_calls_a_subclasss_own_apply():
     """A subclass of fs.adamw's class that overrides ``apply`` alone (to log, to inject a failure) has it called
     for every run offload_state hands over, not the inherited batched ``apply_runs``."""
