@@ -23,6 +23,8 @@ same way (``sys.exit`` at top level: atexit, then finalization). A busy loop run
 the abort was seen)."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -290,6 +292,18 @@ def test_a_gloo_mesh_waits_for_gloo_to_run_and_let_go_of_the_completion_callback
     assert time.monotonic() - t0 >= 0.15 and other == []
 
 
+@contextlib.contextmanager
+def _collector_off():
+    """The cyclic garbage collector off, after a collection: what dies in the block dies by reference counting,
+    as it must for ``destroy_process_group()`` to destroy the group then (a cycle waits for a collection)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _frames_of(error: BaseException) -> list:
     """Every frame in the tracebacks of ``error`` and of its causes and contexts."""
     frames, todo, seen = [], [error], set()
@@ -316,7 +330,6 @@ def test_a_failed_steps_error_holds_no_generator_frame_of_fshard_and_frees_the_m
     with it. So fshard handles errors in class context managers (the step's envelope, the meta-read translation).
     Checked on any Python: no frame of an fshard generator in the error's tracebacks; and, with the collector off,
     the mesh and the model die with the error (what fails on 3.12 with the cycle)."""
-    import gc
     import inspect
     import weakref
 
@@ -343,22 +356,17 @@ def test_a_failed_steps_error_holds_no_generator_frame_of_fshard_and_frees_the_m
                 kind = type(e).__name__
         return [f"{f.f_code.co_filename}:{f.f_code.co_name}" for f in made], kind, weakref.ref(mesh), weakref.ref(model)
 
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         made, kind, mesh, model = failed()
         assert kind == ("StepError" if how == "raises" else "UnboundParameterError")
         assert made == [], f"the error passed through fshard generator frames {made}"
         assert mesh() is None and model() is None, "a reference cycle keeps the failed step's mesh and model"
-    finally:
-        gc.enable()
 
 
 def test_an_update_that_fails_in_the_offload_worker_frees_the_mesh_without_a_collection():
     """The worker's error sits in its future; its traceback holds the worker's frame, whose ``self`` is the work,
     which held the future: a cycle (on any Python) that kept the failed step and its mesh until a garbage collection
     (found by session 26's review). ``_Early.result`` lets go of the future before the error goes on."""
-    import gc
     import weakref
 
     import torch
@@ -389,14 +397,10 @@ def test_an_update_that_fails_in_the_offload_worker_frees_the_mesh_without_a_col
         store.close()
         return kind, weakref.ref(mesh), weakref.ref(step)
 
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         kind, mesh, step = failed()
         assert kind == ("OffloadError", True)
         assert mesh() is None and step() is None, "a reference cycle keeps the failed step and its mesh"
-    finally:
-        gc.enable()
 
 
 def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path):
@@ -404,7 +408,6 @@ def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without
     frame (which holds the handle, which keeps the error), would make a cycle that kept the state and its mesh until
     a garbage collection (session 26). The copy has the error's type, message, cause and the save thread's
     traceback, and each wait() raises it again."""
-    import gc
     import traceback
     import weakref
 
@@ -432,11 +435,7 @@ def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without
         mesh.close()
         return seen, weakref.ref(mesh), weakref.ref(state)
 
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         seen, mesh, state = failed()
         assert seen == [("disk full (simulated)", True)] * 2  # its message and the save thread's frames, each time
         assert mesh() is None and state() is None, "a reference cycle keeps the state and mesh of a failed save"
-    finally:
-        gc.enable()
