@@ -115,8 +115,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--nvme", default=None, help="a directory: put --nvme-fraction of the moments in an NVMeStore")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)
-    ap.add_argument("--fraction", type=float, default=1.0, help="the units whose moments go to the CPUStore; the "
-                    "rest stay on the GPU (offload_state(fraction=): DeepSpeed ZeRO-Offload++'s ratio)")
+    ap.add_argument("--fraction", type=float, default=1.0, help="the share of the moments' bytes in the CPUStore, "
+                    "as whole units in model order; the rest stay on the GPU (offload_state(fraction=): DeepSpeed "
+                    "ZeRO-Offload++'s ratio); with --nvme, --nvme-fraction instead")
     ap.add_argument("--chunk-mb", type=float, default=64, help="MiB of each moment per store item")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--json", default=None)

@@ -3,6 +3,7 @@ misused and how to fix it. The common ones are also top-level names (``fs.Argume
 the stores' errors are also ``fs.store``'s names."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 
@@ -170,3 +171,20 @@ class BuildError(FshardError, RuntimeError):
 
 class BuildLockError(BuildError):
     """The build lock cannot be opened safely (a symbolic link, not a regular file, no permission)."""
+
+
+def copy_of_kept(error: BaseException) -> BaseException:
+    """What to raise for an error kept to be raised later (an async save's, a store operation's), each time: a new
+    exception like ``error`` (its type, arguments, cause, context and traceback). Raising the kept error itself adds
+    the frames it passes through to its traceback, among them a caller's that holds whatever keeps the error: a
+    reference cycle that keeps the caller's state, and its mesh, until a garbage collection. An error that copies
+    differently (an ``__init__`` that does not take its own ``args``) is raised as it is."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # noqa: BLE001 - not copyable: raised as it is
+        return error
+    if type(new) is not type(error) or new.args != error.args:
+        return error
+    new.__cause__, new.__context__ = error.__cause__, error.__context__
+    new.__suppress_context__ = error.__suppress_context__
+    return new.with_traceback(error.__traceback__)

@@ -439,3 +439,82 @@ def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without
         seen, mesh, state = failed()
         assert seen == [("disk full (simulated)", True)] * 2  # its message and the save thread's frames, each time
         assert mesh() is None and state() is None, "a reference cycle keeps the state and mesh of a failed save"
+
+
+@pytest.mark.parametrize("how", ["read_into", "get"])
+def test_a_store_that_fails_mid_step_frees_the_step_and_mesh_without_a_collection(how):
+    """A store's failure in a step, caught and dropped: ``read_into`` raising under parameter offload (a unit's read
+    ahead, run/_unit.py, drops its future), or ``get`` handing back a failed handle for the moments (``Handle.wait``
+    raises a copy of its kept error, and ``reap`` lets go of its own frame's references)."""
+    import weakref
+
+    import torch
+
+    import fshard as fs
+    from fshard.store._handle import Handle
+
+    class Flaky(fs.CPUStore):
+        armed = False
+
+        def read_into(self, key, out):
+            if Flaky.armed and how == "read_into":
+                raise OSError("read failed (simulated)")
+            return super().read_into(key, out)
+
+        def get(self, key, out=None):
+            if Flaky.armed and how == "get":
+                return Handle.failed("read", key, fs.errors.CorruptedItemError(f"cannot read {key!r} (simulated)"))
+            return super().get(key, out)
+
+    def failed():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        mesh = fs.Mesh.local()
+        state = fs.init(model, mesh, fs.adamw(), units=[model[0], model[1]])
+        store, kind = Flaky(), None
+        offload = fs.offload_state(store, params=how == "read_into", overlap_backward=False)
+        with fs.compose(lambda m, x: m(x).sum(), offload) as step:
+            for _ in range(2):
+                state, _ = step(state, torch.randn(2, 64))
+            Flaky.armed = True
+            try:
+                step(state, torch.randn(2, 64))
+            except fs.FshardError as e:
+                kind = type(e).__name__, "(simulated)" in str(e) or "(simulated)" in str(e.__cause__)
+            Flaky.armed = False
+        store.close()
+        return kind, weakref.ref(mesh), weakref.ref(step)
+
+    with _collector_off():
+        kind, mesh, step = failed()
+        assert kind is not None and kind[1], kind
+        assert mesh() is None and step() is None, "a reference cycle keeps the failed step and its mesh"
+
+
+def test_a_failed_async_save_never_waited_for_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path):
+    """A save that fails inside ``_write`` (here its checksums) whose handle is never waited for: the state keeps
+    the handle (a donating step refuses the state until wait()), the handle its error; ``_write`` clears its
+    finished frames and drops the state before the error goes on, so nothing leads back to the state."""
+    import weakref
+
+    import torch
+
+    import fshard as fs
+    import fshard.checkpoint._save as save_module
+
+    def checksums_fail(*args):
+        raise OSError("checksums failed (simulated)")
+
+    monkeypatch.setattr(save_module, "crc_share", checksums_fail)
+
+    def failed():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        mesh = fs.Mesh.local()
+        state = fs.init(model, mesh, fs.adamw())
+        handle = fs.save(tmp_path / "ckpt", state, blocking=False)
+        mesh.close()  # waits for the save
+        assert handle.done() and not (tmp_path / "ckpt").exists()
+        return weakref.ref(mesh), weakref.ref(state)
+
+    with _collector_off():
+        mesh, state = failed()
+        assert mesh() is None and state() is None, "a reference cycle keeps the state of a failed save"

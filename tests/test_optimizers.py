@@ -664,6 +664,22 @@ def test_from_torch_apply_runs_is_apply_on_each_run_bitwise(runs, name):
         assert (ca is None and cb is None) or torch.equal(ca, cb)
 
 
+def test_from_torch_apply_runs_takes_a_run_without_its_rate_as_apply_does():
+    """A run handed over with ``lr=None`` uses the optimizer's own rate, as ``apply`` does (the same bits); under a
+    schedule it is refused as ``apply`` refuses it (fshard's ArgumentError, not a TypeError)."""
+    from fshard.optim._protocol import apply_runs
+    opt = fs.optim.from_torch(O.NAdam, lr=2e-3)
+    p1, p2 = torch.linspace(-1, 1, 7), torch.linspace(-1, 1, 7)
+    rows1, rows2 = [tuple(torch.zeros(7) for _ in opt.rows) for _ in range(2)]
+    opt.apply(p1, torch.ones(7), *rows1, 1, 1.0, lr=None)
+    apply_runs(opt, [(p2, torch.ones(7), rows2, 1, 1.0, None, None, None)])
+    assert torch.equal(p1, p2) and all(torch.equal(a, b) for a, b in zip(rows1, rows2))
+    scheduled = fs.optim.from_torch(O.NAdam, lr=fs.schedules.constant_schedule(1e-3))
+    with pytest.raises(fs.errors.ArgumentError, match="schedule"):
+        apply_runs(scheduled, [(torch.zeros(3), torch.ones(3), tuple(torch.zeros(3) for _ in scheduled.rows), 1, 1.0,
+                                None, None, None)])
+
+
 def test_apply_runs_calls_a_subclasss_own_apply():
     """A subclass of fs.adamw's class that overrides ``apply`` alone (to log, to inject a failure) has it called
     for every run offload_state hands over, not the inherited batched ``apply_runs``."""

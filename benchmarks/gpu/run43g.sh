@@ -12,7 +12,7 @@ CUDA_VISIBLE_DEVICES= timeout 90 python3 tests/_exit_runs.py fails 3 kept 1 > $O
 grep -E "run [0-9]+:|rank [0-9]: after" $OUT/exit_runs.log | cut -c1-300
 ( timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider --timeout 100 tests/test_cuda.py > $OUT/cuda_tests.log 2>&1;
   echo "rc $?" >> $OUT/cuda_tests.log ) &
-left=$(( BUDGET - ($(date +%s) - T0) )); echo "suite budget $left s"
+left=$(( BUDGET - ($(date +%s) - T0) )); [ "$left" -lt 60 ] && left=60; echo "suite budget $left s"
 CUDA_VISIBLE_DEVICES= timeout $left python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 -rfE \
   --ignore=tests/test_cuda.py tests/ > $OUT/suite_cpu.log 2>&1
 echo "suite rc $? $(( $(date +%s) - T0 )) s since start"

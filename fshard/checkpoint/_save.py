@@ -21,8 +21,8 @@ the state as it is: a state is immutable unless donated, so the save needs no co
 """
 from __future__ import annotations
 
-import copy
 import json
+import traceback
 import os
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -38,7 +38,7 @@ from ..dist._bare import bare
 from ._files import (FORMAT, check_target, commit, crc_share, data_files, discard, latest,  # noqa: F401
                           start, token)  # (latest: fs.latest)
 from ._dcp import _Boxes, _Chunks, _SavePlanner, slot_boxes
-from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError
+from ..errors import ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError, copy_of_kept
 from ..dist._mesh import Mesh
 from ..state._train_state import TrainState
 from ..optim._protocol import count_key_of, optimizer_of, row_names, row_ranges
@@ -172,19 +172,6 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     return handle
 
 
-def _copy_of(error: BaseException) -> BaseException:
-    """A new exception like ``error`` (type, arguments, cause, the save thread's traceback). Raising the kept error
-    itself would add the frames it passes through to its traceback, among them the caller's, which holds the handle
-    that keeps the error: a reference cycle that would keep the state and its mesh (their process group and gloo's
-    threads) until a garbage collection after a failed save was caught and dropped."""
-    try:
-        new = copy.copy(error)
-    except Exception:  # noqa: BLE001 - an error that cannot be copied is raised as it is
-        return error
-    new.__cause__, new.__suppress_context__ = error.__cause__, error.__suppress_context__
-    return new.with_traceback(error.__traceback__)
-
-
 def _target(path, state: TrainState, keep_last, blocking) -> Path:
     """fs.save's checks on this rank, before anything is written: the arguments, the state, the target."""
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -233,7 +220,11 @@ def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> 
                 pass
         elif remove is not None:
             remove()  # (Ctrl-C, or the transport broke: no other rank can be waited for)
-        raise
+        # an async save's error is kept in its handle, which the state keeps until wait(): the finished frames'
+        # locals (the state among them) would close a cycle through the traceback
+        traceback.clear_frames(e.__traceback__)
+        state = mesh = call = None  # noqa: F841 - (this frame, still running, is in the traceback too, as are the
+        raise                       # lambdas' cells)
     return shown  # (the path as given; ``path`` is its absolute form, which every rank compared)
 
 
@@ -285,7 +276,7 @@ class SaveHandle:
                 self._donation.saves.remove(self)
         if error is None:
             return self._future.result()
-        raise _copy_of(error)  # (not the kept error itself: see _copy_of)
+        raise copy_of_kept(error)  # (not the kept error itself: fshard/errors.py)
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, {'done' if self.done() else 'running'})"

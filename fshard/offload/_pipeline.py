@@ -206,7 +206,7 @@ class _Early:
         try:
             return self.future.result()
         except BaseException:
-            self.future = _DONE
+            self.future = _DONE  # (so a later call returns (None, None): the callers take a result once)
             raise
 
     def abandon(self) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..errors import copy_of_kept
+
 IN_FLIGHT, DONE, FAILED = "in_flight", "done", "failed"
 
 
@@ -68,15 +70,19 @@ class Handle:
         finish = self._finish
         try:
             value = finish() if finish is not None else None
-        except BaseException as e:  # noqa: BLE001 - kept and re-raised by wait()
+        except BaseException as e:  # noqa: BLE001 - kept and raised (a copy) by wait()
             self._complete(None, e)
         else:
             self._complete(value, None)
+        finally:
+            self = finish = None  # (the kept error's traceback holds this frame: no way back to the handle)
 
     def wait(self) -> Any:
+        """The operation's value, or its error raised (a copy of the kept one at each call: fs.errors'
+        ``copy_of_kept``)."""
         self.reap()
         if self._error is not None:
-            raise self._error
+            raise copy_of_kept(self._error)
         return self._value
 
     def __repr__(self) -> str:
