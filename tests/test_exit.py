@@ -403,44 +403,6 @@ def test_an_update_that_fails_in_the_offload_worker_frees_the_mesh_without_a_col
         assert mesh() is None and step() is None, "a reference cycle keeps the failed step and its mesh"
 
 
-def test_a_failed_async_save_caught_and_dropped_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path):
-    """``SaveHandle.wait()`` raises a copy of the save's error: the kept error itself, raised through the caller's
-    frame (which holds the handle, which keeps the error), would make a cycle that kept the state and its mesh until
-    a garbage collection (session 26). The copy has the error's type, message, cause and the save thread's
-    traceback, and each wait() raises it again."""
-    import traceback
-    import weakref
-
-    import torch
-
-    import fshard as fs
-    import fshard.checkpoint._save as save_module
-
-    def disk_full(path, state, *rest):
-        raise fs.errors.CheckpointError("disk full (simulated)")
-
-    monkeypatch.setattr(save_module, "_write", disk_full)
-
-    def failed():
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        mesh = fs.Mesh.local()
-        state = fs.init(model, mesh, fs.adamw())
-        handle = fs.save(tmp_path / "ckpt", state, blocking=False)
-        seen = []
-        for _ in range(2):
-            try:
-                handle.wait()
-            except fs.errors.CheckpointError as e:
-                seen.append((str(e), any(f.name == "disk_full" for f in traceback.extract_tb(e.__traceback__))))
-        mesh.close()
-        return seen, weakref.ref(mesh), weakref.ref(state)
-
-    with _collector_off():
-        seen, mesh, state = failed()
-        assert seen == [("disk full (simulated)", True)] * 2  # its message and the save thread's frames, each time
-        assert mesh() is None and state() is None, "a reference cycle keeps the state and mesh of a failed save"
-
-
 @pytest.mark.parametrize("how", ["read_into", "get"])
 def test_a_store_that_fails_mid_step_frees_the_step_and_mesh_without_a_collection(how):
     """A store's failure in a step, caught and dropped: ``read_into`` raising under parameter offload (a unit's read
@@ -490,10 +452,13 @@ def test_a_store_that_fails_mid_step_frees_the_step_and_mesh_without_a_collectio
         assert mesh() is None and step() is None, "a reference cycle keeps the failed step and its mesh"
 
 
-def test_a_failed_async_save_never_waited_for_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path):
-    """A save that fails inside ``_write`` (here its checksums) whose handle is never waited for: the state keeps
-    the handle (a donating step refuses the state until wait()), the handle its error; ``_write`` clears its
-    finished frames and drops the state before the error goes on, so nothing leads back to the state."""
+@pytest.mark.parametrize("waited", [True, False])
+def test_a_failed_async_save_frees_the_state_and_mesh_without_a_collection(monkeypatch, tmp_path, waited):
+    """A save that fails inside ``_write`` (here its checksums), its error caught from ``wait()`` and dropped, or its
+    handle never waited for (the state keeps the handle: a donating step refuses the state until wait()). ``wait()``
+    raises a copy of the kept error (its message and the save thread's frames, at each call), and ``_write`` clears
+    its finished frames and drops its state and mesh before the error goes on: nothing leads back to the state."""
+    import traceback
     import weakref
 
     import torch
@@ -510,11 +475,17 @@ def test_a_failed_async_save_never_waited_for_frees_the_state_and_mesh_without_a
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         mesh = fs.Mesh.local()
         state = fs.init(model, mesh, fs.adamw())
-        handle = fs.save(tmp_path / "ckpt", state, blocking=False)
+        handle, seen = fs.save(tmp_path / "ckpt", state, blocking=False), []
+        for _ in range(2 if waited else 0):
+            try:
+                handle.wait()
+            except OSError as e:
+                seen.append((str(e), any(f.name == "checksums_fail" for f in traceback.extract_tb(e.__traceback__))))
         mesh.close()  # waits for the save
         assert handle.done() and not (tmp_path / "ckpt").exists()
-        return weakref.ref(mesh), weakref.ref(state)
+        return seen, weakref.ref(mesh), weakref.ref(state)
 
     with _collector_off():
-        mesh, state = failed()
-        assert mesh() is None and state() is None, "a reference cycle keeps the state of a failed save"
+        seen, mesh, state = failed()
+        assert seen == [("checksums failed (simulated)", True)] * (2 if waited else 0)
+        assert mesh() is None and state() is None, "a reference cycle keeps the state and mesh of a failed save"
