@@ -143,7 +143,8 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     not write. ``keep_last=N``: afterwards, of the complete checkpoints in ``path``'s parent directory that are of
     ``path``'s series (the same name but for its numbers, ``step-00000100``, ``step-00000200``: checkpoint/_files.py),
     keep the N committed last, this one always among them, and delete the others. A failed save removes its
-    ``<path>.partial`` and leaves ``path`` as it was; a failure on one rank is an fshard error on every rank. Moments
+    ``<path>.partial`` and leaves ``path`` as it was; a failure on one rank raises on every rank: its own error there
+(an ``OSError``, DCP's as a ``CheckpointError``), ``RankFailedError`` naming it on the others. Moments
     in a store are read from it one chunk item at a time, never all at once.
 
     Returns the path; with ``blocking=False``, at once a ``SaveHandle`` whose ``wait()`` returns it, while the save
@@ -252,9 +253,8 @@ def _transport(e: BaseException) -> bool:
 class SaveHandle:
     """An asynchronous save (``fs.save(path, state, blocking=False)``), running in the mesh's background thread over
     its background process group (``Mesh.background``), after any save started before it; ``mesh.close()`` waits for
-    it and ends both. ``wait()`` returns the
-    checkpoint's path once it is complete and visible, or raises the save's ``CheckpointError``; call it on every
-    rank before a step that donates the state."""
+    it and ends both. ``wait()`` returns the checkpoint's path once it is complete and visible, or raises the save's
+    error; call it on every rank before a step that donates the state."""
 
     def __init__(self, path: str, future, donation):
         self.path, self._future, self._donation = path, future, donation
@@ -264,8 +264,9 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the save is complete; return its path. Raises ``CheckpointError`` if it failed (a copy of the
-        save's error at each call), or if ``timeout`` seconds passed first (then the save goes on: wait again)."""
+        """Block until the save is complete; return its path. Raises the save's error if it failed (a copy of it at
+        each call: as ``fs.save`` raises, this rank's own error or ``RankFailedError``), or ``CheckpointError`` if
+        ``timeout`` seconds passed first (then the save goes on: wait again)."""
         try:
             error = self._future.exception(timeout)
         except FutureTimeout:
