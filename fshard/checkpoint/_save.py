@@ -22,8 +22,8 @@ the state as it is: a state is immutable unless donated, so the save needs no co
 from __future__ import annotations
 
 import json
-import traceback
 import os
+import traceback
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
@@ -144,7 +144,7 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     ``path``'s series (the same name but for its numbers, ``step-00000100``, ``step-00000200``: checkpoint/_files.py),
     keep the N committed last, this one always among them, and delete the others. A failed save removes its
     ``<path>.partial`` and leaves ``path`` as it was; a failure on one rank raises on every rank: its own error there
-(an ``OSError``, DCP's as a ``CheckpointError``), ``RankFailedError`` naming it on the others. Moments
+    (an ``OSError``, DCP's as a ``CheckpointError``), ``RankFailedError`` naming it on the others. Moments
     in a store are read from it one chunk item at a time, never all at once.
 
     Returns the path; with ``blocking=False``, at once a ``SaveHandle`` whose ``wait()`` returns it, while the save
