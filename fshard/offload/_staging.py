@@ -88,4 +88,3 @@ def _down(t, stream):
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
-

@@ -5,8 +5,9 @@ Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X(runs, **kw
 of an update with the same count, rate and decay in one optimizer: ``apply_runs``), with the run's gradient as its
 ``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its single-tensor function on
 the CPU, foreach on CUDA, as torch picks them; ``foreach=True`` asks for it on the CPU), in place on the run's
-slices; rows that ``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals ``torch.optim.X`` on the whole
-parameters wherever X is elementwise, which is what fshard needs: a run is a parameter or a part of one.
+slices; rows that ``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals
+``torch.optim.X`` on the whole parameters wherever X is elementwise, which is what fshard needs: a run is a parameter
+or a part of one.
 
 What the state is, is read from X itself, once, when the optimizer is built: one step on a 3-element probe
 parameter. Its state's tensors shaped like the parameter are the rows (in torch's order and under torch's names: a
@@ -124,9 +125,9 @@ class FromTorch(Elementwise):
         model's parameters, and the single-tensor one loops over them as it would. The same result as a run at a time:
         each run is its own parameter either way."""
         groups: dict = {}
+        own = type(self).update_run is not FromTorch.update_run  # a subclass's own arithmetic: a run at a time
         for p, g, rows, step, scale, lr, wd, copy in runs:
-            # a subclass's own arithmetic, or a run without its rate (apply's checks and defaults): a run at a time
-            if type(self).update_run is not FromTorch.update_run or lr is None:
+            if own or lr is None:  # (a run without its rate: apply's checks and defaults)
                 self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
                 continue
             wd = self.weight_decay if wd is None else wd
@@ -274,22 +275,19 @@ def _check_elementwise(cls: type, kw: dict) -> None:
     halves = [h.clone() for h in whole.reshape(-1).split(6)]
     together = [h.clone() for h in halves]  # the halves as two parameters of one optimizer (apply_runs)
     gh = list(g.reshape(-1).split(6))
-    for group in ([[whole]], [[h] for h in halves], [together]):
-        grads = [g] if group[0][0] is whole else gh
-        k = 0
-        for params in group:
-            opt = cls(params, **kw)
-            gs, k = grads[k:k + len(params)], k + len(params)
-            for _ in range(2):
-                for p, gp in zip(params, gs):
-                    p.grad = gp.clone()
-                opt.step()
-            bad = [name for p in params for name, v in opt.state[p].items()
-                   if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
-            if bad:
-                raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): its state {bad[0]!r} on a (3, 4) "
-                                    "matrix is not shaped like the matrix, so it is not elementwise and cannot run on "
-                                    "flat shards.")
+    # each optimizer's parameters and their gradients: the whole matrix; each half alone; both halves in one
+    for params, gs in [([whole], [g]), *(([h], [x]) for h, x in zip(halves, gh)), (together, gh)]:
+        opt = cls(params, **kw)
+        for _ in range(2):
+            for p, gp in zip(params, gs):
+                p.grad = gp.clone()
+            opt.step()
+        bad = [name for p in params for name, v in opt.state[p].items()
+               if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
+        if bad:
+            raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): its state {bad[0]!r} on a (3, 4) "
+                                "matrix is not shaped like the matrix, so it is not elementwise and cannot run on "
+                                "flat shards.")
     if not torch.allclose(torch.cat(together), torch.cat(halves), rtol=1e-5, atol=1e-7):
         raise ArgumentError(f"fs.optim.from_torch({cls.__qualname__}): two parameters stepped by one optimizer move "
                             "differently from the same parameters stepped by one optimizer each (its update couples "
