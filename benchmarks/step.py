@@ -721,6 +721,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="GPTConfig.tiny() instead of the 27.4M default (smoke test)")
+    p.add_argument("--model", choices=sorted(MODELS), default="27m",
+                   help="the GPT: 27m (the anchor: vocab 8192, dim 512, 6 layers, 8 heads, seq 128) or 117m (dim "
+                        "1024, 8 layers, 16 heads; --memory's); --tiny overrides it")
     p.add_argument("--meta", action="store_true",
                    help="fshard's configs build the model on the meta device and fs.init materialises it unit by unit "
                         "(init_fn=gpt.init_weights, seed=--seed); the peers build it on the CPU")
@@ -752,6 +755,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+MODELS = {"27m": {}, "117m": dict(dim=1024, n_layers=8, n_heads=16)}  # GPTConfig overrides: 27.4M and 117.7M
 MEMORY_CONFIGS = "ddp,fsdp2,fshard,fshard+ahead+buckets,fshard+donate,fshard+ahead+buckets+donate"
 
 
@@ -759,8 +763,8 @@ def _model_config(args) -> GPTConfig:
     if args.tiny:
         return GPTConfig.tiny()
     if args.memory:
-        return GPTConfig(dim=1024, n_layers=8, n_heads=16)  # 117,680,128 parameters
-    return GPTConfig()
+        return GPTConfig(**MODELS["117m"])  # 117,680,128 parameters
+    return GPTConfig(**MODELS[args.model])
 
 
 def _model_name(args, cfg) -> str:

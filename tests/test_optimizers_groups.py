@@ -716,3 +716,113 @@ def test_muons_exchange_moves_exactly_each_ranks_pieces_and_changes_no_result(wo
                 assert [e[1] for e in muon][:3] == ["<root>/muon", "blocks.0/muon", "<root>/muon/back"], muon
             assert all(e[2] == ("bfloat16" if e[1].endswith("/back") else "float32") for e in muon), muon
     fs.testing.check_same_collectives([r[5][-1] for r in results])
+
+
+# --- the update's pipeline and its one check (issue #40) ---
+
+class _Phased:
+    """An optimizer whose update of unit i has ``counts[i]`` phases (pauses + 1) and logs (unit, phase) as each
+    runs; no exchange_plan (so nothing is promised)."""
+
+    collective = True
+
+    def __init__(self, counts, log):
+        self.counts, self.log = counts, log
+
+    def update_phases(self, u, rank, param, grad, state, active, donate, **kw):
+        i = int(u.name)
+        for k in range(self.counts[i]):
+            if k:
+                yield
+            self.log.append((i, k))
+        return param, state, None
+
+
+@given(st.lists(st.integers(1, 4), max_size=8))
+def test_the_update_pipeline_runs_each_units_phases_in_the_planned_order(counts):
+    """DeviceUpdate runs phased updates in ``pipeline``'s order (the order it promises exchanges in): every phase
+    once, each unit's in order, unit i's phase k in the turn of unit i + k (while there is one), the newest first."""
+    from types import SimpleNamespace as NS
+
+    from fshard.protocol._transform import DeviceUpdate, pipeline
+    log = []
+    units = [NS(name=str(i)) for i in range(len(counts))]
+    rows = NS(rows=(torch.zeros(1),))
+    step = NS(spec=NS(mesh=NS(shard_rank=0, shard_size=2), units=units, optimizer=_Phased(counts, log)), comm=None)
+    state = NS(params={u.name: torch.zeros(1) for u in units}, opt_state={u.name: rows for u in units}, copies={},
+               step=0)
+    grads = NS(shards={u.name: torch.zeros(1) for u in units}, scale=1.0)
+    params, opt_state, _, _ = DeviceUpdate()(step, state, grads, {u.name: [True] for u in units}, donate=True)
+    order = pipeline(counts)
+    assert log == order and set(params) == {u.name for u in units}
+    assert sorted(order) == [(i, k) for i, c in enumerate(counts) for k in range(c)]
+    at = {e: j for j, e in enumerate(order)}
+    for i, c in enumerate(counts):
+        for k in range(c):
+            if k:
+                assert at[(i, k - 1)] < at[(i, k)]
+            if i + k < len(counts):  # in unit i + k's turn: after its first phase, before the next unit's
+                assert at[(i + k, 0)] <= at[(i, k)] and (i + k + 1 == len(counts) or at[(i, k)] < at[(i + k + 1, 0)])
+
+
+def _promised_run(fail: bool):
+    """muon+adamw, 3 steps of the default (checked) step: the checks made per step (each entry), and with ``fail``
+    rank 1's Newton-Schulz raising mid-update in step 1 (some promised exchanges issued, some not): each rank's
+    error, then that step retried with the same state and the run finished. Returns the checks, the errors, the
+    final parameters and the losses."""
+    import fshard.dist._collectives as c
+    import fshard.optim._muon as m
+    mesh = fs.Mesh.from_env()
+    state = fs.init(_model("muon+adamw"), mesh, CASES["muon+adamw"][0]())
+    checked, real_check, ns, calls = [], c.exchange, m._newton_schulz, [0]
+
+    def check(comm, entry, failure=None):
+        checked[-1].append(entry[0])
+        return real_check(comm, entry, failure)
+
+    def flaky(*args):
+        calls[0] += 1
+        if fail and mesh.rank == 1 and calls[0] == 3:
+            raise ValueError("boom in Newton-Schulz")
+        return ns(*args)
+    c.exchange, m._newton_schulz = check, flaky
+    errors, losses = [], []
+    try:
+        with fs.compose(awkward_loss) as step:
+            batches = list(awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size))
+            for i, batch in enumerate(batches):
+                checked.append([])
+                if i == 1:
+                    calls[0] = 0
+                try:
+                    state, metrics = step(state, batch)
+                except fs.FshardError as e:
+                    errors.append((type(e).__name__, str(e)))
+                    state, metrics = step(state, batch)  # the same state: nothing was committed
+                losses.append(metrics["loss"])
+    finally:
+        c.exchange, m._newton_schulz = real_check, ns
+    return checked, errors, {k: v.flatten().tolist() for k, v in fs.full_params(state).items()}, losses  # (lists:
+    # tensors would travel back through shared memory that dies with the rank)
+
+
+def test_muons_exchanges_are_checked_once_and_a_failure_between_them_reaches_every_rank():
+    """The update's exchanges are checked across ranks in one check (``Collectives.promise``), not one each, so
+    that no rank waits at each for the others. A rank that raises between them issues the rest with zeros: the
+    other ranks finish their update, raise RankFailedError at the commit vote (none hangs), and the step retried
+    with the same state ends as a run that never failed."""
+    clean = run_ranks(_promised_run, 2, False)
+    failed = run_ranks(_promised_run, 2, True)
+    for checked, errors, _, _ in clean:
+        assert errors == [] and len(checked) == 3
+        for kinds in checked:
+            assert kinds.count("promise") == 1 and "exchange" not in kinds, kinds
+    for r, (checked, errors, params, losses) in enumerate(failed):
+        assert len(errors) == 1, errors
+        kind, text = errors[0]
+        if r == 1:
+            assert kind == "StepError" and "ValueError: boom in Newton-Schulz" in text, text
+        else:
+            assert kind == "RankFailedError" and "rank 1 failed" in text and "boom in Newton-Schulz" in text, text
+        assert losses == clean[r][3]
+        assert params == clean[r][2]

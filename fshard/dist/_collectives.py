@@ -22,6 +22,7 @@ implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import zlib
@@ -30,9 +31,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from ..errors import ArgumentError, PolicyError
 from ._bare import bare
-from ._agreement import HASH_BITS, exchange, wait_works
-from ._protocol import Collectives
+from ._agreement import HASH_BITS, describe, exchange, wait_works
+from ._protocol import Collectives, Exchange
 from ._mesh import _FASTEST_GATHER, Mesh
 
 
@@ -111,6 +113,7 @@ class Comm:
         self.impl = gather_impl(mesh)
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
+        self._promised: collections.deque = collections.deque()  # exchanges checked ahead (``promise``), in order
 
     def span(self, lane: str, label: str, t0: float, t1: float) -> None:
         """Add a span to this step's timeline, if one is being recorded."""
@@ -145,6 +148,10 @@ class Comm:
         (which it answers by aborting the process)."""
         if not force:
             self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
+        if self._promised:  # (the others are in, or on their way to, the exchanges this rank promised)
+            raise PolicyError(f"Comm: {describe(entry)} was about to be issued with {len(self._promised)} promised "
+                               f"exchanges not issued yet, the next {self._promised[0].tag!r}: whatever promised "
+                               "them (an optimizer's exchange_plan) does not match what it issued")
         if not (self.verify or force) or self.mesh.world_size == 1 or self.dry or self.closed:
             return  # (one rank, with or without a process group, has no other rank to disagree with)
         exchange(self, entry)
@@ -167,6 +174,7 @@ class Comm:
         if not (self.verify or self.vote_next) or not isinstance(error, Exception):
             return False
         try:
+            self._keep_promises()
             exchange(self, ("fail", "", "", 0), failure=error)
         except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
             return False
@@ -309,10 +317,49 @@ class Comm:
                 for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
+    def promise(self, exchanges) -> None:
+        """One check for the ``exchange`` calls about to follow (``Exchange`` tuples, in order; see
+        ``fs.protocol.Collectives.promise``): each is then issued unchecked, so that the ranks are not brought
+        together at each. Without ``verify`` nothing is checked anyway, and nothing is kept."""
+        plan = [Exchange(*e) for e in exchanges]
+        if not plan or not self.verify or self.mesh.shard_size == 1 or self.dry or self.closed:
+            return
+        if self._promised:
+            raise PolicyError(f"Comm.promise: {len(self._promised)} exchanges promised before are not issued yet")
+        self._check(("promise", f"{len(plan)} exchanges", "", zlib.crc32(repr(
+            [(e.tag, e.sizes, str(e.dtype)) for e in plan]).encode())))
+        self._promised.extend(plan)
+
+    def _promised_entry(self, tag: str, sizes: str, dtype: torch.dtype) -> bool:
+        """Is this exchange the next one promised (checked ahead)? Taken off the list if so."""
+        if not self._promised:
+            return False
+        nxt = self._promised[0]
+        if (nxt.tag, nxt.sizes, nxt.dtype) != (tag, sizes, dtype):
+            raise PolicyError(f"Comm.exchange: {tag!r} ({sizes}, {dtype}) is not the exchange promised next, "
+                               f"{nxt.tag!r} ({nxt.sizes}, {nxt.dtype}): an optimizer's exchange_plan does not "
+                               "match its update")
+        self._promised.popleft()
+        return True
+
+    def _keep_promises(self) -> None:
+        """This rank failed with promised exchanges not issued: issue each with zeros, in order, so that no other
+        rank waits in one (they finish their update on the zeros and fail at the commit vote)."""
+        g, dev = self.mesh.shard_group, self.mesh.device
+        while self._promised:
+            e = self._promised.popleft()
+            out = torch.empty(sum(e.out_splits), dtype=e.dtype, device=dev)
+            inp = torch.zeros(sum(e.in_splits), dtype=e.dtype, device=dev)
+            with bare():
+                work = dist.all_to_all_single(out, inp, list(e.out_splits), list(e.in_splits), group=g, async_op=True)
+            wait_works([work], self, lambda: f"its promised exchange {e.tag!r}")
+
     def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
         """Start an all-to-all in the shard group: piece r of ``inp`` (``in_splits``) to shard rank r, and rank r's
-        piece for this rank into piece r of ``out``; ``sizes``: the group's table. Counted: the bytes sent away."""
-        self._note("exchange", tag, inp, True, sizes, inp.nbytes - in_splits[self.mesh.shard_rank] * inp.itemsize)
+        piece for this rank into piece r of ``out``; ``sizes``: the group's table. Counted: the bytes sent away.
+        Checked before it is issued, unless ``promise`` checked it ahead."""
+        checked = self._promised_entry(tag, sizes, inp.dtype)
+        self._note("exchange", tag, inp, not checked, sizes, inp.nbytes - in_splits[self.mesh.shard_rank] * inp.itemsize)
         t0, g, works = time.perf_counter(), self.mesh.shard_group, []
         if self.mesh.shard_size == 1 and not self.dry:  # one rank: every piece is its own
             out.copy_(inp)
@@ -398,3 +445,7 @@ class CollectivesView(Collectives):
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
         self._before()
         return self._comm.replicate(t, tag, sizes)
+
+    def promise(self, exchanges) -> None:
+        self._before()
+        self._comm.promise(exchanges)

@@ -4,7 +4,7 @@ collectives do not import the stage protocols that re-export them (fshard/protoc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -57,3 +57,27 @@ class Collectives(Protocol):
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> InFlight:
         """Start the SUM all-reduce of a reduced shard over the replica group (nothing on a 1-D mesh); ``sizes``:
         the entry every rank checks where the shard ranks' sizes differ."""
+
+    def promise(self, exchanges: Sequence[Exchange]) -> None:
+        """Check, in one check, the ``exchange`` calls about to follow, in this order, with nothing else between
+        them; each is then issued without a check of its own, so that a rank does not wait at each for the others
+        to reach it. Call it only where every rank knows the whole sequence up front and issues no other collective
+        until its end (``DeviceUpdate`` does, for an optimizer with ``exchange_plan``). If this rank fails before
+        the end, its failure handler issues the rest with zeros, so that no other rank waits in one, and posts the
+        failure at their next check (the step's commit vote)."""
+
+
+class Exchange(NamedTuple):
+    """One ``Collectives.exchange`` call announced to ``Collectives.promise``: its arguments but the tensors.
+
+    Attributes:
+      tag, sizes: as ``exchange`` takes them.
+      dtype: the tensors' dtype.
+      out_splits, in_splits: as ``exchange`` takes them (elements from and to each shard rank).
+    """
+
+    tag: str
+    sizes: str
+    dtype: torch.dtype
+    out_splits: tuple
+    in_splits: tuple

@@ -13,8 +13,8 @@ may cut. So the update is collective (``collective = True``, fshard/optim/_proto
 4. each rank applies weight decay and the orthogonalised update, with torch's shape-adjusted learning rate.
 
 A matrix whole on its owner's shard stays out of both exchanges and is orthogonalised while they are in flight;
-``update_phases`` pauses once its first exchange is issued, so that the update policy starts the next unit's before
-finishing this one (design/OPTIM_GROUPS.md, "Overlap").
+``update_phases`` pauses after each exchange is issued, so that the update policy starts the next unit's work
+before it waits on this one's (design/OPTIM_GROUPS.md, "Overlap").
 
 Newton-Schulz runs in bf16 as torch's ``_zeropower_via_newtonschulz`` does (the same operations, in the same order),
 so the result equals torch.optim.Muon's on the same gradients.
@@ -239,8 +239,10 @@ class Muon:
     def update_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state: OptState,
                       active: list[bool], donate: bool, grad_scale: float = 1.0, updates: int = 0,
                       copy: torch.Tensor | None = None, comm=None):
-        """``update`` as a generator that pauses once its first exchange is in flight (the update policy then starts
-        the next unit's, so that it travels during this unit's Newton-Schulz); returns ``update``'s result."""
+        """``update`` as a generator that pauses twice: once its pieces are on their way to their owners, and once
+        the results are on their way back (the update policy meanwhile runs the next units' phases, so that the
+        exchanges travel during Newton-Schulz and no rank waits on a unit another rank is still orthogonalising);
+        returns ``update``'s result."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         rows = state.rows
         if not any(active):
@@ -264,21 +266,15 @@ class Muon:
     def step_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, rows: tuple,
                     mine: list[tuple[int, int]], grad_scale: float = 1.0, updates: int = 0,
                     copy: torch.Tensor | None = None, comm=None):
-        """``step_slots`` as a generator that pauses once, with its first exchange in flight."""
+        """``step_slots`` as a generator that pauses with each exchange in flight (``update_phases``)."""
         (buf,) = rows
         _need_comm("fs.muon", layout, comm)
         n = 1 if comm is None else comm.mesh.shard_size  # (2-D: its shard group; each replica group alike)
         me, train, ranges = rank % n, layout.trainable, layout.trainable_ranges(rank)
         lo0 = layout.shard_range(rank)[0]
         lr, mom = self.lr_at(updates), self.momentum
-        own = owners(layout, [k for k, _ in mine], n, self.matrices)
-        table = pieces(layout, [k for k, _ in mine], own, n)
-        # a matrix whole on its owner's shard stays out of the exchanges (its step overlaps them, below)
-        remote = {k for q in range(n) for o in range(n) if q != o for k, _, _ in table[q][o]}
-        local = [(k, a, e) for k, a, e in table[me][me] if k not in remote]
-        table = [[[p for p in cell if p[0] in remote] for cell in row] for row in table]
-        sizes = [[sum(e - a for _, a, e in table[q][o]) for o in range(n)] for q in range(n)]  # q sends o
-        spec, tag = "|".join("+".join(map(str, row)) for row in sizes), f"{layout.name}/muon"
+        table, local, remote, sizes, spec = self._exchanges(layout, [k for k, _ in mine], n, me)
+        tag = f"{layout.name}/muon"
         rows_of = {}  # slot -> its momentum-updated gradient over this rank's range of it, and where that starts
         for k, at in mine:  # 1. the momentum, on this rank's elements
             lo, hi = ranges[k]
@@ -316,6 +312,7 @@ class Muon:
         wd, held = self.weight_decay, [(k, *ranges[k]) for k, _ in mine if ranges[k][1] > ranges[k][0]]
         for k, lo, hi in held:  # 4. decoupled weight decay (needs no result), then the orthogonalised step
             param[lo:hi].mul_(1 - lr * wd)
+        yield  # (the results travel back while the update policy orthogonalises the next unit's matrices)
         if flight is not None:
             flight.wait()
         pos = 0
@@ -326,6 +323,34 @@ class Muon:
             param[lo:hi].add_(out[lo:hi], alpha=-self.adjusted_lr(lr, train[k].shape))
             if copy is not None:
                 copy[lo:hi].copy_(param[lo:hi])
+
+    def _exchanges(self, layout: UnitLayout, slots: list[int], n: int, me: int) -> tuple:
+        """How the matrices of ``slots`` travel over ``n`` shard ranks, seen from shard rank ``me``: ``(table,
+        local, remote, sizes, spec)``: the pieces of the matrices that cross ranks (``pieces``, those whole on their
+        owner's shard left out), the pieces of ``me``'s own matrices whole on its shard, the slots that cross,
+        ``sizes[q][o]`` the elements q sends o, and the table as the text every rank checks."""
+        table = pieces(layout, slots, owners(layout, slots, n, self.matrices), n)
+        # a matrix whole on its owner's shard stays out of the exchanges (its step overlaps them)
+        remote = {k for q in range(n) for o in range(n) if q != o for k, _, _ in table[q][o]}
+        local = [(k, a, e) for k, a, e in table[me][me] if k not in remote]
+        table = [[[p for p in cell if p[0] in remote] for cell in row] for row in table]
+        sizes = [[sum(e - a for _, a, e in table[q][o]) for o in range(n)] for q in range(n)]  # q sends o
+        return table, local, remote, sizes, "|".join("+".join(map(str, row)) for row in sizes)
+
+    def exchange_plan(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> list[list[tuple]]:
+        """The exchanges an update of the ``active`` slots over ``n`` shard ranks issues, per phase of
+        ``update_phases`` (the code run up to each pause, and after the last): each ``(tag, sizes, dtype,
+        out_splits, in_splits)`` as ``Collectives.exchange`` gets them. ``DeviceUpdate`` promises them in the order
+        its pipeline issues them: one check for all."""
+        slots = [k for k, a in enumerate(active) if a]
+        if not slots:
+            return [[]]  # (update_phases returns at once)
+        me = rank % n
+        _, _, remote, sizes, spec = self._exchanges(layout, slots, n, me)
+        if n == 1 or not remote:
+            return [[], [], []]
+        tag, into, out = f"{layout.name}/muon", tuple(r[me] for r in sizes), tuple(sizes[me])
+        return [[(tag, spec, layout.dtype, into, out)], [(f"{tag}/back", spec, torch.bfloat16, out, into)], []]
 
     def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
         """The bytes this rank's exchanges send to the others in an update of the ``active`` slots over ``n`` ranks

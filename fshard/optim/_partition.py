@@ -225,6 +225,23 @@ class Partition:
         new = state.with_rows(count, [r for label, _ in self.optimizers for r in parts[label]])
         return param, dataclasses.replace(new, extra=FrozenMap(extra)), copy
 
+    def exchange_plan(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> list[list] | None:
+        """The exchanges its optimizers' update issues, per phase of ``update_phases`` (each member's phases in
+        label order, a member's last phase running on into the next member's first); None where a collective member
+        cannot say (its collectives are then checked one by one)."""
+        phases: list[list] = [[]]
+        if not any(active):
+            return phases
+        for label, o in self.optimizers:
+            on = [a and m for a, m in zip(active, self._mask(layout, label))]
+            if getattr(o, "collective", False) and not hasattr(o, "exchange_plan"):
+                return None
+            if any(on) and hasattr(o, "step_phases"):
+                mine = o.exchange_plan(layout, rank, on, n)
+                phases[-1] += mine[0]
+                phases += mine[1:]
+        return phases
+
     def exchange_bytes(self, layout: UnitLayout, rank: int, active: list[bool], n: int) -> int:
         """The bytes its optimizers' exchanges send in an update of the ``active`` slots (``fs.muon``'s)."""
         return sum(o.exchange_bytes(layout, rank, [a and m for a, m in zip(active, self._mask(layout, label))], n)

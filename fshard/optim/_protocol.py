@@ -24,8 +24,9 @@ Optional declarations extend this for optimizers that are not elementwise or cov
   same units in the same order, so the collectives inside it match. Such an optimizer has no per-run ``apply`` a
   streaming policy could call (``streamable``): ``fs.offload_state`` updates it a whole unit at a time. It may
   have ``update_phases`` (``update``'s arguments): ``update`` as a generator that pauses with a collective in flight
-  (once for each Muon inside: ``fs.partition`` may hold several), and returns ``update``'s result (``drive`` runs one); ``DeviceUpdate`` then starts the next unit's
-  before it finishes this one (``fs.muon``, ``fs.partition``).
+  (twice for each Muon inside: ``fs.partition`` may hold several), and returns ``update``'s result (``drive`` runs
+  one); ``DeviceUpdate`` then moves the units paused before it on by one phase each time it starts one, so their
+  collectives travel during the others' work (``fs.muon``, ``fs.partition``).
 - ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
   holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
   covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's

@@ -181,30 +181,65 @@ class BlockingReduce(ReducePolicy):
         step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
 
 
+def pipeline(phases: list[int]) -> list[tuple[int, int]]:
+    """``(unit, phase)`` in the order ``DeviceUpdate`` runs the phases of phased updates, unit i having
+    ``phases[i]`` (its pauses plus one): each time a unit starts, every unit still paused, the new one included, runs
+    its next phase, the newest first; after the last unit, the same until none is left."""
+    order, pending = [], []  # (unit, its next phase), oldest first
+
+    def move_on():
+        still = []
+        for i, k in reversed(pending):
+            order.append((i, k))
+            if k + 1 < phases[i]:
+                still.append((i, k + 1))
+        return still[::-1]
+
+    for i in range(len(phases)):
+        pending.append((i, 0))
+        pending = move_on()
+    while pending:
+        pending = move_on()
+    return order
+
+
 class DeviceUpdate(UpdatePolicy):
     """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
     holds them, in the same pass). An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py) is
-    pipelined by one unit: a unit's first exchange is issued before the unit before it finishes, so that it travels
-    while that one orthogonalises (every rank in the same order: the units' order)."""
+    pipelined across units: each time a unit's update starts, every unit still paused moves on by one phase, the
+    newest first. Muon's three phases (pieces out; Newton-Schulz and results back; the step) of unit i thus run
+    beside unit i + 1's and i + 2's, so its exchanges travel during other units' Newton-Schulz, and a rank that
+    orthogonalises more of unit i than another catches up on unit i + 1 before it waits (every rank in the same
+    order, so the collectives pair). The exchanges are checked across ranks once, up front (``Collectives.promise``,
+    from the optimizer's ``exchange_plan``), not one by one: a check before each would bring the ranks together at
+    each, and the pipeline's catching up with them."""
 
     def __call__(self, step, state, grads: Grads, active, donate):
         rank, params, opt_state = step.spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
-        copies, pending = dict(state.copies), []  # (a unit whose update is paused, its phases)
+        copies, pending = dict(state.copies), []  # (a unit whose update is paused, its phases), oldest first
 
         def keep(name, result):
             params[name], opt_state[name], copy = result
             if copy is not None:
                 copies[name] = copy
 
-        def advance(phases, to_end: bool = True):  # its result, or None while it is paused
-            try:
-                next(phases)
-                while to_end:
+        def move_on(paused: list) -> list:  # every paused unit one phase on, the newest first; those still paused
+            still = []
+            for name, phases in reversed(paused):
+                try:
                     next(phases)
-            except StopIteration as stop:
-                return stop.value
-            return None
+                    still.append((name, phases))
+                except StopIteration as stop:
+                    keep(name, stop.value)
+            return still[::-1]
 
+        opt, n = step.spec.optimizer, step.spec.mesh.shard_size
+        plan = getattr(opt, "exchange_plan", None)  # (one check for the update's exchanges, not one each)
+        if plan is not None and getattr(opt, "collective", False) and hasattr(opt, "update_phases"):
+            phases = [plan(u, rank, active[u.name], n) for u in step.spec.units
+                      if u.name in opt_state and any(active[u.name])]
+            if all(p is not None for p in phases):
+                step.comm.promise([e for i, k in pipeline([len(p) for p in phases]) for e in phases[i][k]])
         for u in step.spec.units:
             if u.name in opt_state and any(active[u.name]):
                 if not all(isinstance(r, torch.Tensor) for r in opt_state[u.name].rows) or not isinstance(
@@ -212,7 +247,6 @@ class DeviceUpdate(UpdatePolicy):
                     raise ArgumentTypeError(
                         f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
                         "compose this step with the same fs.offload_state(store, ...) to update it.")
-                opt = step.spec.optimizer  # (collective: its update issues collectives, fshard/optim/_protocol.py)
                 args = (u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name],
                         active[u.name], donate)
                 kw = dict(grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name),
@@ -220,16 +254,9 @@ class DeviceUpdate(UpdatePolicy):
                 if not hasattr(opt, "update_phases"):
                     keep(u.name, opt.update(*args, **kw))
                     continue
-                phases = opt.update_phases(*args, **kw)
-                result = advance(phases, to_end=False)
-                if result is not None:
-                    keep(u.name, result)
-                    continue
-                for name, paused in pending:  # this unit's exchange in flight: the one before it ends
-                    keep(name, advance(paused))
-                pending = [(u.name, phases)]
-        for name, paused in pending:
-            keep(name, advance(paused))
+                pending = move_on(pending + [(u.name, opt.update_phases(*args, **kw))])
+        while pending:
+            pending = move_on(pending)
         return params, opt_state, {}, copies
 
     def plan(self, step, state, active, donate):
