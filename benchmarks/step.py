@@ -306,6 +306,8 @@ register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_b
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
 register("fshard+ahead+buckets+unchecked")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=False))
+register("fshard+ahead+buckets+unchecked+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), check_collectives=False, donate=True))
 def _bf16(copies=False):  # copies: persistent bf16 copies written by the update, instead of a cast per gather
     import fshard as fs
     return fs.mixed_precision(torch.bfloat16, torch.float32, param_copies=copies)

@@ -26,7 +26,10 @@ Optional declarations extend this for optimizers that are not elementwise or cov
   have ``update_phases`` (``update``'s arguments): ``update`` as a generator that pauses with a collective in flight
   (twice for each Muon inside: ``fs.partition`` may hold several), and returns ``update``'s result (``drive`` runs
   one); ``DeviceUpdate`` then moves the units paused before it on by one phase each time it starts one, so their
-  collectives travel during the others' work (``fs.muon``, ``fs.partition``).
+  collectives travel during the others' work (``fs.muon``, ``fs.partition``). With ``exchange_plan(layout, rank,
+  active, n)`` as well (the exchanges of a unit's update, per phase: ``(tag, sizes, dtype, out_splits, in_splits)``
+  as ``Collectives.exchange`` gets them; None: cannot say), the update's exchanges are checked across ranks in one
+  check instead of one each (``Collectives.promise``), so that the ranks are not brought together at each.
 - ``covers(layout, i) -> tuple[bool, ...] | None``: which trainable slots of ``layout`` row ``i`` (of ``rows``)
   holds state for (None, or no method: all of them). A row is then *compact*: the trainable ranges of the slots it
   covers, back to back in slot order (``row_ranges``), so a parameter of a partition holds only its own optimizer's
