@@ -13,7 +13,8 @@ descriptors (what each rank was about to do, or the error it raised) lets each r
 rank's side: ``RankDivergenceError`` (different collectives) or ``RankFailedError`` (another rank raised). A rank
 that raises mid-step completes what it has in flight and posts ``failed`` at the others' next check
 (``Comm.fail``); since the others only issue a collective after a check that every rank joined, nothing is left
-waiting. The step ends with such a check (the commit vote), so a step returns a new state on every rank or raises
+waiting (exchanges checked ahead, all at once, are issued with zeros by a rank that fails before them:
+fshard/dist/_promises.py). The step ends with such a check (the commit vote), so a step returns a new state on every rank or raises
 on every rank.
 
 A collective that fails in the transport (a timeout while a rank is hung, a connection closed by a dead rank)
@@ -60,6 +61,8 @@ def all_equal(n: int, sums: list[float], sq_sums: list[float]) -> list[bool]:
 
 def describe(entry: tuple) -> str:
     kind, tag, dtype, numel = entry
+    if kind == "promise":  # (Collectives.promise: numel is the checksum of the exchanges' table)
+        return f"check of the next {tag} at once (checksum {numel})"
     return f"{kind} of {tag!r} ({numel} x {dtype})" if kind != "vote" else f"{tag} vote at the end of the step"
 
 

@@ -2,7 +2,8 @@
 
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
-``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py), (b) seconds spent
+``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py; a sequence of exchanges
+may be checked at once, ahead: ``promise``, fshard/dist/_promises.py), (b) seconds spent
 per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
 optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
@@ -22,7 +23,6 @@ implementation is an exact copy of each rank's shard.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 import zlib
@@ -31,10 +31,11 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from ..errors import ArgumentError, PolicyError
+from ..errors import ArgumentError
 from ._bare import bare
 from ._agreement import HASH_BITS, describe, exchange, wait_works
-from ._protocol import Collectives, Exchange
+from ._promises import Promises
+from ._protocol import Exchange
 from ._mesh import _FASTEST_GATHER, Mesh
 
 
@@ -113,7 +114,7 @@ class Comm:
         self.impl = gather_impl(mesh)
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
-        self._promised: collections.deque = collections.deque()  # exchanges checked ahead (``promise``), in order
+        self._promised = Promises()  # the exchanges checked ahead (``promise``), not issued yet
 
     def span(self, lane: str, label: str, t0: float, t1: float) -> None:
         """Add a span to this step's timeline, if one is being recorded."""
@@ -148,10 +149,7 @@ class Comm:
         (which it answers by aborting the process)."""
         if not force:
             self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
-        if self._promised:  # (the others are in, or on their way to, the exchanges this rank promised)
-            raise PolicyError(f"Comm: {describe(entry)} was about to be issued with {len(self._promised)} promised "
-                               f"exchanges not issued yet, the next {self._promised[0].tag!r}: whatever promised "
-                               "them (an optimizer's exchange_plan) does not match what it issued")
+        self._promised.refuse(describe(entry))  # (the others are in, or on their way to, what was promised)
         if not (self.verify or force) or self.mesh.world_size == 1 or self.dry or self.closed:
             return  # (one rank, with or without a process group, has no other rank to disagree with)
         exchange(self, entry)
@@ -163,8 +161,9 @@ class Comm:
 
     def fail(self, error: BaseException) -> bool:
         """This rank raised ``error`` mid-step: complete what is in flight, then post the failure at the other
-        ranks' next check, where each raises ``RankFailedError`` naming this rank's error. Only where every
-        collective is checked (otherwise the others may be waiting in a collective this rank never issues: they
+        ranks' next check, where each raises ``RankFailedError`` naming this rank's error (exchanges promised and not
+        issued yet are first issued with zeros, so that no rank waits in one). Only where every collective is
+        checked, or checked ahead (otherwise the others may be waiting in a collective this rank never issues: they
         time out with a ``CollectiveError``); not for KeyboardInterrupt or SystemExit (every rank gets its own
         Ctrl-C; an exiting rank is a dead one to the others), nor when the ranks already know (``closed``).
         Returns whether the other ranks know (posted, or known before), for the failing rank's message."""
@@ -174,7 +173,7 @@ class Comm:
         if not (self.verify or self.vote_next) or not isinstance(error, Exception):
             return False
         try:
-            self._keep_promises()
+            self._promised.keep(self)
             exchange(self, ("fail", "", "", 0), failure=error)
         except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
             return False
@@ -320,52 +319,30 @@ class Comm:
     def promise(self, exchanges) -> None:
         """One check for the ``exchange`` calls about to follow (``Exchange`` tuples, in order; see
         ``fs.protocol.Collectives.promise``): each is then issued unchecked, so that the ranks are not brought
-        together at each. Without ``verify`` nothing is checked anyway, and nothing is kept."""
-        plan = [Exchange(*e) for e in exchanges]
+        together at each (fshard/dist/_promises.py). Without ``verify`` nothing is checked anyway, and nothing is
+        kept."""
+        plan = [Exchange(e[0], e[1], e[2], tuple(e[3]), tuple(e[4])) for e in exchanges]
         if not plan or not self.verify or self.mesh.shard_size == 1 or self.dry or self.closed:
             return
-        if self._promised:
-            raise PolicyError(f"Comm.promise: {len(self._promised)} exchanges promised before are not issued yet")
-        self._check(("promise", f"{len(plan)} exchanges", "", zlib.crc32(repr(
-            [(e.tag, e.sizes, str(e.dtype)) for e in plan]).encode())))
-        self._promised.extend(plan)
-
-    def _promised_entry(self, tag: str, sizes: str, dtype: torch.dtype) -> bool:
-        """Is this exchange the next one promised (checked ahead)? Taken off the list if so."""
-        if not self._promised:
-            return False
-        nxt = self._promised[0]
-        if (nxt.tag, nxt.sizes, nxt.dtype) != (tag, sizes, dtype):
-            raise PolicyError(f"Comm.exchange: {tag!r} ({sizes}, {dtype}) is not the exchange promised next, "
-                               f"{nxt.tag!r} ({nxt.sizes}, {nxt.dtype}): an optimizer's exchange_plan does not "
-                               "match its update")
-        self._promised.popleft()
-        return True
-
-    def _keep_promises(self) -> None:
-        """This rank failed with promised exchanges not issued: issue each with zeros, in order, so that no other
-        rank waits in one (they finish their update on the zeros and fail at the commit vote)."""
-        g, dev = self.mesh.shard_group, self.mesh.device
-        while self._promised:
-            e = self._promised.popleft()
-            out = torch.empty(sum(e.out_splits), dtype=e.dtype, device=dev)
-            inp = torch.zeros(sum(e.in_splits), dtype=e.dtype, device=dev)
-            with bare():
-                work = dist.all_to_all_single(out, inp, list(e.out_splits), list(e.in_splits), group=g, async_op=True)
-            wait_works([work], self, lambda: f"its promised exchange {e.tag!r}")
+        self._promised.refuse(describe(self._promised.entry(plan)))
+        self._check(self._promised.entry(plan))
+        self._promised.add(plan)
 
     def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
         """Start an all-to-all in the shard group: piece r of ``inp`` (``in_splits``) to shard rank r, and rank r's
         piece for this rank into piece r of ``out``; ``sizes``: the group's table. Counted: the bytes sent away.
         Checked before it is issued, unless ``promise`` checked it ahead."""
-        checked = self._promised_entry(tag, sizes, inp.dtype)
-        self._note("exchange", tag, inp, not checked, sizes, inp.nbytes - in_splits[self.mesh.shard_rank] * inp.itemsize)
+        promised = self._promised.is_next(tag, sizes, inp.dtype, out_splits, in_splits)
+        sent = inp.nbytes - in_splits[self.mesh.shard_rank] * inp.itemsize
+        self._note("exchange", tag, inp, not promised, sizes, sent)
         t0, g, works = time.perf_counter(), self.mesh.shard_group, []
         if self.mesh.shard_size == 1 and not self.dry:  # one rank: every piece is its own
             out.copy_(inp)
         elif not self.dry:
             with bare():
                 works = [dist.all_to_all_single(out, inp, out_splits, in_splits, group=g, async_op=True)]
+        if promised:
+            self._promised.issued()
         return self._flight(works, t0, "exchange", tag)
 
     def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
@@ -415,37 +392,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same memory, element for element (so a copy between them is a no-op)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.device == b.device)
-
-
-class CollectivesView(Collectives):
-    """What policies get of a step's ``Comm`` (``fs.protocol.Collectives``): the mesh and the collectives a policy may
-    issue. The rest of ``Comm`` (gathers, timing, draining) belongs to the step. ``before()`` runs before each
-    collective (the step's: issue the gathers launched so far, so that every rank issues its collectives in one order,
-    fshard/run/_read_ahead.py)."""
-
-    def __init__(self, comm: Comm, before=None):
-        self._comm, self.mesh, self._before = comm, comm.mesh, before or (lambda: None)
-
-    def all_reduce(self, t: torch.Tensor, tag: str, over: str = "world") -> torch.Tensor:
-        self._before()
-        return self._comm.all_reduce(t, tag, over=over)
-
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
-        self._before()
-        return self._comm.reduce_scatter(out, full, tag)
-
-    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
-        self._before()
-        return self._comm.reduce_each(sections, tag)
-
-    def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
-        self._before()
-        return self._comm.exchange(out, inp, out_splits, in_splits, tag, sizes)
-
-    def replicate(self, t: torch.Tensor, tag: str, sizes: str | None = None) -> Flight:
-        self._before()
-        return self._comm.replicate(t, tag, sizes)
-
-    def promise(self, exchanges) -> None:
-        self._before()
-        self._comm.promise(exchanges)

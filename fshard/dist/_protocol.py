@@ -1,6 +1,7 @@
-"""What a policy receives of the step's collectives (``fs.protocol.Collectives``, ``fs.protocol.InFlight``): declared
-here, beside their implementation (``Comm`` and ``CollectivesView`` in fshard/dist/_collectives.py), so that the
-collectives do not import the stage protocols that re-export them (fshard/protocol/_stages.py)."""
+"""What a policy receives of the step's collectives (``fs.protocol.Collectives``, ``fs.protocol.InFlight``,
+``fs.protocol.Exchange``): declared here, beside their implementation (``Comm`` in fshard/dist/_collectives.py,
+``CollectivesView`` in _view.py), so that the collectives do not import the stage protocols that re-export them
+(fshard/protocol/_stages.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

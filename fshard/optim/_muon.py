@@ -13,8 +13,8 @@ may cut. So the update is collective (``collective = True``, fshard/optim/_proto
 4. each rank applies weight decay and the orthogonalised update, with torch's shape-adjusted learning rate.
 
 A matrix whole on its owner's shard stays out of both exchanges and is orthogonalised while they are in flight;
-``update_phases`` pauses after each exchange is issued, so that the update policy starts the next unit's work
-before it waits on this one's (design/OPTIM_GROUPS.md, "Overlap").
+``update_phases`` pauses twice, where each exchange is issued (whether or not the unit has one), so that the update
+policy runs the next units' work before it waits on this one's (design/OPTIM_GROUPS.md, "Overlap").
 
 Newton-Schulz runs in bf16 as torch's ``_zeropower_via_newtonschulz`` does (the same operations, in the same order),
 so the result equals torch.optim.Muon's on the same gradients.

@@ -186,8 +186,8 @@ class Partition:
     def update_phases(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor,
                       state: PartitionState, active: list[bool], donate: bool, grad_scale: float = 1.0,
                       updates: int = 0, copy: torch.Tensor | None = None, comm=None):
-        """``update`` as a generator that pauses where a member's ``step_phases`` does (``fs.muon``'s exchange in
-        flight: the update policy starts the next unit's there); returns ``update``'s result."""
+        """``update`` as a generator that pauses where a member's ``step_phases`` does (``fs.muon``'s two
+        exchanges in flight: the update policy runs the other units' phases there); returns ``update``'s result."""
         count = state.count + torch.tensor(active, dtype=torch.int64)
         if not any(active):
             return param, state.with_rows(count, state.rows), copy
@@ -238,6 +238,8 @@ class Partition:
                 return None
             if any(on) and hasattr(o, "step_phases"):
                 mine = o.exchange_plan(layout, rank, on, n)
+                if mine is None:
+                    return None
                 phases[-1] += mine[0]
                 phases += mine[1:]
         return phases

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from ..protocol._stages import StepView
-from ..dist._collectives import CollectivesView
+from ..dist._view import CollectivesView
 from ..errors import PolicyError, TemplateCallError
 from ._read_ahead import Launches
 from ._recompute import produced, through

@@ -30,7 +30,8 @@ import torch
 from ..transforms._accumulate import Accumulator
 from ..protocol._stages import Grads, UpdatePolicy
 from ..dist._agreement import CHECKED, agree
-from ..dist._collectives import Comm, CollectivesView
+from ..dist._collectives import Comm
+from ..dist._view import CollectivesView
 from ._eval import train_mode
 from ..transforms._gather_ahead import GatherOrder
 from ..state._flat import ROOT
