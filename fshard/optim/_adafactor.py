@@ -32,7 +32,7 @@ from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
 from ._muon import _need_comm, schedule_lr
-from ._protocol import Row
+from ._protocol import Row, counted
 
 
 @register_node
@@ -143,7 +143,7 @@ class Adafactor:
                copy: torch.Tensor | None = None, comm=None):
         """One Adafactor step on this rank's shard (see the module docstring); ``comm``: the step's collectives
         (None at world size 1). Returns the new parameter shard, state and copy."""
-        count = state.count + torch.tensor(active, dtype=torch.int64)
+        count = counted(state.count, active)
         if not any(active):
             return param, AdafactorState(count, state.variance, state.factors), copy
         variance, factors = state.variance, state.factors

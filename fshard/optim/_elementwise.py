@@ -24,7 +24,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
-from ._protocol import OptState, Row, apply_runs, initial_rows
+from ._protocol import OptState, Row, apply_runs, counted, initial_rows
 
 _UNSHARED = ("lr", "weight_decay_mask", "decay")  # fields that are not part of the static fingerprint as they are
 
@@ -164,7 +164,7 @@ class Elementwise:
         that one update touches: the ranges of the parameters that got a gradient, adjacent ones with the same count
         and decay merged (a decay mask splits runs, not passes: each run is one kernel call). ``updates``: the
         updates applied so far (``state.step``), which a learning-rate schedule reads."""
-        count = count + torch.tensor(active, dtype=torch.int64)
+        count = counted(count, active)
         lr = self.lr_at(updates)
         runs = segments(layout.trainable_ranges(rank), active, count.tolist(), self.decays(layout))
         return count, [(lo, hi, c, lr, wd) for lo, hi, c, wd in runs]
@@ -185,8 +185,9 @@ class Elementwise:
         if not donate:  # purity: the input state stays valid, so the update writes into copies
             param, rows = param.clone(), tuple(r.clone() for r in rows)
             copy = None if copy is None else copy.clone()
-        apply_runs(self, [(param[lo:hi], grad[lo:hi], tuple(r[lo:hi] for r in rows), step, grad_scale, lr, wd,
-                           None if copy is None else copy[lo:hi]) for lo, hi, step, lr, wd in runs])
+        apply_runs(self, [(_run(param, lo, hi), _run(grad, lo, hi), tuple(_run(r, lo, hi) for r in rows), step,
+                           grad_scale, lr, wd, None if copy is None else _run(copy, lo, hi))
+                          for lo, hi, step, lr, wd in runs])
         return param, state.with_rows(count, rows), copy
 
     def apply(self, p, g, *rows_step_scale, lr: float | None = None, weight_decay: float | None = None,
@@ -240,6 +241,12 @@ def resolve_single_tensor(opt, device: torch.device, dtype: torch.dtype) -> str:
 def check_single_tensor_impl(opt) -> None:
     if opt.impl not in SINGLE_TENSOR_IMPLS:
         raise ArgumentError(f"{opt.label}(impl={opt.impl!r}) is not one of {SINGLE_TENSOR_IMPLS}.")
+
+
+def _run(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flat ``t``: ``t`` itself where that is all of it (no view made: between kernels
+    that leave the caches cold each tensor op costs tens of microseconds, benchmarks/RESULTS.md "Optimizers")."""
+    return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
 
 
 def native_fits(opt, impl: str, *tensors) -> bool:

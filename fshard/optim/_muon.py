@@ -34,7 +34,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
-from ._protocol import OptState, Row, drive
+from ._protocol import OptState, Row, counted, drive
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim._muon's DEFAULT_A, _B, _C (Keller Jordan's)
 _ADJUST = (None, "original", "match_rms_adamw")
@@ -243,7 +243,7 @@ class Muon:
         the results are on their way back (the update policy meanwhile runs the next units' phases, so that the
         exchanges travel during Newton-Schulz and no rank waits on a unit another rank is still orthogonalising);
         returns ``update``'s result."""
-        count = state.count + torch.tensor(active, dtype=torch.int64)
+        count = counted(state.count, active)
         rows = state.rows
         if not any(active):
             return param, state.with_rows(count, rows), copy

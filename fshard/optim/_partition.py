@@ -27,7 +27,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
-from ._protocol import Row, apply_runs, drive
+from ._protocol import Row, apply_runs, counted, drive
 
 
 @register_node
@@ -188,7 +188,7 @@ class Partition:
                       updates: int = 0, copy: torch.Tensor | None = None, comm=None):
         """``update`` as a generator that pauses where a member's ``step_phases`` does (``fs.muon``'s two
         exchanges in flight: the update policy runs the other units' phases there); returns ``update``'s result."""
-        count = state.count + torch.tensor(active, dtype=torch.int64)
+        count = counted(state.count, active)
         if not any(active):
             return param, state.with_rows(count, state.rows), copy
         if not donate:

@@ -266,6 +266,13 @@ def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dty
             for i, r in enumerate(opt.rows)]
 
 
+def counted(count: torch.Tensor, active: Sequence[bool]) -> torch.Tensor:
+    """The step counts after an update of the ``active`` slots: ``count`` plus one where active (a new tensor). One
+    tensor op where every slot is active, the usual case (an update runs between kernels that leave the caches
+    cold, where each op costs tens of microseconds: benchmarks/RESULTS.md, "Optimizers")."""
+    return count + 1 if all(active) else count + torch.tensor(active, dtype=torch.int64)
+
+
 def drive(phases):
     """Run a phased update (a generator: ``update_phases``, ``step_phases``) to its end; returns its result."""
     try:

@@ -5,6 +5,7 @@ any communication (fs.testing).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -54,8 +55,8 @@ class UnitLayout:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    @property
-    def trainable(self) -> tuple[ParamSlot, ...]:
+    @functools.cached_property  # (a layout is frozen; the update asks for these once a unit a step, between kernels
+    def trainable(self) -> tuple[ParamSlot, ...]:  # that leave Python's data cold: kept, not recomputed)
         return tuple(s for s in self.slots if s.requires_grad)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -69,11 +70,15 @@ class UnitLayout:
 
     def trainable_ranges(self, rank: int) -> list[tuple[int, int]]:
         """For each trainable slot, the shard-local range it owns: from its start to the next slot's start, so
-        the padding after a parameter travels with it (padding stays zero under AdamW)."""
-        lo, hi = self.shard_range(rank)
-        train = self.trainable
-        ends = [s.offset for s in train[1:]] + [self.trainable_numel]
-        return [(min(max(s.offset, lo), hi) - lo, min(max(e, lo), hi) - lo) for s, e in zip(train, ends)]
+        the padding after a parameter travels with it (padding stays zero under AdamW). A new list each call, made
+        from one kept per rank."""
+        kept = self.__dict__.setdefault("_ranges", {})  # (as ``trainable``: computed once per rank)
+        if rank not in kept:
+            lo, hi = self.shard_range(rank)
+            train = self.trainable
+            ends = [s.offset for s in train[1:]] + [self.trainable_numel]
+            kept[rank] = tuple((min(max(s.offset, lo), hi) - lo, min(max(e, lo), hi) - lo) for s, e in zip(train, ends))
+        return list(kept[rank])
 
     def split_sizes(self) -> list[int]:
         """Sizes that ``torch.split`` cuts the flat buffer into: param, gap, param, gap, ..., tail."""
