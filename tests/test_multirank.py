@@ -145,3 +145,35 @@ def test_a_dead_rank_makes_the_others_fail_instead_of_hanging():
     assert outcome[1] == ("died", 3)
     status, text = outcome[0]
     assert status == "error", outcome[0]  # an exception (connection closed or timeout), not a hang
+
+
+# --- checks in a group of their own (issue #42) ---
+
+def _check_beside_a_collective_in_flight():
+    """Rank 1 starts a broadcast on the mesh's group that rank 0 only joins after a check: the check must not wait
+    behind it (gloo runs one group's collectives in order; with the check in the same group this deadlocks until the
+    collective timeout). Returns the groups' ranks and the broadcast's data."""
+    import torch.distributed as dist
+
+    import fshard as fs
+    from fshard.dist._agreement import exchange
+    from fshard.dist._collectives import Comm
+    mesh = fs.Mesh.from_env()
+    comm = Comm(mesh, verify=True)
+    t = torch.full((1 << 20,), float(mesh.rank))
+    work = dist.broadcast(t, src=0, group=mesh.group, async_op=True) if mesh.rank == 1 else None
+    exchange(comm, ("all_gather", "probe", "float32", 1))  # the check before a collective
+    if mesh.rank == 0:
+        work = dist.broadcast(t, src=0, group=mesh.group, async_op=True)
+    work.wait()
+    return (mesh.control_group is not mesh.group, dist.get_process_group_ranks(mesh.control_group),
+            float(t.sum()))
+
+
+def test_a_check_does_not_wait_behind_a_collective_in_flight():
+    """On gloo the checks (and the step's small control all-reduces) run in a process group of their own over the
+    same ranks, so that one issued behind a gather still in flight does not wait for it (design/ARCHITECTURE.md,
+    "Checks in a group of their own")."""
+    results = run_ranks(_check_beside_a_collective_in_flight, 2, timeout_s=90, collective_timeout_s=20)
+    for own, ranks, total in results:
+        assert own and ranks == [0, 1] and total == 0.0, (own, ranks, total)

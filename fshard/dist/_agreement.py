@@ -75,7 +75,7 @@ def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
     comm.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
     mesh.runtime.checks += 1
     with bare():
-        work = dist.all_reduce(buf, group=mesh.group, async_op=True)
+        work = dist.all_reduce(buf, group=mesh.control_group, async_op=True)  # (not queued behind a gather)
     wait_works([work], comm, lambda: f"the check before its {describe(entry)}")
     mesh.hold(buf)  # the last check before the process exits may be this one (Mesh.hold)
     s, q, failed = buf.tolist()
@@ -111,7 +111,7 @@ def _descriptors(comm, mine: str) -> list[str]:
     t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
     out = [torch.empty_like(t) for _ in range(mesh.world_size)]
     with bare():
-        work = dist.all_gather(out, t, group=mesh.group, async_op=True)
+        work = dist.all_gather(out, t, group=mesh.control_group, async_op=True)
     wait_works([work], comm, lambda: "the exchange of what each rank did")
     mesh.hold(t, *out)  # a script that catches the error may exit right after (Mesh.hold)
     return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]

@@ -373,7 +373,7 @@ class Comm:
         t0 = time.perf_counter()
         if over not in ("world", "shard"):
             raise ArgumentError(f"Comm.all_reduce(over={over!r}): over is 'world' or 'shard'.")
-        g, n = (self.mesh.group, self.mesh.world_size) if over == "world" else \
+        g, n = (self.mesh.control_group, self.mesh.world_size) if over == "world" else \
             (self.mesh.shard_group, self.mesh.shard_size)
         if g is not None and n > 1:  # (the sum over one rank is its own value)
             self.bytes["control"] += t.nbytes

@@ -65,6 +65,7 @@ class _PlanMesh:
     shard_size: int = 0  # the real mesh's shape (2-D: its groups stand-ins too)
     shard_group: object = None
     replica_group: object = None
+    control_group: object = None
 
     shard_rank = property(lambda self: self.rank % self.shard_size)
     replicas = property(lambda self: self.world_size // self.shard_size)
@@ -76,7 +77,8 @@ def _dry_comm(mesh, device: str) -> Comm:
         return "simulated" if g is not None else None
     return Comm(_PlanMesh(mesh.rank, mesh.world_size, mesh.backend, torch.device(device), stand_in(mesh.group),
                           shard_size=mesh.shard_size, shard_group=stand_in(mesh.shard_group),
-                          replica_group=stand_in(mesh.replica_group)), dry=True)
+                          replica_group=stand_in(mesh.replica_group),
+                          control_group=stand_in(mesh.control_group)), dry=True)
 
 
 def _copy(policy):
