@@ -163,7 +163,8 @@ class Mesh:
         groups of that many consecutive ranks and replicate it over the groups (HSDP; the module docstring). By
         default (``default_shard_size``) one node under torchrun on several nodes (torchrun numbers a node's ranks
         consecutively), else every rank; ``shard_size=world_size`` shards over every rank on any number of nodes.
-        Collective when the mesh is 2-D: every rank makes the groups, in the same order.
+        Collective on gloo (the checks' group: ``_control``) and when the mesh is 2-D: every rank makes the groups,
+        in the same order.
         """
         timeout = timedelta(seconds=_timeout(timeout_s))
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -191,8 +192,8 @@ class Mesh:
     @classmethod
     def from_group(cls, group, shard_size: int | None = None) -> "Mesh":
         """A mesh over an existing process group (e.g. one made with torch.distributed.new_group); ``shard_size``
-        as in ``from_env`` (collective when given: every rank of ``group`` calls it), but every rank of the group by
-        default: which of its ranks share a node is not known."""
+        as in ``from_env`` (collective on gloo, and when given: every rank of ``group`` calls it), but every rank of
+        the group by default: which of its ranks share a node is not known."""
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
         world, timeout = dist.get_world_size(group), timedelta(seconds=_timeout())
