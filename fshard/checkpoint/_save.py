@@ -53,24 +53,38 @@ def _layout_of(state: TrainState) -> dict:
             "dtypes": {u.name: str(u.dtype) for u in state.spec.units}}
 
 
-def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, window: _Chunks):
-    """The DCP state dict of a state's tensors (``params``/``opt_state`` may be new tensors to load into); moments
-    in a store become boxes of its chunk items, read (save) or filled (load) through ``window``."""
-    spec, rank = state.spec, state.spec.mesh.shard_rank  # (2-D: replicas write the same boxes; DCP keeps one)
-    template = spec.template
+def template_keys(template: torch.nn.Module) -> tuple[tuple[str, str, str], ...]:
+    """``(state_dict key, "param" or "buffer", the canonical name)`` of each tensor of the model's state dict (a
+    tied or shared tensor's first name, as the state's slots and buffers are named). Read from the template module,
+    so only where no step is running: a step rebinds the template's parameters while it runs (functional_call), and
+    a background save reading them then saw untied names (a KeyError, 1 run in many)."""
     canonical = {id(p): n for n, p in template.named_parameters()}
     buffer_of = {id(b): n for n, b in template.named_buffers()}  # a shared buffer's first name, as state.buffers
-    slot = {s.name: (u, s) for u in spec.units for s in u.slots}
-    model, persistent = {}, set()
+    out = []
     for key, t in template.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor) and id(t) in canonical:
-            u, s = slot[canonical[id(t)]]
+            out.append((key, "param", canonical[id(t)]))
+        elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
+            out.append((key, "buffer", buffer_of[id(t)]))
+    return tuple(out)
+
+
+def _entries(state: TrainState, params, opt_state, buffers, for_load: bool, window: _Chunks, keys=None):
+    """The DCP state dict of a state's tensors (``params``/``opt_state`` may be new tensors to load into); moments
+    in a store become boxes of its chunk items, read (save) or filled (load) through ``window``. ``keys``: the
+    template's (``template_keys``), read by the caller before a save goes to the background."""
+    spec, rank = state.spec, state.spec.mesh.shard_rank  # (2-D: replicas write the same boxes; DCP keeps one)
+    slot = {s.name: (u, s) for u in spec.units for s in u.slots}
+    model, persistent = {}, set()
+    for key, kind, name in (template_keys(spec.template) if keys is None else keys):
+        if kind == "param":
+            u, s = slot[name]
             p = params[u.name]
             model[key] = (slot_boxes(u, s, rank, p.dtype, flat=p) if in_store(p) is None else
                           slot_boxes(u, s, rank, p.dtype, stored=_param_items(p, s, window, spec, u)))
-        elif isinstance(t, torch.Tensor) and id(t) in buffer_of:
-            persistent.add(buffer_of[id(t)])
-            model[key] = buffers[buffer_of[id(t)]]
+        else:
+            persistent.add(name)
+            model[key] = buffers[name]
     optim, opt = {}, spec.optimizer
     names = row_names(opt)  # the rows it declares, saved under their names (fshard/optim/_protocol.py)
     for order, u in enumerate(spec.units):
@@ -162,13 +176,14 @@ def save(path, state: TrainState, *, keep_last: int | None = None, blocking: boo
     path = call.run("its arguments", lambda: _target(given, state, keep_last, blocking),
                     same=lambda p: (str(p), keep_last, blocking),
                     differ="Every rank must pass the same path, keep_last and blocking.")
+    keys = template_keys(state.spec.template)  # (here, between steps: not in the background, beside one)
     if blocking:
-        return _write(path, state, mesh, keep_last, str(Path(given)))
+        return _write(path, state, mesh, keep_last, str(Path(given)), keys)
     background = mesh.background()  # the mesh's worker: the save's collectives never interleave with the step's
     group = background.group
     on = mesh if group is None else Mesh(mesh.rank, mesh.world_size, "gloo", torch.device("cpu"), group, mesh.timeout)
-    handle = SaveHandle(str(Path(given)), background.submit(_write, path, state, on, keep_last, str(Path(given))),
-                        state.donation)
+    handle = SaveHandle(str(Path(given)), background.submit(_write, path, state, on, keep_last, str(Path(given)),
+                                                            keys), state.donation)
     state.donation.saves.append(handle)
     return handle
 
@@ -191,7 +206,7 @@ def _target(path, state: TrainState, keep_last, blocking) -> Path:
     return path
 
 
-def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> str:
+def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str, keys: tuple) -> str:
     """The save proper, in phases that every rank ends at the same check (fshard/dist/_call.py): the ``.partial``
     made, DCP's write, the files' checksums, rank 0's commit. Any failure removes the ``.partial`` (rank 0), before
     any rank returns where the ranks can still agree."""
@@ -203,7 +218,8 @@ def _write(path: Path, state: TrainState, mesh: Mesh, keep_last, shown: str) -> 
         call.run(f"making {tmp}", (lambda: mine.__setitem__(0, start(tmp))) if rank == 0 else None)
         mine[0] = call.run(f"reading {tmp}'s marker", lambda: token(tmp), same=lambda t: t, differ=shared)
         sd = call.run("building the state dict", lambda: _entries(state, state.params, state.opt_state,
-                                                                  state.buffers, for_load=False, window=_Chunks()))
+                                                                  state.buffers, for_load=False, window=_Chunks(),
+                                                                  keys=keys))
         call.run(f"writing {tmp}", lambda: _dcp(call, f"writing {tmp}", f"{path} is unchanged", dcp.save, sd,
                                                 storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                                                 planner=_SavePlanner()))
