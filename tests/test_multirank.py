@@ -177,3 +177,48 @@ def test_a_check_does_not_wait_behind_a_collective_in_flight():
     results = run_ranks(_check_beside_a_collective_in_flight, 2, timeout_s=90, collective_timeout_s=20)
     for own, ranks, total in results:
         assert own and ranks == [0, 1] and total == 0.0, (own, ranks, total)
+
+
+def _mesh_after_a_subgroup():
+    """Every rank makes a subgroup of ranks 0 and 1 (as a job may, before fshard), then the mesh."""
+    import torch.distributed as dist
+
+    import fshard as fs
+    dist.init_process_group("gloo")
+    dist.new_group([0, 1])
+    mesh = fs.Mesh.from_env()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.control_group)
+    return float(t)
+
+
+def _save_beside_a_step(path):
+    """Rank 0 saves while rank 1 steps: the two meet at their checks (one group) and both raise at once."""
+    import time
+
+    import fshard as fs
+    from models import Awkward, awkward_batches, awkward_loss
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    state = fs.init(Awkward(), mesh, fs.adamw())
+    batch = next(iter(awkward_batches(2, 1, rank=mesh.rank, world_size=mesh.world_size)))
+    t0 = time.monotonic()
+    try:
+        with fs.compose(awkward_loss) as step:
+            fs.save(path, state) if mesh.rank == 0 else step(state, batch)
+    except fs.FshardError as e:
+        return type(e).__name__, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_the_checks_group_is_made_alike_after_subgroups_and_shared_by_saves():
+    """The control group is named by torch's job-wide count, so a mesh made after a subgroup that only some ranks
+    belong to does not wait forever for its group (a hash of members and each process's groups differed); and
+    fs.save's checks run in it too, so a rank that saves while another steps raises at once on both, not at the
+    timeout."""
+    import tempfile
+    assert run_ranks(_mesh_after_a_subgroup, 3, timeout_s=90, collective_timeout_s=20) == [3.0, 3.0, 3.0]
+    with tempfile.TemporaryDirectory() as d:
+        for kind, seconds in run_ranks(_save_beside_a_step, 2, os.path.join(d, "c"), timeout_s=90,
+                                       collective_timeout_s=30):
+            assert kind == "RankDivergenceError" and seconds < 20, (kind, seconds)

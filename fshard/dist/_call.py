@@ -56,7 +56,7 @@ class Call:
             return t
         d = t.to(self.mesh.device)
         with bare():
-            work = dist.all_reduce(d, group=self.mesh.group, async_op=True)
+            work = dist.all_reduce(d, group=self.mesh.control_group, async_op=True)
         wait_works([work], self.comm, lambda: what)
         return d.cpu()
 
@@ -68,7 +68,8 @@ class Call:
         buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
         mesh.runtime.checks += 1  # (the same count on every rank: explain() keys its reports by it)
         with bare():
-            work = dist.all_reduce(buf, group=mesh.group, async_op=True)
+            work = dist.all_reduce(buf, group=mesh.control_group, async_op=True)  # (the step's checks' group: a
+            # rank saving and one stepping meet at their checks and raise, instead of waiting for the timeout)
         wait_works([work], self.comm, lambda: f"the other ranks at {what}")
         mesh.hold(buf)  # a script may exit right after a save, a load or their failure (Mesh.hold)
         s, q, failed = buf.tolist()

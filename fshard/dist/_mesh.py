@@ -187,19 +187,19 @@ class Mesh:
             shard_size = default_shard_size(world, os.environ.get("LOCAL_WORLD_SIZE"))
         return cls(rank, world, backend, device, dist.group.WORLD, timeout,
                    **_split(dist.group.WORLD, world, _check_shard_size(shard_size, world), timeout),
-                   control_group=_control(dist.group.WORLD, backend, world, timeout))
+                   control_group=_control(backend, world, timeout))
 
     @classmethod
     def from_group(cls, group, shard_size: int | None = None) -> "Mesh":
         """A mesh over an existing process group (e.g. one made with torch.distributed.new_group); ``shard_size``
-        as in ``from_env`` (collective on gloo, and when given: every rank of ``group`` calls it), but every rank of
-        the group by default: which of its ranks share a node is not known."""
+        as in ``from_env`` (collective when given: every rank of ``group`` calls it), but every rank of the group by
+        default: which of its ranks share a node is not known. Its checks share ``group`` (no control group: one made
+        by a subgroup's members alone is named from what each process made before, and could differ between them)."""
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
             else torch.device("cpu")
         world, timeout = dist.get_world_size(group), timedelta(seconds=_timeout())
         return cls(dist.get_rank(group), world, dist.get_backend(group), device, group, timeout,
-                   **_split(group, world, _check_shard_size(shard_size, world), timeout),
-                   control_group=_control(group, dist.get_backend(group), world, timeout))
+                   **_split(group, world, _check_shard_size(shard_size, world), timeout))
 
     def same_as(self, other: "Mesh") -> bool:
         """Whether two meshes are the same ranks of the same process group, split alike (so shards are
@@ -340,17 +340,19 @@ def _split(group, world_size: int, shard_size: int, timeout: timedelta) -> dict:
     return {"shard_size": shard_size, **mine}
 
 
-def _control(group, backend: str, world_size: int, timeout: timedelta):
-    """The group a gloo mesh's checks and small control all-reduces run in: one of their own over the same ranks
-    (None elsewhere: the mesh's group). gloo runs the collectives of one group in the order they were issued, so a
+def _control(backend: str, world_size: int, timeout: timedelta):
+    """The group a gloo mesh over the whole job (``from_env``) runs its checks and small control all-reduces in: one
+    of their own over every rank (None elsewhere: the mesh's group). gloo runs the collectives of one group in the order they were issued, so a
     check issued behind a gather still in flight waited for the whole gather: 47-50 ms behind a 64 MiB broadcast
     against 1.4-1.6 ms in a group of its own (measured, two ranks), and at each collective the check before it
-    undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own"). Made by the mesh's
-    ranks, in the same order on each (after the 2-D groups): collective."""
+    undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own"). Made by every rank
+    (after the 2-D groups) and named by torch's job-wide count, as every group made by all ranks is: not by a hash of
+    its members and the groups a process has, which differs between processes that made subgroups before (a mesh
+    made after ``dist.new_group([0, 1])`` on 3 ranks then waited for the timeout). One group a mesh, freed with the
+    process group (``dist.destroy_process_group()``): make a mesh once per job, not per step."""
     if backend != "gloo" or world_size == 1:
         return None
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend="gloo",
-                          use_local_synchronization=True)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def groups(ranks: list[int], shard_size: int) -> list[tuple[str, list[int]]]:
