@@ -14,8 +14,8 @@ rank's side: ``RankDivergenceError`` (different collectives) or ``RankFailedErro
 that raises mid-step completes what it has in flight and posts ``failed`` at the others' next check
 (``Comm.fail``); since the others only issue a collective after a check that every rank joined, nothing is left
 waiting (exchanges checked ahead, all at once, are issued with zeros by a rank that fails before them:
-fshard/dist/_promises.py). The step ends with such a check (the commit vote), so a step returns a new state on every rank or raises
-on every rank.
+fshard/dist/_promises.py). The step ends with such a check (the commit vote), so a step returns a new state on
+every rank or raises on every rank.
 
 A collective that fails in the transport (a timeout while a rank is hung, a connection closed by a dead rank)
 is a ``CollectiveError`` naming the step, the collective and, through torch.distributed's store, the ranks that had

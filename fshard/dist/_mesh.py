@@ -128,7 +128,7 @@ class Mesh:
     shard_size: int = 0
     shard_group: Any = None
     replica_group: Any = None
-    # the checks before collectives and the step's small control all-reduces: on gloo a group of their own (``_control``)
+    # the checks before collectives and the small control all-reduces: on gloo a group of their own (``_control``)
     control_group: Any = None
 
     def __post_init__(self):
@@ -342,10 +342,10 @@ def _split(group, world_size: int, shard_size: int, timeout: timedelta) -> dict:
 
 def _control(backend: str, world_size: int, timeout: timedelta):
     """The group a gloo mesh over the whole job (``from_env``) runs its checks and small control all-reduces in: one
-    of their own over every rank (None elsewhere: the mesh's group). gloo runs the collectives of one group in the order they were issued, so a
-    check issued behind a gather still in flight waited for the whole gather: 47-50 ms behind a 64 MiB broadcast
-    against 1.4-1.6 ms in a group of its own (measured, two ranks), and at each collective the check before it
-    undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own"). Made by every rank
+    of their own over every rank (None elsewhere: the mesh's group). gloo runs the collectives of one group in the
+    order they were issued, so a check issued behind a gather still in flight waited for the whole gather: 47-50 ms
+    behind a 64 MiB broadcast against 1.4-1.6 ms in a group of its own (measured, two ranks), and at each collective
+    the check before it undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own"). Made by every rank
     (after the 2-D groups) and named by torch's job-wide count, as every group made by all ranks is: not by a hash of
     its members and the groups a process has, which differs between processes that made subgroups before (a mesh
     made after ``dist.new_group([0, 1])`` on 3 ranks then waited for the timeout). One group a mesh, freed with the

@@ -68,7 +68,8 @@ class Adam(Elementwise):
             ops.adam_(p, g, m, v, vmax, step=float(step), lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             return
         if impl == "fused":
-            g = g if g.dtype == p.dtype else g.to(p.dtype)  # (the fused kernel takes one dtype; torch's ops promote a bf16 gradient alike)
+            # (the fused kernel takes one dtype; torch's ops promote a bf16 gradient alike)
+            g = g if g.dtype == p.dtype else g.to(p.dtype)
             st = torch.tensor(float(step), device=p.device)
             torch._fused_adam_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
                                weight_decay=wd, eps=eps, amsgrad=self.amsgrad, maximize=False)

@@ -71,7 +71,8 @@ class SGD(Elementwise):
                      weight_decay=wd, nesterov=self.nesterov, maximize=self.maximize)
             return
         if impl == "fused":  # torch.optim.SGD(fused=True)'s kernel: one pass over the run
-            g = g if g.dtype == p.dtype else g.to(p.dtype)  # (it takes one dtype; torch's ops promote a bf16 gradient alike)
+            # (it takes one dtype; torch's ops promote a bf16 gradient alike)
+            g = g if g.dtype == p.dtype else g.to(p.dtype)
             torch._fused_sgd_([p], [g], list(rows), weight_decay=wd, momentum=self.momentum, lr=lr,
                               dampening=self.dampening, nesterov=self.nesterov, maximize=self.maximize,
                               is_first_step=step == 1)
@@ -133,7 +134,8 @@ class Adagrad(Elementwise):
                          eps=self.eps, maximize=self.maximize)
             return
         if impl == "fused":  # torch.optim.Adagrad(fused=True)'s kernel (its step: the count after this one)
-            g = g if g.dtype == p.dtype else g.to(p.dtype)  # (it takes one dtype; torch's ops promote a bf16 gradient alike)
+            # (it takes one dtype; torch's ops promote a bf16 gradient alike)
+            g = g if g.dtype == p.dtype else g.to(p.dtype)
             torch._fused_adagrad_([p], [g], [state_sum], [torch.tensor(float(step))], lr=lr, lr_decay=self.lr_decay,
                                   weight_decay=wd, eps=self.eps, maximize=self.maximize)
             return

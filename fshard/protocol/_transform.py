@@ -181,25 +181,28 @@ class BlockingReduce(ReducePolicy):
         step.grad_ready(unit, out if out.dtype == unit.layout.dtype else out.to(unit.layout.dtype))
 
 
-def pipeline(phases: list[int]) -> list[tuple[int, int]]:
-    """``(unit, phase)`` in the order ``DeviceUpdate`` runs the phases of phased updates, unit i having
-    ``phases[i]`` (its pauses plus one): each time a unit starts, every unit still paused, the new one included, runs
-    its next phase, the newest first; after the last unit, the same until none is left."""
-    order, pending = [], []  # (unit, its next phase), oldest first
-
-    def move_on():
-        still = []
-        for i, k in reversed(pending):
-            order.append((i, k))
-            if k + 1 < phases[i]:
-                still.append((i, k + 1))
-        return still[::-1]
-
-    for i in range(len(phases)):
-        pending.append((i, 0))
-        pending = move_on()
+def run_pipeline(n: int, advance) -> None:
+    """Run the phased updates of ``n`` units as ``DeviceUpdate`` does: each time a unit starts, every unit still
+    paused, the new one included, runs its next phase, the newest first; after the last unit, the same until none is
+    left. ``advance(i)`` runs unit i's next phase and returns whether it is still paused."""
+    pending: list[int] = []  # oldest first
+    for i in range(n):
+        pending.append(i)
+        pending = [j for j in reversed(pending) if advance(j)][::-1]
     while pending:
-        pending = move_on()
+        pending = [j for j in reversed(pending) if advance(j)][::-1]
+
+
+def pipeline(phases: list[int]) -> list[tuple[int, int]]:
+    """``(unit, phase)`` in the order ``run_pipeline`` runs them, unit i having ``phases[i]`` phases (its pauses plus
+    one): the order in which ``DeviceUpdate`` promises the update's exchanges."""
+    order, at = [], [0] * len(phases)
+
+    def advance(i: int) -> bool:
+        order.append((i, at[i]))
+        at[i] += 1
+        return at[i] < phases[i]
+    run_pipeline(len(phases), advance)
     return order
 
 
@@ -216,47 +219,44 @@ class DeviceUpdate(UpdatePolicy):
 
     def __call__(self, step, state, grads: Grads, active, donate):
         rank, params, opt_state = step.spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
-        copies, pending = dict(state.copies), []  # (a unit whose update is paused, its phases), oldest first
+        copies, opt = dict(state.copies), step.spec.optimizer
+        todo = [u for u in step.spec.units if u.name in opt_state and any(active[u.name])]
+        for u in todo:
+            if not all(isinstance(r, torch.Tensor) for r in opt_state[u.name].rows) or not isinstance(
+                    params[u.name], torch.Tensor):
+                raise ArgumentTypeError(
+                    f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
+                    "compose this step with the same fs.offload_state(store, ...) to update it.")
 
         def keep(name, result):
             params[name], opt_state[name], copy = result
             if copy is not None:
                 copies[name] = copy
 
-        def move_on(paused: list) -> list:  # every paused unit one phase on, the newest first; those still paused
-            still = []
-            for name, phases in reversed(paused):
-                try:
-                    next(phases)
-                    still.append((name, phases))
-                except StopIteration as stop:
-                    keep(name, stop.value)
-            return still[::-1]
+        def call(method, u):  # (a collective optimizer gets the step's collectives)
+            return method(u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name],
+                          active[u.name], donate, grad_scale=grads.scale, updates=int(state.step),
+                          copy=copies.get(u.name), **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
 
-        opt, n = step.spec.optimizer, step.spec.mesh.shard_size
+        if not hasattr(opt, "update_phases"):
+            for u in todo:
+                keep(u.name, call(opt.update, u))
+            return params, opt_state, {}, copies
         plan = getattr(opt, "exchange_plan", None)  # (one check for the update's exchanges, not one each)
-        if plan is not None and getattr(opt, "collective", False) and hasattr(opt, "update_phases"):
-            phases = [plan(u, rank, active[u.name], n) for u in step.spec.units
-                      if u.name in opt_state and any(active[u.name])]
+        if plan is not None and getattr(opt, "collective", False):
+            phases = [plan(u, rank, active[u.name], step.spec.mesh.shard_size) for u in todo]
             if all(p is not None for p in phases):
                 step.comm.promise([e for i, k in pipeline([len(p) for p in phases]) for e in phases[i][k]])
-        for u in step.spec.units:
-            if u.name in opt_state and any(active[u.name]):
-                if not all(isinstance(r, torch.Tensor) for r in opt_state[u.name].rows) or not isinstance(
-                        params[u.name], torch.Tensor):
-                    raise ArgumentTypeError(
-                        f"unit {u.name!r} has its optimizer state or its parameters in a store (fs.offload_state); "
-                        "compose this step with the same fs.offload_state(store, ...) to update it.")
-                args = (u, rank, state.params[u.name], grads.shards[u.name], state.opt_state[u.name],
-                        active[u.name], donate)
-                kw = dict(grad_scale=grads.scale, updates=int(state.step), copy=copies.get(u.name),
-                          **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
-                if not hasattr(opt, "update_phases"):
-                    keep(u.name, opt.update(*args, **kw))
-                    continue
-                pending = move_on(pending + [(u.name, opt.update_phases(*args, **kw))])
-        while pending:
-            pending = move_on(pending)
+        gens = [call(opt.update_phases, u) for u in todo]  # (generators: nothing runs until advanced)
+
+        def advance(i: int) -> bool:
+            try:
+                next(gens[i])
+                return True
+            except StopIteration as stop:
+                keep(todo[i].name, stop.value)
+                return False
+        run_pipeline(len(todo), advance)
         return params, opt_state, {}, copies
 
     def plan(self, step, state, active, donate):
