@@ -8,9 +8,12 @@ group or native library has been started or loaded in the server (torch seeds, t
 set per rank in ``_worker``), and the environment is the caller's at the time of the call, as with ``spawn``."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue as queues
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 
@@ -34,7 +37,10 @@ def _context():
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, out, timeout_s, environ):
+def _worker(rank, world_size, port, fn, args, out, timeout_s, environ, fault):
+    # a rank that dies of a signal (an abort, a segfault) writes every thread's Python stack here for the report
+    # (its stderr is the forkserver's, which pytest does not show)
+    faulthandler.enable(file=open(fault, "w"), all_threads=True)
     os.environ.clear()  # the caller's environment now, not the server's when it started (as ``spawn`` would)
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -52,6 +58,26 @@ def _worker(rank, world_size, port, fn, args, out, timeout_s, environ):
             dist.destroy_process_group()
 
 
+class Died(int):
+    """A died rank's exit code, which prints with the Python stacks of its threads when a signal killed it."""
+
+    def __new__(cls, code: int, stacks: str):
+        out = super().__new__(cls, code)
+        out.stacks = stacks
+        return out
+
+    def __str__(self):
+        return f"{int(self)}\n{self.stacks}" if self.stacks else str(int(self))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 60,
           wait_for=None, fresh: bool = False):
     """fn(*args) on every rank. Returns rank -> ("ok", value) | ("error", traceback) | ("died", exitcode) |
@@ -62,8 +88,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
     ctx = mp.get_context("spawn") if fresh else _context()
     out = ctx.Queue()
     port = _free_port()
+    faults = tempfile.mkdtemp(prefix="fshard-ranks-")
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out, collective_timeout_s,
-                                                       dict(os.environ)),
+                                                       dict(os.environ), f"{faults}/{r}"),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -77,13 +104,14 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
                 # a rank that exited without reporting has died (its report, if any, is already queued)
                 for r, p in enumerate(procs):
                     if r not in outcome and p.exitcode is not None and out.empty():
-                        outcome[r] = ("died", p.exitcode)
+                        outcome[r] = ("died", Died(p.exitcode, _read(f"{faults}/{r}")))
     finally:
         for r, p in enumerate(procs):
             p.join(timeout=10 if r in wanted else 0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        shutil.rmtree(faults, ignore_errors=True)
     return {r: outcome.get(r, ("hung", None)) for r in range(world_size)}
 
 
