@@ -109,6 +109,8 @@ CASES = {
                 dict(lr=0.05, weight_decay=0.01, fused=True), "fused"),
     "adagrad(impl=native)": (lambda: fs.optim.adagrad(lr=0.05, weight_decay=0.01, impl="native"), O.Adagrad,
                              dict(lr=0.05, weight_decay=0.01, fused=True), "fused"),
+    "adam(impl=torch)": (lambda: fs.optim.adam(lr=1e-3, weight_decay=0.1, impl="torch"), O.Adam,
+                         dict(lr=1e-3, weight_decay=0.1, fused=True), "fused"),
     "rmsprop": (lambda: fs.optim.rmsprop(lr=1e-3, weight_decay=0.01), O.RMSprop,
                 dict(lr=1e-3, weight_decay=0.01, foreach=True), "foreach"),
     "lion": (lambda: fs.optim.lion(lr=1e-4, weight_decay=0.1), ForeachLion, dict(lr=1e-4, weight_decay=0.1),
@@ -187,6 +189,9 @@ def _uptime() -> str:
 
 def run_updates(args) -> dict:
     torch.set_num_threads(args.threads)
+    from fshard.optim import _elementwise
+    if args.piece is not None:
+        _elementwise.PIECE = args.piece
     cfg = GPTConfig.tiny() if args.quick else GPTConfig()
     names = list(CASES) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in CASES]
@@ -196,7 +201,8 @@ def run_updates(args) -> dict:
     from step import _git_head
     print(f"[optim.py] git {_git_head()} torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, "
           f"repeats={args.repeats}, warmup={args.warmup}; fshard.ops: "
-          f"{ {k: v for k, v in ops.backend_info().items() if k in ('backend', 'cpu_isa')} }\n[optim.py] {_uptime()}",
+          f"{ {k: v for k, v in ops.backend_info().items() if k in ('backend', 'cpu_isa')} }, pieces of "
+          f"{_elementwise.PIECE} elements\n[optim.py] {_uptime()}",
           flush=True)
     out = {}
     print("\nspeed = torch ms / fshard ms, of the medians (>= 1.0: fshard at least as fast); per repeat: the same "
@@ -315,6 +321,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides; per rank with --muon)")
     ap.add_argument("--only", default="", help=f"comma-separated, from {list(CASES)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--piece", type=int, default=None,
+                    help="elements an update written as torch ops takes at a time on the CPU (fshard.optim's PIECE; "
+                         "0: whole runs), to measure the choice")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--muon", action="store_true", help="the Muon step at world size 2 (with --quick: tiny, one "
                                                         "round; every other argument goes to benchmarks/step.py)")

@@ -695,3 +695,55 @@ def test_apply_runs_calls_a_subclasss_own_apply():
     runs = [(torch.zeros(n), torch.ones(n), (torch.zeros(n), torch.zeros(n)), 1, 1.0, 1e-3, 0.0, None) for n in (3, 5)]
     apply_runs(opt, runs)
     assert seen == [3, 5]
+
+
+# the optimizers whose update is written as torch ops, which take a long run in pieces on the CPU
+PIECED = ["sgd_plain", "adam", "adamw_amsgrad", "rmsprop", "rmsprop_centered", "lion", "nadam", "radam", "adamax",
+          "asgd", "adadelta", "rprop", "torch_sgd"]
+
+
+def test_updates_in_pieces_train_as_the_twins(monkeypatch):
+    """With pieces of 13 elements (every parameter of the awkward model but the 0-dim one then spans several), each
+    optimizer whose update is torch ops still equals DDP + its twin as the whole-run update does, bitwise where that
+    is bitwise: the pieces change where each op's passes read from, not an element's arithmetic."""
+    from fshard.optim import _elementwise
+    calls = []
+    real = _elementwise.pieces
+    monkeypatch.setattr(_elementwise, "PIECE", 13)
+    for module in ("fshard.optim._elementwise", "fshard.optim._from_torch"):
+        monkeypatch.setattr(f"{module}.pieces", lambda *a, _real=real: calls.append(len(_real(*a))) or _real(*a))
+    results = [_train(PIECED)]
+    _check(results, 1)
+    assert max(calls) > 1  # (pieces were taken)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(PIECED), st.integers(1, 60), st.integers(1, 17), st.sampled_from([1, 2, 7]),
+       st.sampled_from([1.0, 0.5]), st.sampled_from([None, torch.bfloat16]))
+def test_a_run_in_pieces_is_the_whole_run_bitwise(name, n, piece, step, scale, cdt):
+    """``apply`` (and ``apply_runs``) on a run in pieces of any size writes the bits the whole run's update writes:
+    parameters, rows and the low-precision copy, for any count, grad scale and copy."""
+    from fshard.optim import _elementwise
+    from fshard.optim._protocol import apply_runs
+    opt = CASES[name][0]()
+    g = torch.Generator().manual_seed(n * 131 + piece)
+    p0, gr = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    rows0 = [torch.randn(n, generator=g).abs() + 0.1 for _ in opt.rows]
+    out, orig = [], _elementwise.PIECE
+    for size, call in ((0, "apply"), (piece, "apply"), (piece, "apply_runs")):
+        _elementwise.PIECE = size
+        try:
+            p, rows = p0.clone(), [r.clone() for r in rows0]
+            c = None if cdt is None else torch.zeros(n, dtype=cdt)
+            if call == "apply":
+                opt.apply(p, gr, *rows, step, scale, lr=1e-3, weight_decay=0.1, copy=c)
+            else:
+                apply_runs(opt, [(p, gr, tuple(rows), step, scale, 1e-3, 0.1, c)])
+            out.append((p, rows, c))
+        finally:
+            _elementwise.PIECE = orig
+    bits = lambda t: t.view({4: torch.int32, 2: torch.int16}[t.element_size()])  # noqa: E731 - (NaNs too)
+    for p, rows, c in out[1:]:
+        assert torch.equal(bits(p), bits(out[0][0])) and all(torch.equal(bits(a), bits(b))
+                                                              for a, b in zip(rows, out[0][1]))
+        assert c is None or torch.equal(bits(c), bits(out[0][2]))

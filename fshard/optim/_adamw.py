@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._train_state import register_node
-from ._elementwise import Elementwise
+from ._elementwise import Elementwise, pieces, torch_ops_piece
 from ._protocol import OptState, Row
 
 _IMPLS = ("auto", "torch", "fused", "native")
@@ -146,9 +146,11 @@ class AdamW(Elementwise):
                        grad_scale=grad_scale, param_copies=[copy] if fused else None, check_finite=False)
             if fused:
                 return
-        else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float
-            p.mul_(1 - lr * wd)
-            adam_moments(p, g, m, v, vmax, float(step), lr, b1, b2, eps)
+        else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float; in pieces
+            rows = (m, v) if vmax is None else (m, v, vmax)  # (_elementwise.torch_ops_piece)
+            for pp, gg, (mm, vv, *mx), _ in pieces(p, g, rows, None, torch_ops_piece(p)):
+                pp.mul_(1 - lr * wd)
+                adam_moments(pp, gg, mm, vv, mx[0] if mx else None, float(step), lr, b1, b2, eps)
         if copy is not None:
             copy.copy_(p)
 

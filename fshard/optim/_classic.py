@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ArgumentError
-from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
+from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor, torch_ops_piece
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -62,6 +62,9 @@ class SGD(Elementwise):
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
+
+    def piece(self, p):  # (torch's single-tensor ops: in pieces; the fused and native kernels: whole runs)
+        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
         impl = self.resolved_impl(p.device, p.dtype)
@@ -125,6 +128,9 @@ class Adagrad(Elementwise):
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
 
+    def piece(self, p):  # (torch's single-tensor ops: in pieces; the fused and native kernels: whole runs)
+        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
+
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
         (state_sum,) = rows
         impl = self.resolved_impl(p.device, p.dtype)
@@ -178,6 +184,8 @@ class RMSprop(Elementwise):
         return {"momentum": self.momentum, "alpha": self.alpha, "eps": self.eps, "centered": self.centered,
                 "weight_decay": None, "capturable": False, "foreach": None, "maximize": self.maximize,
                 "differentiable": False}
+
+    piece = staticmethod(torch_ops_piece)  # (torch's single-tensor ops: in cache-sized pieces on the CPU)
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.rmsprop._single_tensor_rmsprop
         rows = list(rows)

@@ -208,11 +208,17 @@ class Elementwise:
                                 "plan(), which reads the schedule at the state's step count).")
         lr = float(self.lr) if lr is None else lr
         wd = getattr(self, "weight_decay", 0.0) if weight_decay is None else weight_decay
-        if scale != 1.0:
-            g = g * scale  # what clip_grad_norm_ does to .grad
-        self.update_run(p, g, rows, int(step), lr, wd)
-        if copy is not None:
-            copy.copy_(p)
+        for p, g, rows, copy in pieces(p, g, rows, copy, self.piece(p)):
+            if scale != 1.0:
+                g = g * scale  # what clip_grad_norm_ does to .grad
+            self.update_run(p, g, rows, int(step), lr, wd)
+            if copy is not None:
+                copy.copy_(p)
+
+    def piece(self, p: torch.Tensor) -> int:
+        """The elements of a run that one ``update_run`` takes (0: the whole run); ``torch_ops_piece`` for an
+        update written as several torch ops, 0 (the default) for a one-pass kernel (fused, native)."""
+        return 0
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs (the step's ``optim/impl`` metric): torch's single-tensor arithmetic."""
@@ -241,6 +247,30 @@ def resolve_single_tensor(opt, device: torch.device, dtype: torch.dtype) -> str:
 def check_single_tensor_impl(opt) -> None:
     if opt.impl not in SINGLE_TENSOR_IMPLS:
         raise ArgumentError(f"{opt.label}(impl={opt.impl!r}) is not one of {SINGLE_TENSOR_IMPLS}.")
+
+
+# elements of a run that an update written as torch ops takes at a time on the CPU: its tensors' pieces (4 or 5 of
+# them, fp32: 4-5 MiB) stay in the last-level cache between the update's passes (benchmarks/RESULTS.md, "Session 28:
+# updates in pieces"), and its temporaries stay under glibc's mmap threshold (32 MiB: a larger one is mapped and
+# faulted in afresh at every update)
+PIECE = 1 << 18
+
+
+def torch_ops_piece(p: torch.Tensor) -> int:
+    """``Elementwise.piece`` of an update written as several torch ops: each op passes over the whole run, so a run
+    in cache-sized pieces reads memory once where it read it once an op. On the CPU only (on CUDA each piece would be
+    a kernel launch per op). Elementwise: the same bits either way."""
+    return PIECE if p.device.type == "cpu" else 0
+
+
+def pieces(p: torch.Tensor, g: torch.Tensor, rows: tuple, copy, piece: int):
+    """``(p, g, rows, copy)`` of one run as ``piece``-element pieces (views), or as it is where ``piece`` is 0, the
+    run is no longer, or it is not flat with rows as long as itself (an ``apply`` called on other tensors)."""
+    n = p.shape[0] if p.dim() == 1 else 0
+    if not piece or n <= piece or g.shape != p.shape or any(r.shape != p.shape for r in rows):
+        return ((p, g, rows, copy),)
+    return tuple((p[lo:lo + piece], g[lo:lo + piece], tuple(r[lo:lo + piece] for r in rows),
+                  None if copy is None else copy[lo:lo + piece]) for lo in range(0, n, piece))
 
 
 def _run(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

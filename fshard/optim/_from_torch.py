@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ._elementwise import Elementwise
+from ._elementwise import Elementwise, pieces, torch_ops_piece
 from ._protocol import Row
 
 # torch optimizers that are not elementwise, and what to use instead
@@ -131,12 +131,20 @@ class FromTorch(Elementwise):
                 self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
                 continue
             wd = self.weight_decay if wd is None else wd
-            groups.setdefault((int(step), lr, wd), []).append((p, g if scale == 1.0 else g * scale, rows, copy))
+            groups.setdefault((int(step), lr, wd), []).extend(
+                (p, g if scale == 1.0 else g * scale, rows, copy) for p, g, rows, copy in pieces(p, g, rows, copy,
+                                                                                               self.piece(p)))
         for (step, lr, wd), rs in groups.items():
             self._step_runs([r[0] for r in rs], [r[1] for r in rs], [r[2] for r in rs], step, lr, wd)
             for p, _, _, copy in rs:
                 if copy is not None:
                     copy.copy_(p)
+
+    def piece(self, p):
+        """Pieces where torch runs its single-tensor loop (its default on the CPU): each piece is one of its
+        parameters, its ops' passes then read the piece from the caches. Its multi-tensor loop
+        (``foreach=True``) passes over every parameter once an op, so it takes whole runs."""
+        return 0 if dict(self.kwargs).get("foreach") else torch_ops_piece(p)
 
     def _step_runs(self, ps, gs, rowss, step, lr, wd) -> None:
         """One ``X.step()`` over the runs ``ps`` (their gradients ``gs``, rows ``rowss``), all at count ``step``."""
