@@ -69,6 +69,8 @@ CASES = {
                       dict(lr=3e-3, weight_decay=0.1, amsgrad=True)),
     "adam_fused": (lambda: fs.optim.adam(lr=3e-3, weight_decay=0.1, amsgrad=True), O.Adam,  # auto: fused
                    dict(lr=3e-3, weight_decay=0.1, amsgrad=True, fused=True)),
+    "adam_default": (lambda: fs.optim.adam(lr=3e-3, weight_decay=0.1), O.Adam,  # auto: fused, fshard.ops' kernel
+                     dict(lr=3e-3, weight_decay=0.1, fused=True)),
     "adamw_amsgrad_fused": (lambda: fs.adamw(lr=3e-3, weight_decay=0.1, amsgrad=True), O.AdamW,  # auto: fused
                             dict(lr=3e-3, weight_decay=0.1, amsgrad=True, fused=True)),
     "adagrad": (lambda: fs.optim.adagrad(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1,
@@ -98,7 +100,7 @@ CASES = {
 # lion: its reference is the paper's formula, not fshard's kernel sequence; fused: torch's fused CPU kernel rounds an
 # element differently in its scalar tail than in its vector body, so a result depends on where a run starts
 # (tests/models.py, check_oracle)
-NOT_BITWISE = {"lion", "adam_fused", "adamw_amsgrad_fused", "sgd_fused", "adagrad_fused"}
+NOT_BITWISE = {"lion", "adam_fused", "adam_default", "adamw_amsgrad_fused", "sgd_fused", "adagrad_fused"}
 SIGN_BASED = {"lion", "rprop"}  # a rounding difference in a near-zero gradient flips a sign: a step of lr apart
 
 

@@ -22,8 +22,10 @@ _Lr = float | Callable[[int], float]
 class Adam(Elementwise):
     """torch.optim.Adam: rows ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), counts saved as
     ``step``; the weight decay is L2 (added to the gradient, so it goes through the moments), unlike
-    ``fs.adamw``'s. ``impl``: "auto" (the default) is "fused" on the CPU, else "torch"; "fused" calls
-    ``torch._fused_adam_`` (``torch.optim.Adam(fused=True)``: one pass, within 1e-6 of ``torch.optim.Adam()``);
+    ``fs.adamw``'s. ``impl``: "auto" (the default) is "fused" on the CPU, else "torch"; "fused" is
+    ``torch._fused_adam_``'s arithmetic (``torch.optim.Adam(fused=True)``: one pass, within 1e-6 of
+    ``torch.optim.Adam()``), computed by fshard.ops' AdamW kernel in its L2 mode for fp32 state without amsgrad
+    (faster on the same run), else by torch's kernel;
     "native" runs fshard.ops' single-tensor kernel (``ops.adam_``: torch's single-tensor arithmetic in one pass,
     bitwise ``torch.optim.Adam()`` on the CPU, but slower than fused: torch's float sqrt is MKL's, design/OPS.md);
     "torch" replays torch's single-tensor kernels (the same bits, several passes)."""
@@ -70,6 +72,13 @@ class Adam(Elementwise):
             from .. import ops
             ops.adam_(p, g, m, v, vmax, step=float(step), lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             return
+        if impl == "fused" and vmax is None and native_fits(self, "native", p, m, v) and _native_grad(g):
+            # torch._fused_adam_'s arithmetic in fshard.ops' AdamW kernel, its L2 mode (tests/test_ops.py holds it
+            # to the fused Adam; faster than torch's kernel on the same run: benchmarks/RESULTS.md, "Session 28")
+            from .. import ops
+            ops.adamw_([p], [g], [m], [v], step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                       adam_w_mode=False, check_finite=False)
+            return
         if impl == "fused":
             # (the fused kernel takes one dtype; torch's ops promote a bf16 gradient alike)
             g = g if g.dtype == p.dtype else g.to(p.dtype)
@@ -106,8 +115,6 @@ class Lion(Elementwise):
     def group_fields(self) -> dict:
         return {"betas": self.betas, "weight_decay": None}
 
-    piece = staticmethod(torch_ops_piece)  # (four passes and a temporary: in cache-sized pieces on the CPU)
-
     def update_run(self, p, g, rows, step, lr, wd):
         (m,) = rows
         b1, b2 = self.betas
@@ -116,6 +123,14 @@ class Lion(Elementwise):
             p.mul_(1 - lr * wd)  # decoupled, as AdamW's
         p.add_(update, alpha=-lr)
         m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+def _native_grad(g: torch.Tensor) -> bool:
+    """A gradient fshard.ops' AdamW kernel reads as it is (fp32, bf16 or fp16, contiguous, on the CPU), where the
+    build is loaded."""
+    from .. import ops
+    return (g.dtype in (torch.float32, torch.bfloat16, torch.float16) and g.device.type == "cpu"
+            and g.is_contiguous() and ops.native_available())
 
 
 def adam(lr: _Lr = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,

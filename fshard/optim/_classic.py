@@ -185,8 +185,6 @@ class RMSprop(Elementwise):
                 "weight_decay": None, "capturable": False, "foreach": None, "maximize": self.maximize,
                 "differentiable": False}
 
-    piece = staticmethod(torch_ops_piece)  # (torch's single-tensor ops: in cache-sized pieces on the CPU)
-
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.rmsprop._single_tensor_rmsprop
         rows = list(rows)
         square_avg = rows.pop(0)

@@ -216,9 +216,10 @@ class Elementwise:
                 copy.copy_(p)
 
     def piece(self, p: torch.Tensor) -> int:
-        """The elements of a run that one ``update_run`` takes (0: the whole run); ``torch_ops_piece`` for an
-        update written as several torch ops, 0 (the default) for a one-pass kernel (fused, native)."""
-        return 0
+        """The elements of a run that one ``update_run`` takes (0: the whole run). By default ``torch_ops_piece``:
+        an update written as several torch ops (as a subclass's usually is) reads each cache-sized piece from
+        memory once rather than once an op. A subclass that runs a one-pass kernel returns 0 for it."""
+        return torch_ops_piece(p)
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs (the step's ``optim/impl`` metric): torch's single-tensor arithmetic."""
