@@ -191,6 +191,8 @@ def run_updates(args) -> dict:
     torch.set_num_threads(args.threads)
     from fshard.optim import _elementwise
     if args.piece is not None:
+        if args.piece < 0:
+            raise SystemExit(f"--piece {args.piece}: a piece is a number of elements >= 0 (0: whole runs)")
         _elementwise.PIECE = args.piece
     cfg = GPTConfig.tiny() if args.quick else GPTConfig()
     names = list(CASES) if not args.only else [n.strip() for n in args.only.split(",")]

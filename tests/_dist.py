@@ -38,9 +38,12 @@ def _context():
 
 
 def _worker(rank, world_size, port, fn, args, out, timeout_s, environ, fault):
-    # a rank that dies of a signal (an abort, a segfault) writes every thread's Python stack here for the report
-    # (its stderr is the forkserver's, which pytest does not show)
-    faulthandler.enable(file=open(fault, "w"), all_threads=True)
+    # a rank that dies (an abort, a segfault) leaves here what its native code printed (gloo's reason for an abort,
+    # glibc's, "terminate called ...") and every thread's Python stack, for the report: its stderr is otherwise the
+    # forkserver's, which pytest does not show
+    log = open(fault, "w")
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
     os.environ.clear()  # the caller's environment now, not the server's when it started (as ``spawn`` would)
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -59,21 +62,27 @@ def _worker(rank, world_size, port, fn, args, out, timeout_s, environ, fault):
 
 
 class Died(int):
-    """A died rank's exit code, which prints with the Python stacks of its threads when a signal killed it."""
+    """A died rank's exit code, which prints with what the rank wrote to its stderr (native code's last words, and
+    faulthandler's Python stacks of its threads where a signal killed it)."""
 
-    def __new__(cls, code: int, stacks: str):
+    def __new__(cls, code: int, stacks: str = ""):
         out = super().__new__(cls, code)
         out.stacks = stacks
         return out
 
+    def __reduce__(self):  # (pickled and copied with its stacks)
+        return Died, (int(self), self.stacks)
+
     def __str__(self):
         return f"{int(self)}\n{self.stacks}" if self.stacks else str(int(self))
 
+    __repr__ = __str__  # (a test that prints a spawn outcome shows the stacks too)
 
-def _read(path: str) -> str:
+
+def _read(path: str, tail: int = 20_000) -> str:
     try:
-        with open(path) as f:
-            return f.read()
+        with open(path, errors="replace") as f:
+            return f.read()[-tail:]
     except OSError:
         return ""
 
@@ -92,10 +101,10 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out, collective_timeout_s,
                                                        dict(os.environ), f"{faults}/{r}"),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
     outcome, deadline = {}, time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while not wanted <= set(outcome) and time.monotonic() < deadline:
             try:
                 rank, status, value = out.get(timeout=0.5)
@@ -107,6 +116,8 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
                         outcome[r] = ("died", Died(p.exitcode, _read(f"{faults}/{r}")))
     finally:
         for r, p in enumerate(procs):
+            if p.pid is None:  # (never started)
+                continue
             p.join(timeout=10 if r in wanted else 0)
             if p.is_alive():
                 p.kill()

@@ -147,6 +147,27 @@ def test_a_dead_rank_makes_the_others_fail_instead_of_hanging():
     assert status == "error", outcome[0]  # an exception (connection closed or timeout), not a hang
 
 
+def _mismatched_collective():
+    import torch.distributed as dist
+    import fshard as fs
+    mesh = fs.Mesh.from_env()
+    n = 1 if mesh.rank == 0 else 2  # a collective whose sizes differ between the ranks: gloo aborts the receiver
+    dist.all_gather([torch.zeros(n) for _ in range(2)], torch.zeros(n))
+    return "no abort?"
+
+
+def test_a_rank_that_aborts_reports_its_native_last_words_and_its_stacks():
+    """The harness's own diagnostics (tests/_dist.py): a rank killed by a signal reports what its native code wrote to
+    stderr (here gloo's reason) and every thread's Python stack (faulthandler), not only its exit code, so that a
+    crash seen once in CI can be read."""
+    outcome = spawn(_mismatched_collective, 2, timeout_s=60, collective_timeout_s=20)
+    died = [v for s, v in outcome.values() if s == "died"]
+    assert died and all(v == -6 for v in died), outcome
+    text = str(died[0])
+    assert "collective mismatch" in text and "Fatal Python error: Aborted" in text, text
+    assert "_mismatched_collective" in text, text  # the Python stack at the abort
+
+
 # --- checks in a group of their own (issue #42) ---
 
 def _check_beside_a_collective_in_flight():

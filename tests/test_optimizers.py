@@ -749,3 +749,16 @@ def test_a_run_in_pieces_is_the_whole_run_bitwise(name, n, piece, step, scale, c
         assert torch.equal(bits(p), bits(out[0][0])) and all(torch.equal(bits(a), bits(b))
                                                               for a, b in zip(rows, out[0][1]))
         assert c is None or torch.equal(bits(c), bits(out[0][2]))
+
+
+def test_pieces_cut_fp32_runs_only():
+    """Only fp32 state is cut (torch's bf16 and fp16 kernels round an element differently in their scalar tail than
+    in their vector body, so a cut would move bits); a piece of 0 or less, a run no longer than a piece, rows that are
+    not as long as the run: whole."""
+    from fshard.optim._elementwise import pieces
+    f32, b16 = torch.zeros(100), torch.zeros(100, dtype=torch.bfloat16)
+    assert [len(x[0]) for x in pieces(f32, b16, (f32,), b16, 30)] == [30, 30, 30, 10]  # (a bf16 gradient, copy: cut)
+    assert len(pieces(b16, b16, (), None, 30)) == 1
+    assert len(pieces(f32, f32, (f32.to(torch.bfloat16),), None, 30)) == 1
+    assert len(pieces(f32, f32, (torch.zeros(7),), None, 30)) == 1
+    assert all(len(pieces(f32, f32, (f32,), None, k)) == 1 for k in (0, -5, 100, 200))

@@ -106,6 +106,9 @@ class AdamW(Elementwise):
                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                 "decoupled_weight_decay": True}
 
+    def piece(self, p):  # (its own apply: the impl="torch" branch alone takes pieces)
+        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
+
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs for state of ``dtype`` on ``device`` ("auto": native for fp32 where it is
         built, else fused; fused with amsgrad)."""
@@ -148,7 +151,7 @@ class AdamW(Elementwise):
                 return
         else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float; in pieces
             rows = (m, v) if vmax is None else (m, v, vmax)  # (_elementwise.torch_ops_piece)
-            for pp, gg, (mm, vv, *mx), _ in pieces(p, g, rows, None, torch_ops_piece(p)):
+            for pp, gg, (mm, vv, *mx), _ in pieces(p, g, rows, None, self.piece(p)):
                 pp.mul_(1 - lr * wd)
                 adam_moments(pp, gg, mm, vv, mx[0] if mx else None, float(step), lr, b1, b2, eps)
         if copy is not None:
@@ -184,6 +187,7 @@ _ROWS = (Row("exp_avg"), Row("exp_avg_sq"))
 def adam_moments(p, g, m, v, vmax, step: float, lr: float, b1: float, b2: float, eps: float) -> None:
     """torch.optim.adam._single_tensor_adam after its weight decay (non-capturable): the moments, AMSGrad's
     maximum where ``vmax`` is a row, and the parameter's step, kernel for kernel (so bitwise equal on CPU)."""
+    g = g if g.dtype == m.dtype else g.to(m.dtype)  # (lerp_ takes one dtype; the others promote a bf16 gradient alike)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     bias_correction1 = 1 - b1**step

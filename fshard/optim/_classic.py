@@ -195,7 +195,7 @@ class RMSprop(Elementwise):
             grad = grad.add(p, alpha=wd)
         square_avg.mul_(self.alpha).addcmul_(grad, grad, value=1 - self.alpha)
         if grad_avg is not None:
-            grad_avg.lerp_(grad, 1 - self.alpha)
+            grad_avg.lerp_(grad if grad.dtype == grad_avg.dtype else grad.to(grad_avg.dtype), 1 - self.alpha)
             avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
         else:
             avg = square_avg.sqrt()

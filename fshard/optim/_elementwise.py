@@ -219,7 +219,7 @@ class Elementwise:
         """The elements of a run that one ``update_run`` takes (0: the whole run). By default ``torch_ops_piece``:
         an update written as several torch ops (as a subclass's usually is) reads each cache-sized piece from
         memory once rather than once an op. A subclass that runs a one-pass kernel returns 0 for it."""
-        return torch_ops_piece(p)
+        return torch_ops_piece(p)  # (a subclass whose update draws random numbers gets them piece by piece)
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs (the step's ``optim/impl`` metric): torch's single-tensor arithmetic."""
@@ -260,15 +260,19 @@ PIECE = 1 << 18
 def torch_ops_piece(p: torch.Tensor) -> int:
     """``Elementwise.piece`` of an update written as several torch ops: each op passes over the whole run, so a run
     in cache-sized pieces reads memory once where it read it once an op. On the CPU only (on CUDA each piece would be
-    a kernel launch per op). Elementwise: the same bits either way."""
+    a kernel launch per op). fp32 state only (``pieces``): the same bits either way."""
     return PIECE if p.device.type == "cpu" else 0
 
 
 def pieces(p: torch.Tensor, g: torch.Tensor, rows: tuple, copy, piece: int):
-    """``(p, g, rows, copy)`` of one run as ``piece``-element pieces (views), or as it is where ``piece`` is 0, the
-    run is no longer, or it is not flat with rows as long as itself (an ``apply`` called on other tensors)."""
+    """``(p, g, rows, copy)`` of one run as ``piece``-element pieces (views), or as it is where ``piece`` is not
+    positive, the run is no longer, it is not flat with rows as long as itself (an ``apply`` called on other
+    tensors), or its parameter or a row is not fp32. An fp32 element's arithmetic is the same wherever a run is cut,
+    so the pieces give the whole run's bits; torch's bf16 and fp16 kernels round an element in their scalar tail
+    differently from their vector body, so there a cut would move bits."""
     n = p.shape[0] if p.dim() == 1 else 0
-    if not piece or n <= piece or g.shape != p.shape or any(r.shape != p.shape for r in rows):
+    if (piece <= 0 or n <= piece or g.shape != p.shape or p.dtype != torch.float32
+            or any(r.shape != p.shape or r.dtype != torch.float32 for r in rows)):
         return ((p, g, rows, copy),)
     return tuple((p[lo:lo + piece], g[lo:lo + piece], tuple(r[lo:lo + piece] for r in rows),
                   None if copy is None else copy[lo:lo + piece]) for lo in range(0, n, piece))

@@ -1,8 +1,9 @@
 """``fs.optim.from_torch(torch.optim.X, **kwargs)``: any elementwise torch optimizer (NAdam, RAdam, Adamax, ASGD,
 Adadelta, Rprop, ...) run on flat shards by torch's own implementation.
 
-Each run of a shard (``plan``'s) is handed to a fresh ``torch.optim.X(runs, **kwargs)`` as one parameter (the runs
-of an update with the same count, rate and decay in one optimizer: ``apply_runs``), with the run's gradient as its
+Each run of a shard (``plan``'s; on the CPU in cache-sized pieces where torch runs its single-tensor loop: ``piece``)
+is handed to a fresh ``torch.optim.X(runs, **kwargs)`` as one parameter (the runs of an update with the same count,
+rate and decay in one optimizer: ``apply_runs``), with the run's gradient as its
 ``.grad`` and the run's state as its ``state``, and ``X.step()`` does the arithmetic (its single-tensor function on
 the CPU, foreach on CUDA, as torch picks them; ``foreach=True`` asks for it on the CPU), in place on the run's
 slices; rows that ``step()`` replaced (SGD's first momentum buffer) are copied back. So the result equals
@@ -120,10 +121,10 @@ class FromTorch(Elementwise):
 
     def apply_runs(self, runs) -> None:
         """``apply`` on each of ``runs`` (``(p, g, rows, step, grad_scale, lr, weight_decay, copy)``, disjoint) with
-        one torch optimizer per (step, lr, weight decay), each run one of its parameters: torch's multi-tensor
-        implementation (``foreach=True``, torch's default on CUDA) then takes a unit's runs in one call, as it takes a
-        model's parameters, and the single-tensor one loops over them as it would. The same result as a run at a time:
-        each run is its own parameter either way."""
+        one torch optimizer per (step, lr, weight decay), each run (or piece of one: ``piece``) one of its parameters:
+        torch's multi-tensor implementation (``foreach=True``, torch's default on CUDA) then takes a unit's runs in one
+        call, as it takes a model's parameters, and the single-tensor one loops over them as it would. The same result
+        as a run at a time: each run is its own parameter either way."""
         groups: dict = {}
         own = type(self).update_run is not FromTorch.update_run  # a subclass's own arithmetic: a run at a time
         for p, g, rows, step, scale, lr, wd, copy in runs:
@@ -143,8 +144,10 @@ class FromTorch(Elementwise):
     def piece(self, p):
         """Pieces where torch runs its single-tensor loop (its default on the CPU): each piece is one of its
         parameters, its ops' passes then read the piece from the caches. Its multi-tensor loop
-        (``foreach=True``) passes over every parameter once an op, so it takes whole runs."""
-        return 0 if dict(self.kwargs).get("foreach") else torch_ops_piece(p)
+        (``foreach=True``) passes over every parameter once an op, and its fused one (``fused=True``) is one pass, so
+        they take whole runs."""
+        kw = dict(self.kwargs)
+        return 0 if kw.get("foreach") or kw.get("fused") else torch_ops_piece(p)
 
     def _step_runs(self, ps, gs, rowss, step, lr, wd) -> None:
         """One ``X.step()`` over the runs ``ps`` (their gradients ``gs``, rows ``rowss``), all at count ``step``."""
