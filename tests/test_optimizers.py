@@ -762,3 +762,21 @@ def test_pieces_cut_fp32_runs_only():
     assert len(pieces(f32, f32, (f32.to(torch.bfloat16),), None, 30)) == 1
     assert len(pieces(f32, f32, (torch.zeros(7),), None, 30)) == 1
     assert all(len(pieces(f32, f32, (f32,), None, k)) == 1 for k in (0, -5, 100, 200))
+
+
+@pytest.mark.parametrize("make", [lambda: fs.adamw(lr=1e-3, impl="torch"), lambda: fs.optim.adam(lr=1e-3, impl="torch"),
+                                  lambda: fs.optim.rmsprop(lr=1e-3, momentum=0.5, centered=True)],
+                         ids=["adamw_torch", "adam_torch", "rmsprop_centered"])
+def test_a_bf16_gradient_updates_fp32_state_as_its_widening_does(make):
+    """A bf16 gradient (mixed precision's, where no transform widened it) on fp32 state: the update of its exact fp32
+    widening, bitwise (``lerp_`` takes one dtype, so these widen it first; torch's other ops promote alike). A
+    RuntimeError from lerp_ before."""
+    opt = make()
+    g = torch.Generator().manual_seed(3)
+    p0, gr = torch.randn(301, generator=g), torch.randn(301, generator=g).to(torch.bfloat16)
+    outs = []
+    for grad in (gr, gr.float()):
+        p, rows = p0.clone(), [torch.rand(301, generator=torch.Generator().manual_seed(4)) for _ in opt.rows]
+        opt.apply(p, grad, *rows, 3, lr=1e-3, weight_decay=0.0)
+        outs.append((p, rows))
+    assert torch.equal(outs[0][0], outs[1][0]) and all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
