@@ -5,7 +5,11 @@ torch and fshard once and run nothing: a rank starts in a fraction of a second i
 10-20 s of CPU a pair of ranks on a loaded 2-core machine, the largest part of the suite's time when every rank was
 a fresh interpreter. A rank is otherwise what a fresh interpreter's would be: no collective, thread pool, process
 group or native library has been started or loaded in the server (torch seeds, threads and the environment are
-set per rank in ``_worker``), and the environment is the caller's at the time of the call, as with ``spawn``."""
+set per rank in ``_worker``), and the environment is the caller's at the time of the call, as with ``spawn``.
+
+A rank's stderr goes to a file of its own, with faulthandler on: a rank that dies (gloo aborting on a collective
+mismatch, a segfault) is reported with what its native code wrote there and every thread's Python stack (``Died``),
+so that a crash seen once in CI can be read (CI once showed only "rank 0 died: -6")."""
 from __future__ import annotations
 
 import faulthandler
