@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ArgumentTypeError
 from ._adamw import adam_moments
-from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor, torch_ops_piece
+from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -59,9 +59,6 @@ class Adam(Elementwise):
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
-
-    def piece(self, p):  # (torch's single-tensor ops: in pieces; the fused and native kernels: whole runs)
-        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def update_run(self, p, g, rows, step, lr, wd):
         m, v = rows[:2]

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._train_state import register_node
-from ._elementwise import Elementwise, pieces, torch_ops_piece
+from ._elementwise import Elementwise, pieces
 from ._protocol import OptState, Row
 
 _IMPLS = ("auto", "torch", "fused", "native")
@@ -105,9 +105,6 @@ class AdamW(Elementwise):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": None, "amsgrad": self.amsgrad,
                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                 "decoupled_weight_decay": True}
-
-    def piece(self, p):  # (its own apply: the impl="torch" branch alone takes pieces)
-        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs for state of ``dtype`` on ``device`` ("auto": native for fp32 where it is

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ArgumentError
-from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor, torch_ops_piece
+from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -62,9 +62,6 @@ class SGD(Elementwise):
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
-
-    def piece(self, p):  # (torch's single-tensor ops: in pieces; the fused and native kernels: whole runs)
-        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.sgd._single_tensor_sgd
         impl = self.resolved_impl(p.device, p.dtype)
@@ -127,9 +124,6 @@ class Adagrad(Elementwise):
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
-
-    def piece(self, p):  # (torch's single-tensor ops: in pieces; the fused and native kernels: whole runs)
-        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def update_run(self, p, g, rows, step, lr, wd):  # torch.optim.adagrad._single_tensor_adagrad (dense)
         (state_sum,) = rows

@@ -216,10 +216,12 @@ class Elementwise:
                 copy.copy_(p)
 
     def piece(self, p: torch.Tensor) -> int:
-        """The elements of a run that one ``update_run`` takes (0: the whole run). By default ``torch_ops_piece``:
-        an update written as several torch ops (as a subclass's usually is) reads each cache-sized piece from
-        memory once rather than once an op. A subclass that runs a one-pass kernel returns 0 for it."""
-        return torch_ops_piece(p)  # (a subclass whose update draws random numbers gets them piece by piece)
+        """The elements of a run that one ``update_run`` takes (0: the whole run): ``torch_ops_piece`` where the
+        implementation that runs is torch's ops ("torch", the default ``resolved_impl``, as a subclass's update
+        usually is), whose passes then read each cache-sized piece from memory once rather than once an op; 0 for a
+        one-pass kernel ("fused", "native"). A subclass whose update draws random numbers draws them piece by
+        piece."""
+        return torch_ops_piece(p) if self.resolved_impl(p.device, p.dtype) == "torch" else 0
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         """The implementation that runs (the step's ``optim/impl`` metric): torch's single-tensor arithmetic."""
