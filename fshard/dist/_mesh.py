@@ -345,8 +345,8 @@ def _control(backend: str, world_size: int, timeout: timedelta):
     of their own over every rank (None elsewhere: the mesh's group). gloo runs the collectives of one group in the
     order they were issued, so a check issued behind a gather still in flight waited for the whole gather: 47-50 ms
     behind a 64 MiB broadcast against 1.4-1.6 ms in a group of its own (measured, two ranks), and at each collective
-    the check before it undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own"). Made by every rank
-    (after the 2-D groups) and named by torch's job-wide count, as every group made by all ranks is: not by a hash of
+    the check before it undid gather_ahead's prefetch (design/ARCHITECTURE.md, "Checks in a group of their own").
+    Made by every rank (after the 2-D groups) and named by torch's job-wide count, as every group made by all ranks is: not by a hash of
     its members and the groups a process has, which differs between processes that made subgroups before (a mesh
     made after ``dist.new_group([0, 1])`` on 3 ranks then waited for the timeout). One group a mesh, freed with the
     process group (``dist.destroy_process_group()``): make a mesh once per job, not per step."""

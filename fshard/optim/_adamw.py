@@ -131,8 +131,8 @@ class AdamW(Elementwise):
         lr = float(self.lr) if lr is None else lr
         wd = self.weight_decay if weight_decay is None else weight_decay
         impl = self.resolved_impl(p.device, p.dtype)
-        if grad_scale != 1.0 and impl != "native":
-            g = g * grad_scale  # what clip_grad_norm_ does to .grad; the native kernel fuses it
+        if grad_scale != 1.0 and impl == "fused":
+            g = g * grad_scale  # what clip_grad_norm_ does to .grad (the native kernel fuses it; "torch": per piece)
         if impl == "fused":
             st = torch.tensor(float(step), device=p.device)
             torch._fused_adamw_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
@@ -149,6 +149,7 @@ class AdamW(Elementwise):
         else:  # torch.optim.adam._single_tensor_adam, decoupled weight decay, step as a Python float; in pieces
             rows = (m, v) if vmax is None else (m, v, vmax)  # (_elementwise.torch_ops_piece)
             for pp, gg, (mm, vv, *mx), _ in pieces(p, g, rows, None, self.piece(p)):
+                gg = gg if grad_scale == 1.0 else gg * grad_scale  # (a piece-sized temporary, not a run-sized one)
                 pp.mul_(1 - lr * wd)
                 adam_moments(pp, gg, mm, vv, mx[0] if mx else None, float(step), lr, b1, b2, eps)
         if copy is not None:
