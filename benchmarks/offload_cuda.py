@@ -127,9 +127,12 @@ def main() -> int:
                     " as JSON beside it) here")
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
+    ap.add_argument("--partial-fraction", type=float, default=0.7,
+                    help="--mode all: the fshard_partial run's --fraction (the rest of the moments on the GPU)")
     ap.add_argument("--all-modes", default="floors,fshard,fsdp2",
                     help="--mode all: what to run, in order, of floors, fshard (params=True), fshard_moments (master "
-                    "weights on the GPU, moments on the host) and fsdp2")
+                    "weights on the GPU, moments on the host), fshard_partial (the same, --partial-fraction of "
+                    "the moments on the host) and fsdp2")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -402,8 +405,9 @@ def run_all(a) -> int:
         runs = {"floors": ("floors", []), "fsdp2": ("fsdp2", []),
                 "fshard": ("fshard", ["--params", "--skip-peer"] + pin + tl),
                 "fshard_moments": ("fshard", ["--skip-peer"] + pin),
-                # the same with 30% of the units' moments on the GPU (a partial offload: not FSDP2's comparison)
-                "fshard_partial": ("fshard", ["--skip-peer", "--fraction", "0.7"] + pin)}
+                # fshard_moments with 1 - --partial-fraction of the units' moments on the GPU (a partial offload,
+                # DeepSpeed ZeRO-Offload++'s ratio: a layout FSDP2's CPUOffloadPolicy has no counterpart of)
+                "fshard_partial": ("fshard", ["--skip-peer", "--fraction", str(a.partial_fraction)] + pin)}
         labels = a.all_modes.split(",")
         if set(labels) - set(runs):
             raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
