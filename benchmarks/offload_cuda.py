@@ -125,6 +125,9 @@ def main() -> int:
     ap.add_argument("--params", action="store_true", help="master weights in the store too (params=True)")
     ap.add_argument("--timeline", default=None, help="fshard mode: write the last step's timeline (PNG and spans"
                     " as JSON beside it) here")
+    ap.add_argument("--update-on", default="host", choices=("host", "device"),
+                    help="offload_state(update_on=): the update on the host's cores, or on the GPU with the stored "
+                    "chunks copied up and back")
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
     ap.add_argument("--partial-fraction", type=float, default=0.7,
@@ -132,7 +135,8 @@ def main() -> int:
     ap.add_argument("--all-modes", default="floors,fshard,fsdp2",
                     help="--mode all: what to run, in order, of floors, fshard (params=True), fshard_moments (master "
                     "weights on the GPU, moments on the host), fshard_partial (the same, --partial-fraction of "
-                    "the moments on the host) and fsdp2")
+                    "the moments on the host), fshard_device and fshard_device_params (fshard_moments and fshard "
+                    "with the update on the GPU) and fsdp2")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -163,8 +167,9 @@ def main() -> int:
         store, frac = fs.NVMeStore(a.nvme), a.nvme_fraction
     else:
         store, frac = fs.CPUStore(pin=a.pin), a.fraction
-    offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params,
-                               overlap_backward=True if a.params else None)
+    device = a.update_on == "device"  # (the update after backward: the stored chunks go up and come back)
+    offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params, update_on=a.update_on,
+                               overlap_backward=True if a.params and not device else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights
     state = fs.init(model, fs.Mesh.local("cuda"), fs.adamw(lr=a.lr, weight_decay=0.1), seed=0, offload=offload)
     torch.cuda.synchronize()
@@ -197,7 +202,8 @@ def main() -> int:
                     [list(sp) for sp in tl.spans], default=str))
                 print(f"[offload_cuda] timeline: {a.timeline} (overlap {getattr(tl, 'overlap', None)})", flush=True)
     out["steps"] = rows
-    out["config"] = dict(params=a.params, pin=a.pin, chunk_mb=a.chunk_mb, batch=a.batch, seq=a.seq)
+    out["config"] = dict(params=a.params, pin=a.pin, chunk_mb=a.chunk_mb, batch=a.batch, seq=a.seq,
+                         update_on=a.update_on, fraction=frac)
     losses = [r["loss"] for r in rows]
     out["loss_falls"] = losses[-1] < losses[0]
     print(f"[offload_cuda] losses {' '.join(f'{x:.4f}' for x in losses)}: "
@@ -407,7 +413,10 @@ def run_all(a) -> int:
                 "fshard_moments": ("fshard", ["--skip-peer"] + pin),
                 # fshard_moments with 1 - --partial-fraction of the units' moments on the GPU (a partial offload,
                 # DeepSpeed ZeRO-Offload++'s ratio: a layout FSDP2's CPUOffloadPolicy has no counterpart of)
-                "fshard_partial": ("fshard", ["--skip-peer", "--fraction", str(a.partial_fraction)] + pin)}
+                "fshard_partial": ("fshard", ["--skip-peer", "--fraction", str(a.partial_fraction)] + pin),
+                # fshard_moments and fshard with the update on the GPU: the stored chunks go up and come back
+                "fshard_device": ("fshard", ["--skip-peer", "--update-on", "device"] + pin),
+                "fshard_device_params": ("fshard", ["--params", "--skip-peer", "--update-on", "device"] + pin)}
         labels = a.all_modes.split(",")
         if set(labels) - set(runs):
             raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
@@ -429,13 +438,19 @@ def run_all(a) -> int:
     peer_s = med(res.get("fsdp2", {}).get("steps", []))
     moments_s = med(res.get("fshard_moments", {}).get("steps", []))
     partial_s = med(res.get("fshard_partial", {}).get("steps", []))
+    device_s = med(res.get("fshard_device", {}).get("steps", []))
+    device_params_s = med(res.get("fshard_device_params", {}).get("steps", []))
     floor = res.get("floors", {}).get("floor_s")
     res["summary"] = dict(fshard_step_s=fs_s, fsdp2_step_s=peer_s, floor_s=floor,
                           over_floor=fs_s / floor if fs_s and floor else None,
                           over_fsdp2=fs_s / peer_s if fs_s and peer_s else None, moments_step_s=moments_s,
                           moments_over_fsdp2=moments_s / peer_s if moments_s and peer_s else None,
                           partial_step_s=partial_s,
-                          partial_over_fsdp2=partial_s / peer_s if partial_s and peer_s else None)
+                          partial_over_fsdp2=partial_s / peer_s if partial_s and peer_s else None,
+                          device_step_s=device_s, device_over_fsdp2=device_s / peer_s if device_s and peer_s else None,
+                          device_over_floor=device_s / floor if device_s and floor else None,
+                          device_params_step_s=device_params_s,
+                          device_params_over_fsdp2=device_params_s / peer_s if device_params_s and peer_s else None)
     print(f"[offload_cuda] summary: {json.dumps(res['summary'])}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

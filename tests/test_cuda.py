@@ -187,7 +187,8 @@ def _host_update_runs(mesh, directory):
     bucket_reduce, whose gradient shards are views of buckets the GPU writes again (the update reads a copy); and
     stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream; and tiers: half
     of the units on the GPU and half in host memory, and (with tensornvme) parameters and moments split between a
-    pinned CPUStore and an NVMeStore."""
+    pinned CPUStore and an NVMeStore. And the update on the GPU instead (``update_on="device"``): the stored chunks
+    copied up and back on two copy streams, after backward."""
     out = {}
     tiers = [("half on the GPU", dict(fraction=0.5, overlap_backward=True), True)]
     if _has_tensornvme():
@@ -201,6 +202,11 @@ def _host_update_runs(mesh, directory):
                           ("during+buckets", dict(overlap_backward=True), True),
                           ("params pinned", dict(params=True, overlap_backward=True, pin=True), False),
                           ("params pinned+donate", dict(params=True, overlap_backward=True, pin=True), True),
+                          # the update on the GPU: the stored chunks go up and come back (DeviceChunks)
+                          ("device", dict(update_on="device"), False),
+                          ("device pinned+donate", dict(update_on="device", pin=True), True),
+                          ("device params pinned+donate", dict(update_on="device", params=True, pin=True), True),
+                          ("device half on the GPU", dict(update_on="device", fraction=0.5, pin=True), False),
                           *tiers):
         for mixed in (False, True):
             def ts(f, kw=kw, mixed=mixed, k=k):

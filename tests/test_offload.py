@@ -293,6 +293,75 @@ def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
     assert m["update/overlapped_units"] == 4
 
 
+def _device_runs(directory, monkeypatch):
+    """Per config (update_on="device" unless named "host"): losses, full params, moments, the chunks that went up
+    and came back (DeviceChunks' calls), and the units updated during backward."""
+    import fshard as fs
+    from fshard.offload import _staging
+    calls = {"up": 0, "down": 0}
+    for name in ("up", "down"):
+        def spy(self, *a, _orig=getattr(_staging.DeviceChunks, name), _name=name):
+            calls[_name] += 1
+            return _orig(self, *a)
+        monkeypatch.setattr(_staging.DeviceChunks, name, spy)
+    model, loss_fn, batches = _model()
+    out = {}
+    for key, kw, donate in (("none", None, False), ("host", dict(update_on="host"), True),
+                            ("cpu", {}, False), ("cpu+donate", {}, True), ("half", dict(fraction=0.5), False),
+                            ("params", dict(params=True), False), ("params+donate", dict(params=True), True),
+                            ("nvme+params", dict(params=True, nvme=True), False),
+                            ("nvme+donate", dict(nvme=True), True)):
+        store = None
+        ts = (fs.gather_ahead(2),)
+        if kw is not None:
+            kw = {"update_on": "device", **kw}
+            store = fs.NVMeStore(f"{directory}/{key}") if kw.pop("nvme", False) else fs.CPUStore()
+            ts += (fs.offload_state(store, chunk_mb=0.01, **kw),)
+        calls.update(up=0, down=0)
+        state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=3e-3, weight_decay=0.1))
+        with fs.compose(loss_fn, *ts, donate=donate) as step:
+            losses, overlapped = [], 0
+            for b in batches(0, 1):
+                state, m = step(state, b)
+                losses.append(m["loss"])
+                overlapped += m.get("update/overlapped_units", 0)
+        params = {n: p.numpy().tobytes() for n, p in fs.full_params(state).items()}
+        out[key] = (losses, params, _moments(state), dict(calls), overlapped)
+        del state
+        if store is not None:
+            store.close()
+    return out
+
+
+def test_the_update_on_the_device_is_bitwise_the_same_and_moves_each_chunk_up_and_back(tmp_path, monkeypatch):
+    """offload_state(update_on="device"): each stored chunk goes to the mesh's device for the update and comes back
+    (on a CPU mesh a working copy, the same path as on a GPU: tests/test_cuda.py runs it there), after backward,
+    bitwise the update without offload: CPUStore and NVMeStore, in place (donate) and into new versions, half the
+    units, parameters in the store too (their head chunks go up beside the rows)."""
+    out = _device_runs(str(tmp_path), monkeypatch)
+    ref = out["none"]
+    for key, (losses, params, moments, calls, overlapped) in out.items():
+        assert (losses, params, moments) == ref[:3], f"{key}: differs from the update without offload"
+        assert overlapped == 0, f"{key}: {overlapped} units updated during backward"
+        if key in ("none", "host"):
+            assert calls == {"up": 0, "down": 0}, f"{key}: {calls}"
+        else:  # every stored chunk up and back, the first step's excepted (it puts the moments in the store)
+            assert calls["up"] == calls["down"] > 0, f"{key}: {calls}"
+    # with the parameters' heads beside the rows, twice the chunks go up
+    assert out["params"][3]["up"] == 2 * out["cpu"][3]["up"]
+    assert out["half"][3]["up"] < out["cpu"][3]["up"]
+
+
+def test_update_on_is_checked_by_name():
+    import fshard as fs
+    with pytest.raises(ValueError, match="update_on must be 'host'"):
+        fs.offload_state(fs.CPUStore(), update_on="gpu")
+    with pytest.raises(ValueError, match="overlap_backward=True cannot hold"):
+        fs.offload_state(fs.CPUStore(), update_on="device", overlap_backward=True)
+    off = fs.offload_state(fs.CPUStore(), update_on="device")
+    assert off.overlap_backward is False and "update_on='device'" in repr(off) and "update_on" in off.fingerprint()
+
+
 def test_the_worker_runs_at_a_lower_priority_than_the_caller():
     """worker_nice lowers only the worker thread's priority (Linux nice is per thread), so backward keeps the cores;
     a value outside 0-19 is refused by name."""

@@ -12,7 +12,7 @@ import torch
 from ..optim._protocol import apply_runs
 from ..state._stored import StoredParam, _Items, param_key
 from ..store._protocol import locked
-from ._staging import HostStaging
+from ._staging import DeviceChunks, HostStaging
 
 
 class Streamed(NamedTuple):
@@ -30,7 +30,7 @@ class Streamed(NamedTuple):
 
 
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
-                  staging=None):
+                  staging=None, device=None):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
@@ -42,13 +42,16 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after
     which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
     which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits);
-    ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made here."""
+    ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made here.
+    ``device`` (``offload_state(update_on="device")``): the update runs there instead, on the stored chunks copied up
+    and back (``DeviceChunks``) beside the gradients and parameters where they are; no host staging."""
     items = [w.state.rows[0].items for w in work]  # (a stored unit's rows share their items)
     keys = [k for it in items for k in it.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
     where = [(i, c) for i, it in enumerate(items) for c in range(len(it.chunks))]
     last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
-    staging = HostStaging(work, ready) if staging is None else staging
+    staging = (_Resident(work) if device is not None else HostStaging(work, ready)) if staging is None else staging
+    chunks = None if device is None else DeviceChunks(device, depth)
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
     # an in-memory store updated in place where the input may be overwritten: no copy out and back
     # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own stream)
@@ -75,17 +78,23 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
                 pitem = next(its[1]) if w.pkey is not None else None
             t_wait += time.perf_counter() - t0
             lo, hi = items[i].chunks[c]
-            rows = item.tensor
-            p, plo = (w.param, 0) if pitem is None else (pitem.tensor[0], lo)  # a stored head chunk starts at lo
+            host = [item.tensor] + ([] if pitem is None else [pitem.tensor[0]])  # rows (and a stored head chunk)
+            near = host if chunks is None else [chunks.up(t) for t in host]  # where the update runs
+            p, plo = (w.param, 0) if pitem is None else (near[1], lo)  # a stored head chunk starts at lo
             for a, b, step, lr, wd in w.segs:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    runs.append(_run(p, w.grad, rows, a, b, lo, (step, scale, lr, wd), w.copy, plo))
+                    runs.append(_run(p, w.grad, near[0], a, b, lo, (step, scale, lr, wd), w.copy, plo))
             held.append([(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else []))
-            if in_place is not None and c != last[i]:
+            if in_place is not None and c != last[i] and chunks is None:
                 continue
             apply_runs(opt, runs)
             runs = []
+            if chunks is not None:  # back into the host items; a write-back that reads them waits for that
+                for dev, t in zip(near, host):
+                    chunks.down(dev, t)
+                if in_place is None:
+                    chunks.settle()
             t0 = time.perf_counter()
             for s, it_, k in (d for done in held for d in done):
                 with locked(store):
@@ -104,6 +113,8 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     finally:
         t0 = time.perf_counter()
         error = None
+        if chunks is not None:
+            chunks.settle()  # (in place: the stored tensors themselves; after an error too, before the buffers go)
         for s in streams:
             try:
                 with locked(store):
@@ -121,11 +132,27 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     return up
 
 
+class _Resident:
+    """``HostStaging``'s interface for an update on the device: every tensor stays where it is."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def host(self, i: int):
+        return self.work[i]
+
+    def up(self, i: int) -> None:
+        pass
+
+    def finish(self, wait: bool = True):
+        return None
+
+
 def _run(p, g, rows, a: int, b: int, lo: int, run: tuple, copy=None, plo: int = 0) -> tuple:
     """One optimizer run (``apply_runs``'s tuple) over shard elements [a, b) whose state sits at [a - lo, b - lo) of
     each chunk row and parameters at [a - plo, b - plo) of ``p``; ``run``: (step, grad scale, lr, weight decay);
-    ``copy``: the shard's low-precision copy, written in the same pass. Every tensor is on the host
-    (``HostStaging`` put it there)."""
+    ``copy``: the shard's low-precision copy, written in the same pass. Every tensor is where the update runs (on the
+    host, where ``HostStaging`` put it, or on the device with ``DeviceChunks``)."""
     step, scale, lr, wd = run
     return (p[a - plo:b - plo], g[a:b], tuple(r[a - lo:b - lo] for r in rows), step, scale, lr, wd,
             None if copy is None else copy[a:b])

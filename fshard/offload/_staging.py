@@ -88,3 +88,51 @@ def _down(t, stream):
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+class DeviceChunks:
+    """The other direction, for ``offload_state(update_on="device")``: each stored chunk (the optimizer's rows, and
+    a stored parameter's head) goes up to the device for the update, where the gradient and (unless stored) the
+    parameter already are, and comes back down into the host item after it. Up and down run on two copy streams of
+    their own, so chunk i+1 goes up while chunk i-1 comes down (PCIe is full-duplex), and the update waits only for
+    its own chunk. At most ``depth`` + 1 chunks are on the device at once: ``down`` waits for the oldest copy down
+    beyond that. On a CPU mesh the device is the host: the update works on a copy of the item, which is then
+    copied back (the same path, so the CPU suite runs it)."""
+
+    def __init__(self, device: torch.device, depth: int):
+        self.device, self.depth = torch.device(device), depth
+        cuda = self.device.type == "cuda"
+        self.up_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.down_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._pending: list = []  # events after the copies down still in flight, oldest first
+
+    def up(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host``, which the current stream's work after this call may read and write."""
+        if self.up_stream is None:
+            return host.clone()
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.up_stream):  # allocated on the copy stream: the next chunk's copy up need not
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # wait for this one's update
+            dev.copy_(host, non_blocking=True)
+        current.wait_stream(self.up_stream)
+        dev.record_stream(current)  # (its memory is reused only after the update and the copy down are done)
+        return dev
+
+    def down(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``dev`` back into ``host`` once the current stream's work so far (the update) is done."""
+        if self.down_stream is None:
+            host.copy_(dev)
+            return
+        with torch.cuda.stream(self.down_stream):
+            self.down_stream.wait_stream(torch.cuda.current_stream(self.device))
+            dev.record_stream(self.down_stream)
+            host.copy_(dev, non_blocking=True)
+        self._pending.append(self.down_stream.record_event())
+        while len(self._pending) > self.depth:  # (bounds the chunks held on the device; lets go of the GIL)
+            self._pending.pop(0).synchronize()
+
+    def settle(self) -> None:
+        """Wait until every copy down has landed in host memory (before a write-back reads it, or the stream
+        ends)."""
+        while self._pending:
+            self._pending.pop(0).synchronize()

@@ -69,6 +69,16 @@ class offload_state(Transform):
     (design/OFFLOAD.md; a 4.87B GPT in 1.9 GiB per rank at world size 2, benchmarks/RESULTS.md). No
     ``param_copies`` for them: a gather casts what it reads.
 
+    update_on: where a stored unit's update runs. "host" (the default): where the store is, by the host's cores
+    (ZeRO-Offload's layout; on a GPU the gradient shards come down and parameters kept on the GPU go down and back).
+    "device": on the mesh's device; each stored chunk (the optimizer's rows, and a stored parameter's head) goes up
+    on a copy stream, is updated there beside the gradient, and comes back on another, up and down overlapped
+    (PCIe is full-duplex), after backward. Which is faster is the host's memory bandwidth against the link's: the
+    host update reads and writes 28 bytes of host memory a parameter (AdamW, fp32), the device update moves the
+    rows' 8 bytes up and 8 down (12 and 12 with ``params=True``) and leaves the host's cores alone
+    (design/OFFLOAD.md, "On a GPU"). The result is the device's update kernel's, as without offload. An optimizer
+    that cannot stream is updated a whole unit at a time whatever ``update_on`` says (fshard/offload/_whole.py).
+
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated
     during backward, and the worker's time on them), ``store/resident_bytes``, and ``io/param_read_bytes`` (the
@@ -78,8 +88,17 @@ class offload_state(Transform):
     stages = {"update": "set"}  # one policy per step; units it does not take go to the policy it was given
 
     def __init__(self, store: Any, fraction: float | tuple = 1.0, chunk_mb: float = 4, depth: int = 2,
-                 overlap_backward: bool | None = None, worker_nice: int = 5, params: bool = False):
+                 overlap_backward: bool | None = None, worker_nice: int = 5, params: bool = False,
+                 update_on: str = "host"):
         self.stores, self.fractions = _tiers(store, fraction)
+        if update_on not in ("host", "device"):
+            raise ArgumentError(f"fs.offload_state: update_on must be 'host' (the update runs where the store is: "
+                                f"ZeRO-Offload's layout) or 'device' (the stored chunks go to the mesh's device for "
+                                f"the update and come back), got {update_on!r}.")
+        if update_on == "device" and overlap_backward:
+            raise ArgumentError("fs.offload_state: update_on='device' streams the stored chunks after backward, so "
+                                "overlap_backward=True cannot hold; leave overlap_backward out (or False), or use "
+                                "update_on='host' to update during backward.")
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
             raise ArgumentError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
                                 f"{depth!r}.")
@@ -94,9 +113,9 @@ class offload_state(Transform):
         self.params, self.chunk_mb, self.depth = params, chunk_mb, depth
         on_disk = any(st.directory is not None for st in self.stores)  # a store that waits on a device
         # None: decided per step by where the update runs against backward (OffloadUpdate.overlaps)
-        self.overlap_backward = True if on_disk and overlap_backward is None else (
+        self.overlap_backward = False if update_on == "device" else True if on_disk and overlap_backward is None else (
             None if overlap_backward is None else bool(overlap_backward))
-        self.worker_nice = worker_nice
+        self.worker_nice, self.update_on = worker_nice, update_on
 
     @property
     def store(self):
@@ -124,7 +143,7 @@ class offload_state(Transform):
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,
-                             self.worker_nice, self.params)
+                             self.worker_nice, self.params, self.update_on)
 
     def init_state(self, spec, old):
         """No state of its own. An optimizer that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a
@@ -137,14 +156,14 @@ class offload_state(Transform):
         own."""
         return (f"fs.offload_state({', '.join(type(st).__name__ for st in self.stores)}, fraction={self.fractions}, "
                 f"chunk_mb={self.chunk_mb}, depth={self.depth}, overlap_backward={self.overlap_backward}, "
-                f"params={self.params})")
+                f"params={self.params}, update_on={self.update_on!r})")
 
     def __repr__(self) -> str:
+        extra = (", params=True" if self.params else "") + (", update_on='device'" if self.update_on == "device"
+                                                            else "")
         if len(self.stores) == 1:
-            return (f"fs.offload_state({_location(self.store)}, fraction={self.fractions[0]}"
-                    f"{', params=True' if self.params else ''})")
-        return (f"fs.offload_state(({', '.join(map(_location, self.stores))}), fraction={self.fractions}"
-                f"{', params=True' if self.params else ''})")
+            return f"fs.offload_state({_location(self.store)}, fraction={self.fractions[0]}{extra})"
+        return f"fs.offload_state(({', '.join(map(_location, self.stores))}), fraction={self.fractions}{extra})"
 
 
 def _tiers(store, fraction) -> tuple[tuple, tuple]:

@@ -31,9 +31,9 @@ class OffloadUpdate(UpdatePolicy):
     (unit name -> ``_Early``) until ``__call__`` takes them or ``abort`` drops them."""
 
     def __init__(self, inner: UpdatePolicy, stores: tuple, fractions: tuple, chunk_numel: int, depth: int,
-                 overlap_backward: bool | None, worker_nice: int, params: bool = False):
+                 overlap_backward: bool | None, worker_nice: int, params: bool = False, update_on: str = "host"):
         self.inner, self.stores, self.fractions, self.chunk, self.depth = inner, stores, fractions, chunk_numel, depth
-        self.overlap_backward, self.params = overlap_backward, params
+        self.overlap_backward, self.params, self.update_on = overlap_backward, params, update_on
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, unit name -> the store of its tier)
@@ -90,7 +90,10 @@ class OffloadUpdate(UpdatePolicy):
 
     def overlaps(self, device) -> bool:
         """Whether updates begin during backward: as asked, or by default (None) on a GPU mesh, where backward runs
-        on the device and leaves the host's cores to the update (an NVMe store's default, on, is set already)."""
+        on the device and leaves the host's cores to the update (an NVMe store's default, on, is set already);
+        never for an update on the device (after backward, offload_state refuses both)."""
+        if self.update_on == "device":
+            return False
         return self.overlap_backward if self.overlap_backward is not None else device.type == "cuda"
 
     def abort(self, step) -> None:
@@ -297,7 +300,8 @@ class OffloadUpdate(UpdatePolicy):
                 items = held if donate else _Items(held.store, key, held.chunks, held.rows)
                 opt_state[u.name] = stored_state(s, items, count, first.numel, first.dtype, first.location)
             if streamed:
-                self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record)
+                self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record,
+                             device=spec.mesh.device if self.update_on == "device" else None)
             if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
                 for u in spec.units:
                     if u.name in chosen and isinstance(params[u.name], torch.Tensor):
@@ -332,16 +336,17 @@ class OffloadUpdate(UpdatePolicy):
 
     # --- the pipeline --------------------------------------------------------------------------------------------
 
-    def _stream(self, opt, work, scale, created, m, donate, record, ready=None, wait_up=True, staging=None) -> list:
+    def _stream(self, opt, work, scale, created, m, donate, record, ready=None, wait_up=True, staging=None,
+                device=None) -> list:
         """Stream ``work`` through the stores its units live in, one store after the other (model order within).
         Returns the CUDA events after the parameters' copies back to the GPU (none on a CPU mesh); ``ready``,
-        ``wait_up`` and ``staging`` (one unit's, in one store): as ``stream_update`` takes them."""
+        ``wait_up``, ``staging`` (one unit's, in one store) and ``device``: as ``stream_update`` takes them."""
         ups = []
         for store in self.stores:
             mine = [w for w in work if stored_items(w.state).store is store]
             if mine:
                 up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up,
-                                   staging)
+                                   staging, device)
                 if up is not None:
                     ups.append(up)
         return ups
