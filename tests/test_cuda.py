@@ -191,8 +191,10 @@ def _host_update_runs(mesh, directory):
     copied up and back on two copy streams, after backward."""
     out = {}
     tiers = [("half on the GPU", dict(fraction=0.5, overlap_backward=True), True)]
+    devnvme = []
     if _has_tensornvme():
         tiers.append(("cpu+nvme tiers", dict(params=True, overlap_backward=True, nvme=(0.5, 0.5)), True))
+        devnvme.append(("device nvme", dict(update_on="device", nvme_only=True), True))
     for k, kw, donate in (("none", None, False), ("after", dict(overlap_backward=False), False),
                           ("during", dict(overlap_backward=True), False),
                           ("during+donate", dict(overlap_backward=True), True),
@@ -207,7 +209,8 @@ def _host_update_runs(mesh, directory):
                           ("device pinned+donate", dict(update_on="device", pin=True), True),
                           ("device params pinned+donate", dict(update_on="device", params=True, pin=True), True),
                           ("device half on the GPU", dict(update_on="device", fraction=0.5, pin=True), False),
-                          *tiers):
+                          ("device params", dict(update_on="device", params=True), False),
+                          *devnvme, *tiers):
         for mixed in (False, True):
             def ts(f, kw=kw, mixed=mixed, k=k):
                 extra = (f.gather_ahead(2),) + ((f.bucket_reduce(0.002),) if "buckets" in k else ()) \
@@ -216,6 +219,8 @@ def _host_update_runs(mesh, directory):
                     return extra
                 kw = dict(kw)
                 store = f.CPUStore(pin=kw.pop("pin", False))  # pinned: stored parameters go up straight from it
+                if kw.pop("nvme_only", False):
+                    store = f.NVMeStore(os.path.join(directory, f"nvme1-{mixed}"))
                 if "nvme" in kw:  # two tiers after the GPU: a pinned CPUStore, then an NVMeStore
                     kw["fraction"] = kw.pop("nvme")
                     store = (f.CPUStore(pin=True), f.NVMeStore(os.path.join(directory, f"nvme-{mixed}")))
@@ -239,6 +244,20 @@ def test_the_host_update_streams_bitwise_after_and_during_backward(mesh, tmp_pat
         expect = k in ("during", "during+donate", "params", "params+donate", "during+buckets", "params pinned",
                        "params pinned+donate", "half on the GPU", "cpu+nvme tiers")
         assert (overlapped > 0) == expect, f"{k} (mixed={mixed}): {overlapped} units updated during backward"
+
+
+def test_a_chunk_comes_back_down_only_after_its_update():
+    """DeviceChunks (update_on="device"): the copy down waits for the update on the current stream, however long
+    that takes (a sleeping kernel before it), and the copy up for nothing of it; the streams are the caller's."""
+    from fshard.offload._staging import DeviceChunks
+    host = torch.zeros(1 << 20, pin_memory=True)
+    chunks = DeviceChunks("cuda", 2, (torch.cuda.Stream(), torch.cuda.Stream()))
+    dev = chunks.up(host)
+    torch.cuda._sleep(10**8)  # (about 0.05-0.1 s of the current stream)
+    dev.add_(1)
+    chunks.down([(dev, host)])
+    chunks.settle()
+    assert bool((host == 1).all()), "the copy down did not wait for the update"
 
 
 def _skip_and_resume(mesh, directory):

@@ -298,12 +298,19 @@ def _device_runs(directory, monkeypatch):
     and came back (DeviceChunks' calls), and the units updated during backward."""
     import fshard as fs
     from fshard.offload import _staging
-    calls = {"up": 0, "down": 0}
-    for name in ("up", "down"):
-        def spy(self, *a, _orig=getattr(_staging.DeviceChunks, name), _name=name):
-            calls[_name] += 1
-            return _orig(self, *a)
-        monkeypatch.setattr(_staging.DeviceChunks, name, spy)
+    calls = {"up": 0, "down": 0}  # tensors copied up, and back
+    up, down = _staging.DeviceChunks.up, _staging.DeviceChunks.down
+
+    def spy_up(self, host):
+        calls["up"] += 1
+        return up(self, host)
+
+    def spy_down(self, pairs):  # (one call a chunk, its tensors together)
+        pairs = list(pairs)
+        calls["down"] += len(pairs)
+        return down(self, pairs)
+    monkeypatch.setattr(_staging.DeviceChunks, "up", spy_up)
+    monkeypatch.setattr(_staging.DeviceChunks, "down", spy_down)
     model, loss_fn, batches = _model()
     out = {}
     for key, kw, donate in (("none", None, False), ("host", dict(update_on="host"), True),

@@ -12,7 +12,7 @@ import torch
 from ..optim._protocol import apply_runs
 from ..state._stored import StoredParam, _Items, param_key
 from ..store._protocol import locked
-from ._staging import DeviceChunks, HostStaging
+from ._staging import HostStaging
 
 
 class Streamed(NamedTuple):
@@ -30,7 +30,7 @@ class Streamed(NamedTuple):
 
 
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
-                  staging=None, device=None):
+                  staging=None, chunks=None):
     """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
@@ -43,15 +43,15 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
     which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits);
     ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made here.
-    ``device`` (``offload_state(update_on="device")``): the update runs there instead, on the stored chunks copied up
-    and back (``DeviceChunks``) beside the gradients and parameters where they are; no host staging."""
+    ``chunks`` (a ``DeviceChunks``, for ``offload_state(update_on="device")``): the update runs on its device
+    instead, on the stored chunks copied up and back beside the gradients and parameters where they are; no host
+    staging."""
     items = [w.state.rows[0].items for w in work]  # (a stored unit's rows share their items)
     keys = [k for it in items for k in it.item_keys()]
     pkeys = [k for w in work if w.pkey is not None for k in w.param.head.item_keys()]
     where = [(i, c) for i, it in enumerate(items) for c in range(len(it.chunks))]
     last = {i: c for i, c in where}  # unit i's last chunk: its parameters go back to the GPU after it
-    staging = (_Resident(work) if device is not None else HostStaging(work, ready)) if staging is None else staging
-    chunks = None if device is None else DeviceChunks(device, depth)
+    staging = (_Resident(work) if chunks is not None else HostStaging(work, ready)) if staging is None else staging
     t_wait, spans = 0.0, {}  # timeline: unit i -> [its first read asked for, its last write-back issued]
     # an in-memory store updated in place where the input may be overwritten: no copy out and back
     # (looked up on the class: a wrapper that forwards other calls through __getattr__ keeps its own stream)
@@ -91,8 +91,8 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
             apply_runs(opt, runs)
             runs = []
             if chunks is not None:  # back into the host items; a write-back that reads them waits for that
-                for dev, t in zip(near, host):
-                    chunks.down(dev, t)
+                chunks.down(zip(near, host))
+                near = None  # (its device memory may serve the next chunk once the copies down are done)
                 if in_place is None:
                     chunks.settle()
             t0 = time.perf_counter()
@@ -114,7 +114,10 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
         t0 = time.perf_counter()
         error = None
         if chunks is not None:
-            chunks.settle()  # (in place: the stored tensors themselves; after an error too, before the buffers go)
+            try:  # (in place: the stored tensors themselves; after an error too, before the buffers go back)
+                chunks.settle()
+            except BaseException as e:  # noqa: BLE001 - close the streams still, then raise
+                error = e
         for s in streams:
             try:
                 with locked(store):

@@ -1,16 +1,20 @@
-"""Host staging for an update that runs on the host while the step's tensors live on a GPU (offload_state on CUDA).
+"""Moving an offloaded update's tensors between a GPU and the host (offload_state on CUDA): ``HostStaging`` for an
+update on the host (``update_on="host"``), ``DeviceChunks`` for one on the device (``update_on="device"``, at the
+end).
 
-A unit streamed through the host update (fshard/_early.py's ``stream_update``) needs its gradient shard on the host,
-and, where its master weights stay on the GPU, its parameter shard (and low-precision copy) down and back up. Each
-such tensor moves whole, once, between the GPU and pinned host memory, asynchronously on a copy stream of its own:
-unit i+1's copies down run while the host updates unit i, and unit i's copies up run while the host updates unit
-i+1. The host update then reads and writes pinned host tensors only; a copy down is waited for with its event (the
-GIL is let go meanwhile), and the compute stream waits for the copies up before anything after the update reads the
-parameters (``finish``).
+A unit streamed through the host update (fshard/offload/_pipeline.py's ``stream_update``) needs its gradient
+shard on the host, and, where its master weights stay on the GPU, its parameter shard (and low-precision copy) down
+and back up. Each such tensor moves whole, once, between the GPU and pinned host memory, asynchronously on a copy
+stream of its own: unit i+1's copies down run while the host updates unit i, and unit i's copies up run while the
+host updates unit i+1. The host update then reads and writes pinned host tensors only; a copy down is waited for
+with its event (the GIL is let go meanwhile), and the compute stream waits for the copies up before anything after
+the update reads the parameters (``finish``).
 
 The alternatives: a synchronous copy per chunk into pageable memory (what fshard did first: the 6.3B GPT's update
 took 76 s on an H100, every transfer exposed and each at pageable speed); a CUDA kernel for the update with the
-moments read over PCIe (zero-copy: every step moves the moments across the bus twice, 8x the gradient's bytes).
+moments read over PCIe where they are (zero-copy: the moments cross the bus both ways every step, 8x the gradient's
+bytes, at PCIe's latency for every load). ``DeviceChunks`` moves the same bytes, in bulk copies, for a host whose
+memory is slower than that (design/OFFLOAD.md, "On a GPU").
 Pinned buffers come from torch's caching host allocator, which keeps a buffer until the copies recorded on it are
 done, so one freed here is never reused under a copy in flight.
 """
@@ -93,18 +97,18 @@ def _down(t, stream):
 class DeviceChunks:
     """The other direction, for ``offload_state(update_on="device")``: each stored chunk (the optimizer's rows, and
     a stored parameter's head) goes up to the device for the update, where the gradient and (unless stored) the
-    parameter already are, and comes back down into the host item after it. Up and down run on two copy streams of
-    their own, so chunk i+1 goes up while chunk i-1 comes down (PCIe is full-duplex), and the update waits only for
-    its own chunk. At most ``depth`` + 1 chunks are on the device at once: ``down`` waits for the oldest copy down
-    beyond that. On a CPU mesh the device is the host: the update works on a copy of the item, which is then
-    copied back (the same path, so the CPU suite runs it)."""
+    parameter already are, and comes back down into the host item after it. Up and down run on two copy streams
+    (``streams``, made once by the caller: a stream's cached blocks serve that stream alone), so with pinned items
+    chunk i+1 goes up while chunk i-1 comes down (PCIe is full-duplex), and the update waits only for its own
+    chunk. ``down`` takes a chunk's tensors at once and waits, beyond ``depth`` chunks whose copies down are in
+    flight, for the oldest: so at most ``depth`` + 2 chunks hold device memory (those, the one being updated, and
+    the next one's allocation). On a CPU mesh the device is the host: the update works on a copy of the item, which
+    is then copied back (the same path, so the CPU suite runs it)."""
 
-    def __init__(self, device: torch.device, depth: int):
+    def __init__(self, device: torch.device, depth: int, streams: tuple | None = None):
         self.device, self.depth = torch.device(device), depth
-        cuda = self.device.type == "cuda"
-        self.up_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.down_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._pending: list = []  # events after the copies down still in flight, oldest first
+        self.up_stream, self.down_stream = streams if self.device.type == "cuda" else (None, None)
+        self._pending: list = []  # events after each chunk's copies down still in flight, oldest first
 
     def up(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of ``host``, which the current stream's work after this call may read and write."""
@@ -118,21 +122,26 @@ class DeviceChunks:
         dev.record_stream(current)  # (its memory is reused only after the update and the copy down are done)
         return dev
 
-    def down(self, dev: torch.Tensor, host: torch.Tensor) -> None:
-        """Copy ``dev`` back into ``host`` once the current stream's work so far (the update) is done."""
+    def down(self, pairs) -> None:
+        """Copy each ``(device tensor, host tensor)`` of one chunk back into its host tensor once the current
+        stream's work so far (the update) is done."""
         if self.down_stream is None:
-            host.copy_(dev)
+            for dev, host in pairs:
+                host.copy_(dev)
             return
+        self.down_stream.wait_stream(torch.cuda.current_stream(self.device))  # (taken before the switch below)
         with torch.cuda.stream(self.down_stream):
-            self.down_stream.wait_stream(torch.cuda.current_stream(self.device))
-            dev.record_stream(self.down_stream)
-            host.copy_(dev, non_blocking=True)
+            for dev, host in pairs:
+                dev.record_stream(self.down_stream)
+                host.copy_(dev, non_blocking=True)
         self._pending.append(self.down_stream.record_event())
         while len(self._pending) > self.depth:  # (bounds the chunks held on the device; lets go of the GIL)
             self._pending.pop(0).synchronize()
 
     def settle(self) -> None:
-        """Wait until every copy down has landed in host memory (before a write-back reads it, or the stream
-        ends)."""
+        """Wait until every copy up has read its host tensor and every copy down has landed in host memory (before a
+        write-back reads one, the stream ends, or its buffers go back after an error)."""
+        if self.up_stream is not None:
+            self.up_stream.synchronize()
         while self._pending:
             self._pending.pop(0).synchronize()

@@ -72,12 +72,14 @@ class offload_state(Transform):
     update_on: where a stored unit's update runs. "host" (the default): where the store is, by the host's cores
     (ZeRO-Offload's layout; on a GPU the gradient shards come down and parameters kept on the GPU go down and back).
     "device": on the mesh's device; each stored chunk (the optimizer's rows, and a stored parameter's head) goes up
-    on a copy stream, is updated there beside the gradient, and comes back on another, up and down overlapped
-    (PCIe is full-duplex), after backward. Which is faster is the host's memory bandwidth against the link's: the
-    host update reads and writes 28 bytes of host memory a parameter (AdamW, fp32), the device update moves the
-    rows' 8 bytes up and 8 down (12 and 12 with ``params=True``) and leaves the host's cores alone
-    (design/OFFLOAD.md, "On a GPU"). The result is the device's update kernel's, as without offload. An optimizer
-    that cannot stream is updated a whole unit at a time whatever ``update_on`` says (fshard/offload/_whole.py).
+    on a copy stream, is updated there beside the gradient, and comes back on another, after backward; up and down
+    overlap (PCIe is full-duplex) with a pinned CPUStore updated in place (``pin=True``, ``donate=True``), and each
+    chunk waits for its own copies otherwise. Use large chunks (``chunk_mb=64``): each costs Python a few launches.
+    Which is faster is the host's memory bandwidth against the link's: the host update reads and writes 28 bytes of
+    host memory a parameter (AdamW, fp32), the device update moves the rows' 8 bytes up and 8 down (12 and 12 with
+    ``params=True``) by DMA (design/OFFLOAD.md, "On a GPU"). The result is the device's update kernel's, as without
+    offload. An optimizer that cannot stream is updated a whole unit at a time whatever ``update_on`` says
+    (fshard/offload/_whole.py).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated

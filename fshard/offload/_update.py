@@ -15,6 +15,7 @@ import torch
 from ..protocol._stages import UpdatePolicy
 from ._reader import Reader
 from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
+from ._staging import DeviceChunks
 from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
 from ..optim._protocol import row_names, state_bytes, streamable
@@ -43,6 +44,7 @@ class OffloadUpdate(UpdatePolicy):
                                          initializer=lower_priority, initargs=(worker_nice,))
         self.reader = Reader()  # reads parameter shards held in a store ahead of their gathers (read_ahead)
         self.chain = threading.Lock()  # orders the start of units' copies down between this thread and the worker
+        self._copy_streams: dict = {}  # device -> (up, down): update_on="device"'s copy streams, made once
 
     def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
@@ -345,8 +347,9 @@ class OffloadUpdate(UpdatePolicy):
         for store in self.stores:
             mine = [w for w in work if stored_items(w.state).store is store]
             if mine:
+                chunks = None if device is None else DeviceChunks(device, self.depth, self._streams(device))
                 up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up,
-                                   staging, device)
+                                   staging, chunks)
                 if up is not None:
                     ups.append(up)
         return ups
@@ -370,6 +373,16 @@ class OffloadUpdate(UpdatePolicy):
         return out
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
+
+    def _streams(self, device) -> tuple | None:
+        """The device update's two copy streams on ``device`` (up, down), made once: the caching allocator keeps a
+        stream's freed blocks for that stream, so new streams every step would each strand a chunk pipeline's
+        worth of GPU memory."""
+        if device.type != "cuda":
+            return None
+        if device not in self._copy_streams:
+            self._copy_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._copy_streams[device]
 
     def _key(self, name: str) -> str:
         return f"{name}@{self._prefix}.v{next(self._versions)}"

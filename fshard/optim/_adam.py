@@ -79,7 +79,7 @@ class Adam(Elementwise):
         if impl == "fused":
             # (the fused kernel takes one dtype; torch's ops promote a bf16 gradient alike)
             g = g if g.dtype == p.dtype else g.to(p.dtype)
-            st = torch.tensor(float(step), device=p.device)
+            st = torch.full((), float(step), device=p.device)  # (a fill: no blocking copy on a GPU)
             torch._fused_adam_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
                                weight_decay=wd, eps=eps, amsgrad=self.amsgrad, maximize=False)
             return

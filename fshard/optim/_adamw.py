@@ -134,7 +134,7 @@ class AdamW(Elementwise):
         if grad_scale != 1.0 and impl == "fused":
             g = g * grad_scale  # what clip_grad_norm_ does to .grad (the native kernel fuses it; "torch": per piece)
         if impl == "fused":
-            st = torch.tensor(float(step), device=p.device)
+            st = torch.full((), float(step), device=p.device)  # (a fill: no blocking copy on a GPU)
             torch._fused_adamw_([p], [g], [m], [v], [] if vmax is None else [vmax], [st], lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=wd, eps=eps, amsgrad=self.amsgrad, maximize=False)
         elif impl == "native":
