@@ -128,12 +128,19 @@ def _memory(d: str):
                    [(s.exp_avg, loaded.opt_state[n].exp_avg), (s.exp_avg_sq, loaded.opt_state[n].exp_avg_sq)])
     moments = sum(2 * s.exp_avg.nbytes for s in state.opt_state.values())
     params = sum(p.nbytes for p in state.params.values())
-    return train_peak, save_growth, load_growth, moments, params, same
+    largest = max(p.nbytes for p in model.parameters())  # (DCP reads a saved tensor whole before copying it)
+    return train_peak, save_growth, load_growth, moments, params, same, largest
 
 
 def test_save_and_load_of_offloaded_moments_never_hold_them(tmp_path):
-    train_peak, save_growth, load_growth, moments, params, same = run_ranks(_memory, 1, str(tmp_path), fresh=True)[0]
+    train_peak, save_growth, load_growth, moments, params, same, largest = run_ranks(_memory, 1, str(tmp_path),
+                                                                                    fresh=True)[0]
     chunk = 2 * 4 * 2**20  # a store item: both moments of 1M elements
     assert same and moments > 130e6
     assert save_growth <= 2 * chunk + 64 * 2**20, (save_growth, moments)
-    assert load_growth <= params + 2 * chunk + 64 * 2**20, (load_growth, params, moments)  # the new parameters
+    # Loading holds the new parameters, DCP's read of the largest saved tensor (its bytes, before the copy into
+    # the parameter), and a few 8 MiB chunk windows, of which glibc may keep some in the heap after they are freed:
+    # up to 24 MiB more was seen in one full-suite run (152 MiB against 128 in 9 runs alone and under load). Not the
+    # moments: holding them would add 128 MiB.
+    slack = 32 * 2**20  # the allocator's
+    assert load_growth <= params + largest + 2 * chunk + slack, (load_growth, params, largest, moments)
