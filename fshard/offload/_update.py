@@ -92,10 +92,8 @@ class OffloadUpdate(UpdatePolicy):
 
     def overlaps(self, device) -> bool:
         """Whether updates begin during backward: as asked, or by default (None) on a GPU mesh, where backward runs
-        on the device and leaves the host's cores to the update (an NVMe store's default, on, is set already);
-        never for an update on the device (after backward, offload_state refuses both)."""
-        if self.update_on == "device":
-            return False
+        on the device and leaves the host's cores to the update (an NVMe store's default, on, is set already, and
+        an update on the device's, off)."""
         return self.overlap_backward if self.overlap_backward is not None else device.type == "cuda"
 
     def abort(self, step) -> None:
