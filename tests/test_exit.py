@@ -151,17 +151,29 @@ def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_
     ts = [torch.full((2,), float(i)) for i in range(_HELD + 4)]
     mesh.hold(*ts[:3])
     mesh.hold(*ts[3:])
-    assert [float(t[0]) for t in mesh.runtime.held] == list(range(4, _HELD + 4))  # the last _HELD, in order
+    assert [float(t[0]) for t, _ in mesh.runtime.held] == list(range(4, _HELD + 4))  # the last _HELD, in order
+    # each is kept by its Python object and by an anchor in C++: two owners, so another thread's is never the one
+    # before last (that thread would decref the Python object, taking the GIL: Mesh.hold)
+    assert all(t._use_count() == 2 for t, _ in mesh.runtime.held)
     del ts
-    t = torch.zeros(8)
-    freed = weakref.ref(t)
-    other = [t.view(-1)]  # a second holder of t's TensorImpl, as a gloo work is
-    mesh.hold(t)
-    del t
-    threading.Timer(0.2, other.clear).start()
+    for delay in (0.2, 0.05, 0.0):  # (0.05: the other thread's drop racing the finalizer's wait)
+        t = torch.zeros(8)
+        freed, where = weakref.ref(t), []
+        weakref.finalize(t, lambda: where.append(threading.current_thread()))  # the thread that frees it
+        other = [t.view(-1)]  # a second holder of t's TensorImpl, as a gloo work is
+        mesh.hold(t)
+        del t
+        threading.Timer(delay, other.clear).start()
+        t0 = time.monotonic()
+        del mesh  # its finalizer: waits for the view's holder to let go, then frees t here
+        assert time.monotonic() - t0 >= 0.75 * delay and other == [] and freed() is None, delay
+        assert where == [threading.main_thread()], (delay, where)
+        mesh = fs.Mesh(0, 2, "gloo", torch.device("cpu"))
+    x = torch.zeros(2)
+    mesh.hold(x, x)  # held twice, two anchors: nothing else to wait for
     t0 = time.monotonic()
-    del mesh  # its finalizer: waits for the view's holder to let go
-    assert time.monotonic() - t0 >= 0.15 and other == [] and freed() is None
+    del mesh
+    assert time.monotonic() - t0 < 0.5 and x._use_count() == 1
 
 
 def _failed_step_holds(_):
@@ -177,16 +189,16 @@ def _failed_step_holds(_):
 
     def spy(held, callbacks):  # the finalizer's function (looked up when hold() registers it): after its wait
         real(held, callbacks)
-        finalized.append((len(held), all(t._use_count() == 1 for t in held)))
+        finalized.append((len(held), all(t._use_count() == 2 for t, _ in held)))  # the held object and its anchor
 
     from _exit_runs import fail_a_step
     _mesh._release_held = spy
     mesh = fs.Mesh.from_env()
     state, step, error = fail_a_step(mesh)
-    held = list(mesh.runtime.held)
+    held = [t for t, _ in mesh.runtime.held]
     descriptors = [bytes(t.tolist()).rstrip(b"\0").decode() for t in held
                    if t.dtype == torch.uint8 and t.numel() == _DESC_BYTES]
-    let_go = _mesh.released(*held)  # gloo lets go of them (bounded wait)
+    let_go = _mesh.released(*held, owners=2)  # gloo lets go of them (bounded wait): the object and its anchor left
     del held, state, step, mesh
     gc.collect()
     return error, descriptors, let_go, finalized

@@ -22,13 +22,14 @@ import math
 import os
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.dlpack import to_dlpack
 
 from ..errors import ArgumentError, MeshMismatchError
 from ._threads import Background, registered_groups
@@ -73,23 +74,37 @@ def _gather_env() -> str:
 _ids = itertools.count()
 
 
-def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S) -> bool:
-    """Wait until the caller's reference is the only one left to each of ``tensors``; False after ``timeout_s``
+def released(*tensors: torch.Tensor, timeout_s: float = _RELEASE_S, owners=1) -> bool:
+    """Wait until the caller's references are the only ones left to each of ``tensors`` (C++ owners counted:
+    ``_use_count``; ``owners``: how many are the caller's, one number or one a tensor); False after ``timeout_s``
     (left as they are). Polls with the GIL released (gloo's thread may be waiting for it)."""
+    ours = [owners] * len(tensors) if isinstance(owners, int) else list(owners)
     deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in tensors):
+    while any(t._use_count() > n for t, n in zip(tensors, ours)):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)
     return True
 
 
+def _anchor(t: torch.Tensor):
+    """A second owner of ``t``'s TensorImpl held in C++, not by a Python reference (``Mesh.hold``): the capsule
+    ``torch.utils.dlpack.to_dlpack`` makes keeps the tensor itself (0.6 us; a view would keep the base of a view,
+    not the view). None for a tensor DLPack cannot export (it is then held by its Python object only)."""
+    try:
+        return to_dlpack(t)
+    except (RuntimeError, BufferError, TypeError):
+        return None
+
+
 def _release_held(held, callbacks) -> None:
     """When the mesh dies, or at exit if it lives that long (weakref.finalize: before finalization, every thread still
-    able to take the GIL): wait, bounded, until gloo's threads have let go of the tensors ``Mesh.hold`` kept, so
-    that they are freed on this thread, and have run and dropped the completion callbacks ``Mesh.hold_callback``
-    watches (a weak reference dies once the thread that ran it has let go of it, with the GIL)."""
-    released(*held)
+    able to take the GIL): wait, bounded, until gloo's threads have let go of the tensors ``Mesh.hold`` kept (their
+    Python objects and anchors the only owners left), so that they are freed on this thread, and have run and
+    dropped the completion callbacks ``Mesh.hold_callback`` watches (a weak reference dies once the thread that ran
+    it has let go of it, with the GIL)."""
+    anchors = Counter(id(t) for t, anchor in held if anchor is not None)  # (a tensor held twice has two)
+    released(*(t for t, _ in held), owners=[1 + anchors[id(t)] for t, _ in held])
     deadline = time.monotonic() + _RELEASE_S
     while any(r() is not None for r in callbacks) and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -98,9 +113,9 @@ def _release_held(held, callbacks) -> None:
 class MeshRuntime:
     """What a mesh counts and owns while it is used, kept out of its frozen identity (``Mesh.runtime``): the checks
     made on it (``checks``: fshard/dist/_agreement.py, dist/_call.py; every rank counts alike, so transport errors
-    key their reports by it), the last small collectives' tensors (``held``: ``Mesh.hold``), weak references to the
-    completion callbacks gloo's threads hold (``callbacks``: ``Mesh.hold_callback``), the finalizer that waits for
-    both, and its background worker (``Mesh.background``)."""
+    key their reports by it), the last small collectives' tensors, each with its anchor (``held``: ``Mesh.hold``),
+    weak references to the completion callbacks gloo's threads hold (``callbacks``: ``Mesh.hold_callback``), the
+    finalizer that waits for both, and its background worker (``Mesh.background``)."""
 
     def __init__(self):
         self.checks = 0
@@ -215,17 +230,25 @@ class Mesh:
 
     def hold(self, *tensors: torch.Tensor) -> None:
         """Keep the tensors of a small collective that just finished (a check, the descriptors after a failure)
-        until exit, on gloo. gloo's worker thread lets go of a finished work, and with it of its tensors, a moment
-        after ``wait()`` returns; a tensor whose Python object the caller had dropped is then freed by that thread,
-        which takes the GIL inside the work's destructor. During interpreter finalization a thread that asks for the
-        GIL is ended (``pthread_exit``), and unwinding through that destructor is ``std::terminate``: "terminate
-        called without an active exception" at exit (design/ARCHITECTURE.md, "Exit and teardown", the backtrace).
-        Kept here, the last ones are still ours when the mesh dies or the process exits, where ``_release_held``
-        waits (bounded) for gloo to let go, before finalization. Costs an append; waiting at each check instead cost 1.1 ms a check (measured)."""
+        until the mesh dies or the process exits, on gloo. gloo's worker thread lets go of a finished work, and with
+        it of its tensors, a moment after ``wait()`` returns. A tensor whose Python object is alive is kept alive
+        from C++ (torch's PyObject preservation); when the work's reference is the last but the Python object's, the
+        worker decrefs that object, taking the GIL inside the work's destructor, and frees it if no one else holds
+        it. During interpreter finalization a thread that asks for the GIL is ended (``pthread_exit``), and
+        unwinding through that destructor is ``std::terminate``: "terminate called without an active exception" at
+        exit (design/ARCHITECTURE.md, "Exit and teardown", the backtrace).
+
+        Each tensor is kept with an anchor (``_anchor``: a second owner in C++), so that gloo's reference is never
+        the one before last and its thread never touches Python for them. Holding the Python object alone was not
+        enough: the other thread lowers the C++ count before it takes the GIL to decref, so a wait that saw the
+        count fall could let go first, and the object was then freed on the other thread (36 times in 800 under
+        load, tests/test_exit.py). When the mesh dies or at exit, ``_release_held`` waits (bounded) until only the
+        mesh's two references are left, before finalization. Costs an append and an export (0.6 us); waiting at
+        each check instead cost 1.1 ms a check (measured)."""
         if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
             return
         self._finalizer()
-        self.runtime.held.extend(tensors)
+        self.runtime.held.extend((t, _anchor(t)) for t in tensors)
 
     def hold_callback(self, callback) -> None:
         """Watch a Python function given to a gloo work's future (``add_done_callback``): gloo's worker thread
