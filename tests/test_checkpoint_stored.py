@@ -22,17 +22,19 @@ from models import awkward_batches, awkward_loss
 from test_checkpoint import STEPS, _model, _numpy, _transforms
 
 
-def _offload(chunk_mb: float, fraction: float = 1.0):
+def _offload(under: str, chunk_mb: float, fraction: float = 1.0):
+    """Moments offloaded to an NVMeStore in a new directory under ``under`` (the test's tmp_path, which pytest
+    removes: a store removes its files, never a directory it did not make)."""
     mesh_rank = int(os.environ.get("RANK", "0"))
-    store = fs.NVMeStore(tempfile.mkdtemp(prefix=f"fshard-ckpt-r{mesh_rank}-"))
+    store = fs.NVMeStore(tempfile.mkdtemp(prefix=f"fshard-ckpt-r{mesh_rank}-", dir=under))
     return fs.offload_state(store, fraction=fraction, chunk_mb=chunk_mb)
 
 
-def _run(path: str | None, phase: str):
+def _run(path: str | None, phase: str, under: str):
     """As test_checkpoint._run with kind "full" and the moments in an NVMeStore (64-element chunks)."""
     mesh = fs.Mesh.from_env()
     opt, extra = _transforms("full")
-    off = _offload(64 * 4 / 2**20)
+    off = _offload(under, 64 * 4 / 2**20)
     state = fs.init(_model(), mesh, opt)
     batches = list(awkward_batches(2, STEPS, rank=mesh.rank, world_size=mesh.world_size))
     if phase == "first":
@@ -58,9 +60,9 @@ def _run(path: str | None, phase: str):
 def test_resume_with_offloaded_moments_is_bitwise_an_uninterrupted_run(tmp_path):
     for world_size in (1, 2):
         path = str(tmp_path / f"ckpt{world_size}")
-        whole = run_ranks(_run, world_size, None, "all")
-        first = run_ranks(_run, world_size, path, "first")
-        second = run_ranks(_run, world_size, path, "second")
+        whole = run_ranks(_run, world_size, None, "all", str(tmp_path))
+        first = run_ranks(_run, world_size, path, "first", str(tmp_path))
+        second = run_ranks(_run, world_size, path, "second", str(tmp_path))
         for w, a, b in zip(whole, first, second):
             assert w[0] == a[0] + b[0], (world_size, w[0], a[0], b[0])
             assert b[2] == w[2] == STEPS
@@ -70,7 +72,7 @@ def test_resume_with_offloaded_moments_is_bitwise_an_uninterrupted_run(tmp_path)
 def _save_offloaded(path: str):
     mesh = fs.Mesh.from_env()
     state = fs.init(_model(), mesh, _transforms("plain")[0])
-    with fs.compose(awkward_loss, _offload(16 * 4 / 2**20)) as step:
+    with fs.compose(awkward_loss, _offload(os.path.dirname(path), 16 * 4 / 2**20)) as step:
         for b in list(awkward_batches(2, 3, rank=mesh.rank, world_size=mesh.world_size)):
             state, _ = step(state, b)
         fs.save(path, state)
@@ -91,7 +93,7 @@ def _load_placed(path: str):
     like = fs.init(_model(), mesh, _transforms("plain")[0])
     ref = _moments(fs.load(path, like=like))
     for chunk_mb, fraction in ((32 * 4 / 2**20, 1.0), (48 * 4 / 2**20, 1.0), (4, 1.0), (16 * 4 / 2**20, 0.5)):
-        state = fs.load(path, like=like, offload=_offload(chunk_mb, fraction))
+        state = fs.load(path, like=like, offload=_offload(os.path.dirname(path), chunk_mb, fraction))
         stored = sum(isinstance(s.exp_avg, fs.state.Stored) for s in state.opt_state.values() if s is not None)
         assert stored == len(ref) if fraction == 1 else 0 < stored < len(ref), (stored, fraction)
         got = _moments(state)
