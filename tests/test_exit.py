@@ -169,11 +169,12 @@ def test_a_gloo_mesh_holds_the_last_tensors_and_its_finalizer_waits_for_gloo_to_
         assert time.monotonic() - t0 >= 0.75 * delay and other == [] and freed() is None, delay
         assert where == [threading.main_thread()], (delay, where)
         mesh = fs.Mesh(0, 2, "gloo", torch.device("cpu"))
-    x = torch.zeros(2)
-    mesh.hold(x, x)  # held twice, two anchors: nothing else to wait for
+    x, sparse = torch.zeros(2), torch.zeros(2, 2).to_sparse()
+    mesh.hold(x, x, sparse)  # x held twice, two anchors; DLPack exports no sparse tensor: held without one
+    assert [a is None for _, a in mesh.runtime.held][-3:] == [False, False, True]
     t0 = time.monotonic()
-    del mesh
-    assert time.monotonic() - t0 < 0.5 and x._use_count() == 1
+    del mesh  # nothing else holds them: no wait
+    assert time.monotonic() - t0 < 0.5 and x._use_count() == 1 and sparse._use_count() == 1
 
 
 def _failed_step_holds(_):

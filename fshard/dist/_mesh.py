@@ -243,8 +243,9 @@ class Mesh:
         enough: the other thread lowers the C++ count before it takes the GIL to decref, so a wait that saw the
         count fall could let go first, and the object was then freed on the other thread (36 times in 800 under
         load, tests/test_exit.py). When the mesh dies or at exit, ``_release_held`` waits (bounded) until only the
-        mesh's two references are left, before finalization. Costs an append and an export (0.6 us); waiting at
-        each check instead cost 1.1 ms a check (measured)."""
+        mesh's own references (the objects and their anchors) are left, before finalization. Costs an append and
+        an export (0.6 us); waiting at each check instead cost 1.1 ms a check (measured). A tensor DLPack cannot
+        export (a sparse one) is held by its object alone, as before."""
         if self.backend != "gloo":  # NCCL's watchdog frees works on its own thread and period; local: no work
             return
         self._finalizer()
