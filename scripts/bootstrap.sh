@@ -17,10 +17,24 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$PWD/$VENV/bin/python"
 pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
+# have DIST [VERSION]: the venv has that distribution installed (at VERSION, or VERSION+local such as torch's +cpu).
+# Read from the installed metadata, not by importing it: importing torch, tensornvme and fshard to check they are
+# there took 14 of this script's 17 s on every make test.
+have() {
+  "$VPY" - "$@" <<'PY' 2>/dev/null
+import importlib.metadata as m, sys
+try:
+    v = m.version(sys.argv[1])
+except m.PackageNotFoundError:
+    sys.exit(1)
+want = sys.argv[2] if len(sys.argv) > 2 else None
+sys.exit(0 if want is None or v == want or v.startswith(want + "+") else 1)
+PY
+}
 
 # torch first and pinned: anything that later asks for "torch" must find 2.13.0 already satisfied, or pip
 # would resolve the newest CUDA build (several GB).
-if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+if ! have torch "$TORCH_VERSION"; then
   echo "[bootstrap] installing torch==$TORCH_VERSION"
   if ls /opt/wheels/torch-${TORCH_VERSION}*.whl >/dev/null 2>&1; then
     pip_install --find-links /opt/wheels "torch==$TORCH_VERSION"
@@ -36,16 +50,16 @@ if ! "$VPY" -c "import optree, hypothesis, pytest, tqdm, numpy, ninja, xdist, py
 fi
 
 # One pinned package: installed unless the venv already has exactly that version.
-pinned() {  # pinned PACKAGE MODULE VERSION
-  if ! "$VPY" -c "import $2 as m, sys; sys.exit(m.__version__ != '$3')" 2>/dev/null; then
-    echo "[bootstrap] installing $1==$3"
-    pip_install "$1==$3"
+pinned() {  # pinned PACKAGE VERSION
+  if ! have "$1" "$2"; then
+    echo "[bootstrap] installing $1==$2"
+    pip_install "$1==$2"
   fi
 }
-pinned matplotlib matplotlib "$MATPLOTLIB_VERSION"
-pinned transformers transformers "$TRANSFORMERS_VERSION"  # without the [torch] extra: it would ask for accelerate
-pinned tokenizers tokenizers "$TOKENIZERS_VERSION"
-pinned tensorboard tensorboard "$TENSORBOARD_VERSION"
+pinned matplotlib "$MATPLOTLIB_VERSION"
+pinned transformers "$TRANSFORMERS_VERSION"  # without the [torch] extra: it would ask for accelerate
+pinned tokenizers "$TOKENIZERS_VERSION"
+pinned tensorboard "$TENSORBOARD_VERSION"
 
 have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if ! have_deb liburing-dev || ! have_deb libaio-dev; then
@@ -55,14 +69,19 @@ if ! have_deb liburing-dev || ! have_deb libaio-dev; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q liburing-dev libaio-dev
 fi
 
-if ! "$VPY" -c "import tensornvme" 2>/dev/null; then
+if ! have tensornvme; then
   echo "[bootstrap] building tensornvme (about a minute)"
   WITH_ROOT=1 LIBRARY_PATH=/usr/lib/x86_64-linux-gnu "$VPY" -m pip install --disable-pip-version-check -q \
     --no-build-isolation tensornvme
 fi
 
-# Checked from / so that the checkout itself (the current directory) does not satisfy the import.
-if ! (cd / && "$VPY" -c "import fshard") 2>/dev/null; then
+if ! have fshard; then
   echo "[bootstrap] installing fshard (editable)"
   pip_install --no-build-isolation --no-deps -e .
 fi
+
+# The checkout's bytecode, written here once. Where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets it),
+# Python compiles fshard, the examples and the tests again in every fresh interpreter (0.4-0.9 s each, and the suite
+# starts about 80: torchrun's ranks, probes); compileall writes __pycache__ (git-ignored) whatever that says, and
+# skips what is up to date, so a second run only reads the files' times.
+"$VPY" -m compileall -q fshard examples tests benchmarks >/dev/null

@@ -115,19 +115,37 @@ def _a_build_killed_halfway():
     assert not (d / "lock").exists()
 
 
+def _hold_build_lock(directory: str, die: bool, ready, go) -> None:
+    """Another process that takes the build lock of ``directory``: it dies holding it (SIGKILL) or lets it go once
+    ``go`` is set."""
+    from pathlib import Path
+
+    from fshard.ops._build import _exclusive
+    with _exclusive(Path(directory)):
+        ready.set()
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
+        go.wait(timeout=120)
+
+
 def test_the_build_lock_is_released_by_a_killed_holder_and_waited_for_while_held(tmp_path, capsys):
     from fshard.ops._build import _exclusive
     (tmp_path / "lock").write_text("")
     with _exclusive(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "left by a build that was killed halfway" in capsys.readouterr().err
-    # the holder holds the lock until it reads a line (a live one) or dies holding it: no sleep decides who waits
-    holder = ("import os, signal, sys; from pathlib import Path; from fshard.ops._build import _exclusive\n"
-              "with _exclusive(Path(sys.argv[1])):\n"
-              "    print('held', flush=True)\n"
-              "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else sys.stdin.readline()\n")
-    dead = subprocess.run([sys.executable, "-c", holder, str(tmp_path), "die"], capture_output=True, timeout=60)
-    assert dead.returncode == -signal.SIGKILL
+    # the holder, another process, holds the lock until it is told to let go (a live one) or dies holding it: no
+    # sleep decides who waits. Forked from the suite's rank server (torch and fshard imported once), not a fresh
+    # interpreter each: the lock is an flock of the process that takes it, whatever imported the module.
+    from _dist import _context
+    ctx = _context()
+    # (the events kept here: start() drops its arguments, and an Event that nothing else holds is gone before the
+    # child opens it)
+    ready, go = ctx.Event(), ctx.Event()
+    dead = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), True, ready, go))
+    dead.start()
+    dead.join(timeout=60)
+    assert dead.exitcode == -signal.SIGKILL
     with _exclusive(tmp_path):  # the dead holder's flock went with it: taken at once, with no wait to announce
         pass
     assert "waiting" not in capsys.readouterr().err
@@ -135,19 +153,25 @@ def test_the_build_lock_is_released_by_a_killed_holder_and_waited_for_while_held
     def held_then_released(after_s: float) -> tuple:
         """Take the lock while a live holder has it; the holder lets go ``after_s`` after the wait began. Returns
         (seconds waited, the holder's pid)."""
-        live = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path), "live"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-        assert live.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
-        release = threading.Timer(after_s, lambda: (live.stdin.write("go\n"), live.stdin.flush()))
-        release.start()
+        ready, go = ctx.Event(), ctx.Event()
+        live = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), False, ready, go))
+        live.start()
         try:
-            with _exclusive(tmp_path):  # waits for the live holder, then takes it
-                waited = time.monotonic() - t0
+            assert ready.wait(timeout=60)
+            t0 = time.monotonic()
+            release = threading.Timer(after_s, go.set)
+            release.start()
+            try:
+                with _exclusive(tmp_path):  # waits for the live holder, then takes it
+                    waited = time.monotonic() - t0
+            finally:
+                release.join()
         finally:
-            release.join()
-            live.stdin.close()
-            live.wait(timeout=60)
+            go.set()
+            live.join(timeout=60)
+            if live.is_alive():
+                live.kill()
+        assert live.exitcode == 0
         return waited, live.pid
 
     waited, pid = held_then_released(1.5)
