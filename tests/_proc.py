@@ -3,14 +3,27 @@ drive examples/ under torchrun share."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 
 
 def run_logged(cmd: list, *, timeout: float = 240, what: str = "", **popen) -> str:
     """``cmd``'s output; an AssertionError with its tail when it fails or runs past ``timeout`` seconds. It runs in a
     session of its own, and whatever ends the wait (its timeout, pytest-timeout's, Ctrl-C) kills the whole group:
     torchrun and its workers never outlive the test."""
+    # its temporary files in a directory of its own, removed after it: torchrun makes a torchelastic_* directory in
+    # the temporary directory at every launch and leaves it there (hundreds in /tmp after a few runs of the suite)
+    tmp = tempfile.mkdtemp(prefix="fshard-cmd-")
+    popen["env"] = {**(popen.get("env") or os.environ), "TMPDIR": tmp}
+    try:
+        return _run(cmd, timeout, what, popen)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(cmd: list, timeout: float, what: str, popen: dict) -> str:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             **popen)
     try:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import torch
+
+from _proc import run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))
@@ -19,11 +20,10 @@ def test_train_hf_at_two_ranks_with_checkpointing_and_nvme(tmp_path):
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
            os.path.join(_ROOT, "examples", "train_hf.py"), "--model", "gpt2", "--steps", "25", "--checkpointing",
            "--nvme-dir", str(tmp_path), "--save", str(tmp_path / "saved")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 25 steps", out.stdout).groups())
-    assert last < 0.6 * first, out.stdout
-    assert "generated [10, 11, 12" in out.stdout, out.stdout  # counting, learnt
+    log = run_logged(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 25 steps", log).groups())
+    assert last < 0.6 * first, log[-3000:]
+    assert "generated [10, 11, 12" in log, log[-3000:]  # counting, learnt
     assert (tmp_path / "saved" / "config.json").exists()
 
 
