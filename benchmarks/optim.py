@@ -7,15 +7,17 @@ Run it under the shared benchmark lock (other engineers time things on the same 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --only adamw,lion --repeats 15
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --muon           # Muon step, world size 2
     .venv/bin/python benchmarks/optim.py --quick                                       # smoke run, tiny GPT
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --overhead --repeats 41  # beyond the kernel
 
 **Updates** (the default). The parameters are those of ``examples/gpt.py``'s ``GPTConfig()`` (27.4M, fp32; the model
 of benchmarks/step.py and examples/train_gpt.py), one seeded model, its random gradients (N(0, 1e-2), seeded) the
 same on both sides:
 
-- fshard: ``fs.init(model, fs.Mesh.local(), opt)``, then per update ``opt.update(layout, 0, shard, grad, state,
-  active, donate=True)`` for every unit, which is what the step's update policy (``DeviceUpdate``,
-  fshard/protocol/_transform.py) calls: the plan, then the optimizer's pass over each run of the flat shard (a run
-  is a unit's parameters with one step count and weight decay: usually the whole unit). ``donate=True``: in place,
+- fshard: ``fs.init(model, fs.Mesh.local(), opt)``, then per update what the step's update policy
+  (``DeviceUpdate``, fshard/protocol/_transform.py) calls: ``opt.update_all(0, units, donate=True)`` over every
+  unit where the optimizer has it (the elementwise ones: every unit's plan, then the optimizer's pass over each run
+  of the flat shards back to back; a run is a unit's parameters with one step count and weight decay: usually the
+  whole unit), else ``opt.update(layout, 0, shard, grad, state, active, donate=True)`` a unit at a time. ``donate=True``: in place,
   as a step composed with ``donate=True`` updates (without it the update first copies the state, by design).
 - torch: ``torch.optim.X`` over the model's parameters as a list of tensors (their ``.grad`` set), ``fused=True``
   where torch has a fused CPU kernel (AdamW, Adam, SGD, Adagrad), else ``foreach=True`` (RMSprop, NAdam,
@@ -150,10 +152,17 @@ class Pair:
         self.updates = 0
 
     def fshard(self) -> None:
-        for u in self.layouts:  # DeviceUpdate's loop (comm=None: one rank)
-            self.params[u.name], self.opt_state[u.name], _ = self.opt.update(
-                u, 0, self.params[u.name], self.grads[u.name], self.opt_state[u.name], self.active[u.name], True,
-                updates=self.updates)
+        many = getattr(self.opt, "update_all", None)
+        if many is not None:  # DeviceUpdate's call: every unit at once (the elementwise optimizers)
+            done = many(0, [(u, self.params[u.name], self.grads[u.name], self.opt_state[u.name],
+                             self.active[u.name], None) for u in self.layouts], True, updates=self.updates)
+            for u, (p, s, _) in zip(self.layouts, done):
+                self.params[u.name], self.opt_state[u.name] = p, s
+        else:
+            for u in self.layouts:  # DeviceUpdate's loop (comm=None: one rank)
+                self.params[u.name], self.opt_state[u.name], _ = self.opt.update(
+                    u, 0, self.params[u.name], self.grads[u.name], self.opt_state[u.name], self.active[u.name], True,
+                    updates=self.updates)
         self.updates += 1
 
     def torch(self) -> None:
@@ -228,6 +237,43 @@ def run_updates(args) -> dict:
         del pair
     print(f"\n[optim.py] {_uptime()}")
     return out
+
+
+def run_overhead(args) -> dict:
+    """``--overhead``: what each side spends beyond the kernel itself, for sgd(momentum), whose kernel both sides
+    run (torch's fused SGD). Per repeat, in turn: fshard's update, the kernel called directly on fshard's own flat
+    shards (one ``torch._fused_sgd_`` over every unit), and torch.optim.SGD(fused=True).step(); printed, the medians
+    and the paired medians of (side - direct): the Python each side adds around the same pass, which the machine's
+    noise (the pass itself varies by 10-30% between repeats here) hides in the speed ratio."""
+    torch.set_num_threads(args.threads)
+    cfg = GPTConfig.tiny() if args.quick else GPTConfig()
+    pair = Pair("sgd(momentum)", cfg, args.seed)
+    mom, wd, lr = 0.9, 0.01, 0.05  # CASES["sgd(momentum)"]'s
+    ps = [pair.params[u.name] for u in pair.layouts]
+    gs = [pair.grads[u.name] for u in pair.layouts]
+    bufs = [pair.opt_state[u.name].rows[0] for u in pair.layouts]
+
+    def direct():
+        torch._fused_sgd_(ps, gs, bufs, weight_decay=wd, momentum=mom, lr=lr, dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=False)
+    sides = {"fshard": pair.fshard, "direct": direct, "torch": pair.torch}
+    for _ in range(max(args.warmup, 1)):  # (sgd's first update starts the buffers: direct runs after it)
+        for fn in sides.values():
+            fn()
+    times = {k: [] for k in sides}
+    for i in range(args.repeats):
+        for k in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            t0 = time.perf_counter()
+            sides[k]()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    over = {k: statistics.median([a - b for a, b in zip(times[k], times["direct"])]) * 1e3
+            for k in ("fshard", "torch")}
+    print(f"[optim.py] --overhead, sgd(momentum), {len(pair.layouts)} units, {pair.numel:,} elements, "
+          f"{args.repeats} repeats\n[optim.py] {_uptime()}")
+    print(f"median ms: fshard {med['fshard']:.2f}, the kernel alone {med['direct']:.2f}, torch {med['torch']:.2f}")
+    print(f"beyond the kernel (paired medians, ms): fshard {over['fshard']:.3f}, torch {over['torch']:.3f}")
+    return {"median_ms": med, "beyond_kernel_ms": over, "units": len(pair.layouts)}
 
 
 # --- Muon at world size 2 (benchmarks/step.py's harness and two configs of its registry)
@@ -327,6 +373,8 @@ def main(argv=None) -> None:
                     help="elements an update written as torch ops takes at a time on the CPU (fshard.optim's PIECE; "
                          "0: whole runs), to measure the choice")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--overhead", action="store_true",
+                    help="sgd(momentum) only: each side's time beyond the kernel both run (run_overhead)")
     ap.add_argument("--muon", action="store_true", help="the Muon step at world size 2 (with --quick: tiny, one "
                                                         "round; every other argument goes to benchmarks/step.py)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -337,7 +385,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
-    out = run_updates(args)
+    out = run_overhead(args) if args.overhead else run_updates(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,6 +1,6 @@
 """benchmarks/optim.py runs (issue #40), so that it cannot rot: its --quick updates of every optimizer on the tiny
-GPT (each row present, both sides timed, fshard's parameters equal to torch's after the same updates) and its --muon
---quick step at world size 2 (both configs timed, the same losses). Timings here mean nothing (a loaded machine)."""
+GPT (each row present, both sides timed, fshard's parameters equal to torch's after the same updates), its
+--overhead --quick (both sides and the kernel alone timed), and its --muon --quick step at world size 2 (both configs timed, the same losses). Timings here mean nothing (a loaded machine)."""
 from __future__ import annotations
 
 import json
@@ -34,6 +34,16 @@ def test_optim_benchmark_quick_times_every_optimizer_against_its_peer(tmp_path):
         "fused", "fused", "fused", "native"]
     assert "ForeachLion (foreach, the paper's formula" in res["lion"]["peer"]
     assert log.count("load average") == 2  # uptime before and after
+
+
+def test_optim_benchmark_overhead_times_the_kernel_alone_beside_both_sides(tmp_path):
+    sys.path.insert(0, os.path.dirname(_SCRIPT))
+    import optim
+    out = tmp_path / "overhead.json"
+    optim.main(["--overhead", "--quick", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert set(res["median_ms"]) == {"fshard", "direct", "torch"} and all(v > 0 for v in res["median_ms"].values())
+    assert set(res["beyond_kernel_ms"]) == {"fshard", "torch"} and res["units"] >= 3
 
 
 def test_optim_benchmark_muon_quick_runs_both_steps_at_two_ranks(tmp_path):

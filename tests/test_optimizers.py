@@ -594,6 +594,75 @@ def test_replayed_scalars_of_counts_apart_take_linear_work():
     assert all(torch.equal(got[k], ref.state[q][k]) for k in got)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(CASES)), st.booleans(), st.data())
+def test_update_all_is_update_on_each_unit_bitwise(name, donate, data):
+    """``update_all`` (what the step's DeviceUpdate calls: every unit's plan, then the passes back to back, the
+    fused kernels taking every unit's runs in one call) writes the bits ``update`` writes a unit at a time, for
+    every optimizer, over random units, active masks, counts and gradient scales (a scale != 1: clipping)."""
+    import fshard.testing as ft
+    from fshard.state._flat import plan_unit
+    shapes = st.one_of(ft.shapes(), st.sampled_from([(0,), (1,), (3,)]))
+    opt = CASES[name][0]()
+    units, g = [], torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for i in range(data.draw(st.integers(1, 4))):
+        params = data.draw(st.lists(st.tuples(shapes, st.sampled_from([True, True, False])), min_size=1,
+                                    max_size=5))
+        layout = plan_unit(f"u{i}", f"u{i}", [((f"u{i}.p{j}",), shape, grad) for j, (shape, grad) in
+                                             enumerate(params)], torch.float32, 1, 4)
+        if not layout.trainable:
+            continue
+        k = len(layout.trainable)
+        active = data.draw(st.lists(st.booleans(), min_size=k, max_size=k))
+        count = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k)), dtype=torch.int64)
+        shard = torch.randn(layout.shard_numel, generator=g)
+        state = opt.init(layout, 0, shard)
+        state = state.with_rows(count, [r + torch.rand(r.shape, generator=g) for r in state.rows])
+        units.append((layout, shard, torch.randn(layout.shard_numel, generator=g), state, active))
+    scale, updates = data.draw(st.sampled_from([1.0, 0.5])), data.draw(st.integers(0, 5))
+
+    def fresh():  # (donate=True updates in place: each side its own copies)
+        return [(u, p.clone(), gr, s.with_rows(s.count.clone(), [r.clone() for r in s.rows]), a, None)
+                for u, p, gr, s, a in units]
+    one = [opt.update(u, 0, p, gr, s, a, donate, grad_scale=scale, updates=updates) for u, p, gr, s, a, _ in fresh()]
+    many = opt.update_all(0, fresh(), donate, grad_scale=scale, updates=updates)
+    assert len(one) == len(many) == len(units)
+    for (p1, s1, c1), (p2, s2, c2) in zip(one, many):
+        assert torch.equal(p1, p2) and torch.equal(s1.count, s2.count) and c1 is None and c2 is None
+        assert all(torch.equal(a, b) for a, b in zip(s1.rows, s2.rows))
+
+
+@pytest.mark.parametrize("which", ["sgd", "adagrad", "adam"])
+def test_a_fused_update_of_several_units_is_one_kernel_call(which, monkeypatch):
+    """The defaults of sgd, adagrad and adam on the CPU take every unit's runs in one kernel call per step count,
+    rate and decay, as torch's fused optimizers take a model's parameters (the Python between a pass over
+    megabytes and the next cost about 0.5 ms a unit: benchmarks/RESULTS.md, "Session 31")."""
+    from fshard import ops
+    make = {"sgd": lambda: fs.optim.sgd(lr=0.05, momentum=0.9, weight_decay=0.01),
+            "adagrad": lambda: fs.optim.adagrad(lr=0.05, weight_decay=0.01),
+            "adam": lambda: fs.optim.adam(lr=1e-3, weight_decay=0.1)}[which]
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    state = fs.init(model, fs.Mesh.local(), make())
+    opt, units = state.spec.optimizer, [u for u in state.spec.units if u.name in state.opt_state]
+    assert len(units) >= 4
+    name = {"sgd": "_fused_sgd_", "adagrad": "_fused_adagrad_", "adam": None}[which]
+    calls = []
+    if name is None:
+        if not ops.native_available():
+            pytest.skip("fshard.ops is not built here: adam's default runs torch's fused kernel a run at a time")
+        real = ops.adamw_
+        monkeypatch.setattr(ops, "adamw_", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    else:
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    for updates in range(2):  # (sgd's first step starts its buffers: a step of its own, one call still)
+        done = opt.update_all(0, [(u, state.params[u.name], torch.randn(u.shard_numel), state.opt_state[u.name],
+                                   [True] * len(u.trainable), None) for u in units], True, updates=updates)
+        state = state.replace(params={**state.params, **{u.name: p for u, (p, _, _) in zip(units, done)}},
+                              opt_state={**state.opt_state, **{u.name: s for u, (_, s, _) in zip(units, done)}})
+    assert calls == [len(units), len(units)], calls
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([1, 2, 7]), st.sampled_from([1e-3, 3e-4]),
                           st.sampled_from([0.0, 0.1]), st.sampled_from([None, torch.bfloat16, torch.float16,

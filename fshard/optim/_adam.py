@@ -12,7 +12,8 @@ import torch
 
 from ..errors import ArgumentTypeError
 from ._adamw import adam_moments
-from ._elementwise import Elementwise, check_single_tensor_impl, native_fits, resolve_single_tensor
+from ._elementwise import (Elementwise, check_single_tensor_impl, kernel_groups, native_fits,
+                           resolve_single_tensor)
 from ._protocol import Row
 
 _Lr = float | Callable[[int], float]
@@ -59,6 +60,24 @@ class Adam(Elementwise):
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return resolve_single_tensor(self, device, dtype)
+
+    apply = Elementwise.apply  # (defined here, beside apply_runs: optim._protocol.apply_runs's rule)
+
+    def apply_runs(self, runs) -> None:
+        """``apply`` on each run, the runs of the default on the CPU (fshard.ops' AdamW kernel in its Adam mode, as
+        ``update_run`` takes them) in one call per step count, rate and decay (``kernel_groups``)."""
+        def takes(p, g, rows):
+            return (not self.amsgrad and self.resolved_impl(p.device, p.dtype) == "fused"
+                    and native_fits(self, "native", p, *rows) and _native_grad(g))
+        groups = kernel_groups(self, runs, takes)
+        if not groups:
+            return
+        from .. import ops
+        (b1, b2), eps = self.betas, self.eps
+        for (step, lr, wd, *_), rs in groups.items():
+            ops.adamw_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs], [r[2][1] for r in rs],
+                       step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adam_w_mode=False,
+                       check_finite=False)
 
     def update_run(self, p, g, rows, step, lr, wd):
         m, v = rows[:2]

@@ -178,17 +178,29 @@ class Elementwise:
         ``copy``: a low-precision copy of ``param`` (``TrainState.copies``), kept equal to the cast of the new
         parameter. ``donate=False`` writes into copies, leaving the inputs intact. Returns the new parameter, state
         and copy (the given ones where nothing changed)."""
-        count, runs = self.plan(layout, rank, state.count, active, updates)
-        rows = state.rows
-        if not runs:
-            return param, state.with_rows(count, rows), copy
-        if not donate:  # purity: the input state stays valid, so the update writes into copies
-            param, rows = param.clone(), tuple(r.clone() for r in rows)
-            copy = None if copy is None else copy.clone()
-        apply_runs(self, [(_run(param, lo, hi), _run(grad, lo, hi), tuple(_run(r, lo, hi) for r in rows), step,
-                           grad_scale, lr, wd, None if copy is None else _run(copy, lo, hi))
-                          for lo, hi, step, lr, wd in runs])
-        return param, state.with_rows(count, rows), copy
+        return self.update_all(rank, [(layout, param, grad, state, active, copy)], donate, grad_scale, updates)[0]
+
+    def update_all(self, rank: int, units: list, donate: bool, grad_scale: float = 1.0, updates: int = 0) -> list:
+        """``update`` of several units, ``units`` a list of ``(layout, param, grad, state, active, copy)``: every
+        unit's plan first, then every run's pass back to back (one ``apply_runs``), then the new states; returns
+        ``update``'s result for each unit, in order. The same arithmetic as one ``update`` a unit, without the
+        Python between one unit's pass and the next: after a pass over megabytes the caches are cold, and the plan
+        and the new state that ran there cost about 0.5 ms a unit, 10-12% of an SGD update of the 27.4M GPT
+        (benchmarks/RESULTS.md, "Session 31"). ``DeviceUpdate`` calls it for the units of a step."""
+        out, runs = [], []
+        for layout, param, grad, state, active, copy in units:
+            count, plan = self.plan(layout, rank, state.count, active, updates)
+            rows = state.rows
+            if plan and not donate:  # purity: the input state stays valid, so the update writes into copies
+                param, rows = param.clone(), tuple(r.clone() for r in rows)
+                copy = None if copy is None else copy.clone()
+            runs += [(_run(param, lo, hi), _run(grad, lo, hi), tuple(_run(r, lo, hi) for r in rows), step,
+                      grad_scale, lr, wd, None if copy is None else _run(copy, lo, hi))
+                     for lo, hi, step, lr, wd in plan]
+            out.append((param, state.with_rows(count, rows), copy))
+        if runs:
+            apply_runs(self, runs)
+        return out
 
     def apply(self, p, g, *rows_step_scale, lr: float | None = None, weight_decay: float | None = None,
               copy: torch.Tensor | None = None) -> None:
@@ -284,6 +296,23 @@ def _run(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of the flat ``t``: ``t`` itself where that is all of it (no view made: between kernels
     that leave the caches cold each tensor op costs tens of microseconds, benchmarks/RESULTS.md "Optimizers")."""
     return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
+
+
+def kernel_groups(opt, runs, takes) -> dict:
+    """For an ``apply_runs`` whose one-pass kernel takes lists of tensors (torch's fused SGD and Adagrad, fshard.ops'
+    AdamW in Adam's mode): the runs ``takes(p, g, rows)`` accepts, grouped by what one call of the kernel shares
+    (step, lr, weight decay, device, dtypes), each run one tensor of the lists, as torch's fused optimizers take a
+    model's parameters; the kernel is elementwise and each run starts where it did, so the bits are a call per
+    run's. Every other run (a scaled gradient, a copy to write, no rate given, one the kernel does not take) goes
+    through ``apply`` here."""
+    groups: dict = {}
+    for run in runs:
+        p, g, rows, step, scale, lr, wd, copy = run
+        if lr is None or wd is None or scale != 1.0 or copy is not None or not takes(p, g, rows):
+            opt.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
+            continue
+        groups.setdefault((int(step), lr, wd, p.device, p.dtype, g.dtype), []).append(run)
+    return groups
 
 
 def native_fits(opt, impl: str, *tensors) -> bool:

@@ -16,6 +16,11 @@ followed by ``apply`` on each run, on flat slices of the same length: the parame
 the declared order. ``update`` does both for a unit held in memory; a policy that streams rows in pieces
 (``fs.offload_state``) calls the two itself.
 
+An optimizer may also define ``update_all(rank, units, donate, grad_scale, updates)``: ``update`` of several
+units, ``units`` a list of ``(layout, param, grad, state, active, copy)``, returning ``update``'s result for each
+(``Elementwise`` does: every unit's plan, then all their runs in one ``apply_runs``). ``DeviceUpdate`` calls it for
+a step's units where it exists and the optimizer is not ``collective``.
+
 Optional declarations extend this for optimizers that are not elementwise or cover only some parameters
 (``fs.muon``, ``fs.partition``, ``fs.adafactor``; design/OPTIM_GROUPS.md says why these and not others):
 

@@ -208,7 +208,8 @@ def pipeline(phases: list[int]) -> list[tuple[int, int]]:
 
 class DeviceUpdate(UpdatePolicy):
     """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
-    holds them, in the same pass). An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py) is
+    holds them, in the same pass); an optimizer with ``update_all`` (the elementwise ones) takes every unit in one
+    call, which plans them all before the first pass. An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py) is
     pipelined across units: each time a unit's update starts, every unit still paused moves on by one phase, the
     newest first. Muon's three phases (pieces out; Newton-Schulz and results back; the step) of unit i thus run
     beside unit i + 1's and i + 2's, so its exchanges travel during other units' Newton-Schulz, and a rank that
@@ -238,6 +239,14 @@ class DeviceUpdate(UpdatePolicy):
                           active[u.name], donate, grad_scale=grads.scale, updates=int(state.step),
                           copy=copies.get(u.name), **({"comm": step.comm} if getattr(opt, "collective", False) else {}))
 
+        many = getattr(opt, "update_all", None)  # every unit's plan, then their passes back to back (Elementwise)
+        if many is not None and not getattr(opt, "collective", False):
+            done = many(rank, [(u, state.params[u.name], grads.shards[u.name], state.opt_state[u.name],
+                                active[u.name], copies.get(u.name)) for u in todo],
+                        donate, grad_scale=grads.scale, updates=int(state.step))
+            for u, result in zip(todo, done, strict=True):
+                keep(u.name, result)
+            return params, opt_state, {}, copies
         if not hasattr(opt, "update_phases"):
             for u in todo:
                 keep(u.name, call(opt.update, u))
