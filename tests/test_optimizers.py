@@ -624,12 +624,15 @@ def test_update_all_is_update_on_each_unit_bitwise(name, donate, data):
     def fresh():  # (donate=True updates in place: each side its own copies)
         return [(u, p.clone(), gr, s.with_rows(s.count.clone(), [r.clone() for r in s.rows]), a, None)
                 for u, p, gr, s, a in units]
+    def same(a, b):  # bit for bit, a NaN too (random rows can make rmsprop(centered)'s variance negative)
+        return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32)) if \
+            a.dtype == torch.float32 else torch.equal(a, b)
     one = [opt.update(u, 0, p, gr, s, a, donate, grad_scale=scale, updates=updates) for u, p, gr, s, a, _ in fresh()]
     many = opt.update_all(0, fresh(), donate, grad_scale=scale, updates=updates)
     assert len(one) == len(many) == len(units)
     for (p1, s1, c1), (p2, s2, c2) in zip(one, many):
-        assert torch.equal(p1, p2) and torch.equal(s1.count, s2.count) and c1 is None and c2 is None
-        assert all(torch.equal(a, b) for a, b in zip(s1.rows, s2.rows))
+        assert same(p1, p2) and same(s1.count, s2.count) and c1 is None and c2 is None
+        assert all(same(a, b) for a, b in zip(s1.rows, s2.rows))
 
 
 @pytest.mark.parametrize("which", ["sgd", "adagrad", "adam"])

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ArgumentError
-from ._elementwise import (Elementwise, check_single_tensor_impl, kernel_groups, native_fits,
+from ._elementwise import (Elementwise, check_single_tensor_impl, fused_takes, kernel_groups, native_fits,
                            resolve_single_tensor)
 from ._protocol import Row
 
@@ -69,9 +69,7 @@ class SGD(Elementwise):
     def apply_runs(self, runs) -> None:
         """``apply`` on each run, the runs torch's fused kernel takes (impl "fused") in one call per step count,
         rate and decay (``kernel_groups``), as torch.optim.SGD(fused=True) takes a model's parameters."""
-        def takes(p, g, rows):
-            return self.resolved_impl(p.device, p.dtype) == "fused" and g.dtype == p.dtype
-        for (step, lr, wd, *_), rs in kernel_groups(self, runs, takes).items():
+        for (step, lr, wd, *_), rs in kernel_groups(self, runs, fused_takes(self)).items():
             torch._fused_sgd_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs] if self.rows else [],
                               weight_decay=wd, momentum=self.momentum, lr=lr, dampening=self.dampening,
                               nesterov=self.nesterov, maximize=self.maximize, is_first_step=step == 1)
@@ -143,9 +141,7 @@ class Adagrad(Elementwise):
     def apply_runs(self, runs) -> None:
         """``apply`` on each run, the runs torch's fused kernel takes (impl "fused") in one call per step count,
         rate and decay (``kernel_groups``), as torch.optim.Adagrad(fused=True) takes a model's parameters."""
-        def takes(p, g, rows):
-            return self.resolved_impl(p.device, p.dtype) == "fused" and g.dtype == p.dtype
-        for (step, lr, wd, *_), rs in kernel_groups(self, runs, takes).items():
+        for (step, lr, wd, *_), rs in kernel_groups(self, runs, fused_takes(self)).items():
             steps = [torch.tensor(float(step)) for _ in rs]  # (its step: the count after this one)
             torch._fused_adagrad_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs], steps, lr=lr,
                                   lr_decay=self.lr_decay, weight_decay=wd, eps=self.eps, maximize=self.maximize)

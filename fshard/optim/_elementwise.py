@@ -315,6 +315,12 @@ def kernel_groups(opt, runs, takes) -> dict:
     return groups
 
 
+def fused_takes(opt):
+    """``kernel_groups``' ``takes`` for torch's fused CPU kernels (SGD's, Adagrad's): the runs where ``opt``'s impl
+    resolves to "fused" and the gradient is in the parameter's dtype (those kernels take one dtype)."""
+    return lambda p, g, rows: opt.resolved_impl(p.device, p.dtype) == "fused" and g.dtype == p.dtype
+
+
 def native_fits(opt, impl: str, *tensors) -> bool:
     """Whether this run goes to the native kernel: ``impl`` "native" and every tensor fp32, contiguous, on the CPU;
     a run that does not fit (a bf16 gradient, say) runs torch's ops, with the same bits."""
