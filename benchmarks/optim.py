@@ -7,7 +7,7 @@ Run it under the shared benchmark lock (other engineers time things on the same 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --only adamw,lion --repeats 15
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --muon           # Muon step, world size 2
     .venv/bin/python benchmarks/optim.py --quick                                       # smoke run, tiny GPT
-    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --overhead --repeats 41  # beyond the kernel
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/optim.py --overhead --repeats 41  # Python around it
 
 **Updates** (the default). The parameters are those of ``examples/gpt.py``'s ``GPTConfig()`` (27.4M, fp32; the model
 of benchmarks/step.py and examples/train_gpt.py), one seeded model, its random gradients (N(0, 1e-2), seeded) the
@@ -17,8 +17,9 @@ same on both sides:
   (``DeviceUpdate``, fshard/protocol/_transform.py) calls: ``opt.update_all(0, units, donate=True)`` over every
   unit where the optimizer has it (the elementwise ones: every unit's plan, then the optimizer's pass over each run
   of the flat shards back to back; a run is a unit's parameters with one step count and weight decay: usually the
-  whole unit), else ``opt.update(layout, 0, shard, grad, state, active, donate=True)`` a unit at a time. ``donate=True``: in place,
-  as a step composed with ``donate=True`` updates (without it the update first copies the state, by design).
+  whole unit), else ``opt.update(layout, 0, shard, grad, state, active, donate=True)`` a unit at a time.
+  ``donate=True``: in place, as a step composed with ``donate=True`` updates (without it the update first copies
+  the state, by design).
 - torch: ``torch.optim.X`` over the model's parameters as a list of tensors (their ``.grad`` set), ``fused=True``
   where torch has a fused CPU kernel (AdamW, Adam, SGD, Adagrad), else ``foreach=True`` (RMSprop, NAdam,
   Adafactor). Lion has no torch twin: its peer is the Lion paper's formula written here with ``torch._foreach_*``

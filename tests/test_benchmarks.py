@@ -1,6 +1,7 @@
-"""benchmarks/optim.py runs (issue #40), so that it cannot rot: its --quick updates of every optimizer on the tiny
-GPT (each row present, both sides timed, fshard's parameters equal to torch's after the same updates), its
---overhead --quick (both sides and the kernel alone timed), and its --muon --quick step at world size 2 (both configs timed, the same losses). Timings here mean nothing (a loaded machine)."""
+"""benchmarks/optim.py runs (issue #40), so that it cannot rot: its --quick updates of every optimizer on the tiny GPT
+(each row present, both sides timed, fshard's parameters equal to torch's after the same updates), its --overhead
+--quick (both sides and the kernel alone timed), and its --muon --quick step at world size 2 (both configs timed, the
+same losses). Timings here mean nothing (a loaded machine)."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,10 @@
 """Activation checkpointing lowers fshard's peak memory as it lowers a plain model's: a GPT-2 with 8 layers (HF
 transformers, random weights), one training step after a warm-up one, peak RSS growth during the step measured as
-VmHWM in a process of its own per variant, forked from one fresh interpreter that imported torch, transformers
-and fshard (the same figures as a fresh interpreter per variant: torch 244 -> 38 MiB, fshard 251 -> 45; the peak reset through /proc/self/clear_refs right before the step; glibc
-maps every block of 64 KiB or more on its own, MALLOC_MMAP_THRESHOLD_, so freed tensors leave the RSS at once and it
-measures what the step holds rather than how the heap keeps freed blocks), for
-plain torch and for fshard (gather_ahead + bucket_reduce), each with and without
+VmHWM in a process of its own per variant, forked from one fresh interpreter that imported torch, transformers and
+fshard (the same figures as a fresh interpreter per variant: torch 244 -> 38 MiB, fshard 251 -> 45; the peak reset
+through /proc/self/clear_refs right before the step; glibc maps every block of 64 KiB or more on its own,
+MALLOC_MMAP_THRESHOLD_, so freed tensors leave the RSS at once and it measures what the step holds rather than how
+the heap keeps freed blocks), for plain torch and for fshard (gather_ahead + bucket_reduce), each with and without
 ``activation_checkpointing_enable()``; and fshard's gathered bytes stay within the gather_ahead bound."""
 from __future__ import annotations
 

@@ -207,16 +207,16 @@ def pipeline(phases: list[int]) -> list[tuple[int, int]]:
 
 
 class DeviceUpdate(UpdatePolicy):
-    """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state
-    holds them, in the same pass); an optimizer with ``update_all`` (the elementwise ones) takes every unit in one
-    call, which plans them all before the first pass. An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py) is
-    pipelined across units: each time a unit's update starts, every unit still paused moves on by one phase, the
-    newest first. Muon's three phases (pieces out; Newton-Schulz and results back; the step) of unit i thus run
-    beside unit i + 1's and i + 2's, so its exchanges travel during other units' Newton-Schulz, and a rank that
-    orthogonalises more of unit i than another catches up on unit i + 1 before it waits (every rank in the same
-    order, so the collectives pair). The exchanges are checked across ranks once, up front (``Collectives.promise``,
-    from the optimizer's ``exchange_plan``), not one by one: a check before each would bring the ranks together at
-    each, and the pipeline's catching up with them."""
+    """Run the optimizer on the shards where they live, one unit at a time (and the parameter copies, if the state holds
+    them, in the same pass); an optimizer with ``update_all`` (the elementwise ones) takes every unit in one call, which
+    plans them all before the first pass. An optimizer with ``update_phases`` (``fs.muon``: fshard/optim/_protocol.py)
+    is pipelined across units: each time a unit's update starts, every unit still paused moves on by one phase, the
+    newest first. Muon's three phases (pieces out; Newton-Schulz and results back; the step) of unit i thus run beside
+    unit i + 1's and i + 2's, so its exchanges travel during other units' Newton-Schulz, and a rank that orthogonalises
+    more of unit i than another catches up on unit i + 1 before it waits (every rank in the same order, so the
+    collectives pair). The exchanges are checked across ranks once, up front (``Collectives.promise``, from the
+    optimizer's ``exchange_plan``), not one by one: a check before each would bring the ranks together at each, and the
+    pipeline's catching up with them."""
 
     def __call__(self, step, state, grads: Grads, active, donate):
         rank, params, opt_state = step.spec.mesh.shard_rank, dict(state.params), dict(state.opt_state)
