@@ -75,7 +75,10 @@ if ! have tensornvme; then
     --no-build-isolation tensornvme
 fi
 
-if ! have fshard; then
+# fshard editable from this checkout: found (not imported) from /, so that the checkout itself does not satisfy it,
+# and where it points (a venv copied from another checkout, or left by a deleted one, points elsewhere)
+if [ "$(cd / && "$VPY" -c "import importlib.util as u; s = u.find_spec('fshard'); print(s.origin if s else '')" \
+      2>/dev/null)" != "$PWD/fshard/__init__.py" ]; then
   echo "[bootstrap] installing fshard (editable)"
   pip_install --no-build-isolation --no-deps -e .
 fi
