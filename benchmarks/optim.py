@@ -249,14 +249,14 @@ def run_overhead(args) -> dict:
     torch.set_num_threads(args.threads)
     cfg = GPTConfig.tiny() if args.quick else GPTConfig()
     pair = Pair("sgd(momentum)", cfg, args.seed)
-    mom, wd, lr = 0.9, 0.01, 0.05  # CASES["sgd(momentum)"]'s
+    kw = CASES["sgd(momentum)"][2]  # the peer's arguments: the same hyperparameters as fshard's side
     ps = [pair.params[u.name] for u in pair.layouts]
     gs = [pair.grads[u.name] for u in pair.layouts]
     bufs = [pair.opt_state[u.name].rows[0] for u in pair.layouts]
 
     def direct():
-        torch._fused_sgd_(ps, gs, bufs, weight_decay=wd, momentum=mom, lr=lr, dampening=0.0, nesterov=False,
-                          maximize=False, is_first_step=False)
+        torch._fused_sgd_(ps, gs, bufs, weight_decay=kw["weight_decay"], momentum=kw["momentum"], lr=kw["lr"],
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
     sides = {"fshard": pair.fshard, "direct": direct, "torch": pair.torch}
     for _ in range(max(args.warmup, 1)):  # (sgd's first update starts the buffers: direct runs after it)
         for fn in sides.values():

@@ -1,12 +1,26 @@
 """A command run to its end under a timeout, its output (stdout and stderr together) returned: what the tests that
-drive examples/ under torchrun share."""
+drive examples/ under torchrun share; and the example's ``main`` for ranks forked by tests/_dist.py."""
 from __future__ import annotations
 
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+
+
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example_main(argv: list):
+    """examples/train_gpt.py's ``main(argv)`` in this process: what ``run_ranks(example_main, n, argv)`` runs on
+    ranks forked from the rank server, where a test needs the example's training and not its torchrun launch (three
+    fresh interpreters a run). Returns the run's summary (rank 0's is the one that writes)."""
+    if _EXAMPLES not in sys.path:
+        sys.path.insert(0, _EXAMPLES)
+    import train_gpt
+    return train_gpt.main(argv)
 
 
 def run_logged(cmd: list, *, timeout: float = 240, what: str = "", **popen) -> str:

@@ -13,7 +13,7 @@ import torch
 import fshard as fs
 from _dist import run_ranks
 from _memory import reset_peak as _reset_peak, status as _status
-from _proc import run_logged
+from _proc import example_main, run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -32,18 +32,12 @@ def _train(tmp, name: str, *flags: str, restarts: int = 0):
     return torch.load(export), log
 
 
-def _main(argv):
-    sys.path.insert(0, os.path.join(_ROOT, "examples"))
-    import train_gpt
-    return train_gpt.main(argv)
-
-
 def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
     # the uninterrupted run: the example's main on two ranks forked from the test's rank server (torchrun, three
     # fresh interpreters, is what the runs that restart need)
-    run_ranks(_main, 2, ["--tiny", "--steps", str(STEPS), "--threads", "1", "--log-every", "0", "--export",
-                         str(tmp_path / "uninterrupted.pt"), "--data", "synthetic", "--run-dir",
-                         str(tmp_path / "uninterrupted-run")])
+    run_ranks(example_main, 2, ["--tiny", "--steps", str(STEPS), "--threads", "1", "--log-every", "0", "--export",
+                                str(tmp_path / "uninterrupted.pt"), "--data", "synthetic", "--run-dir",
+                                str(tmp_path / "uninterrupted-run")])
     ref = torch.load(tmp_path / "uninterrupted.pt")
     # (resumed from): the kill before step 7 finds step 6 saved when saves block; an asynchronous save of step 6
     # may still be running then, and the restart takes step 3, the newest complete one

@@ -15,7 +15,7 @@ import torch
 
 import data
 from _dist import run_ranks
-from _proc import run_logged
+from _proc import example_main, run_logged
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,11 +76,6 @@ def _run(run_dir, cache, steps, *flags):
     return run_logged(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _main(argv):
-    import train_gpt
-    return train_gpt.main(argv)
-
-
 def _ranks(run_dir, cache, steps, *flags) -> dict:
     """``_run``'s arguments, the example's ``main`` on two ranks forked from the test's rank server rather than
     under torchrun (which starts three fresh interpreters, a third of this file's time): rank 0's summary. The
@@ -88,7 +83,7 @@ def _ranks(run_dir, cache, steps, *flags) -> dict:
     argv = ["--tiny", "--steps", str(steps), "--threads", "1", "--run-dir", str(run_dir), "--cache-dir", str(cache),
             "--vocab", "512", "--max-train-mb", "0.3", "--eval-every", "3", "--eval-batches", "2", "--log-every", "2",
             "--save-every", "0", "--sample-tokens", "8", "--schedule", "constant", *flags]
-    return run_ranks(_main, 2, argv)[0]
+    return run_ranks(example_main, 2, argv)[0]
 
 
 def test_a_short_run_writes_its_outputs_and_a_rerun_resumes(tmp_path):
