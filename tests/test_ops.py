@@ -189,32 +189,29 @@ def test_isa_choice_is_checked_and_the_env_caps_it(native, monkeypatch):
     assert calls == ["scalar", "scalar", "avx2"]
 
 
-_READ_CAP = """
-import os, sys
-import fshard.ops as ops
-try:
-    first = ops.backend_info()["cpu_isa"]
-except ValueError as e:
-    print("error:", e); sys.exit(0)
-os.environ["FSHARD_OPS_CPU_ISA"] = "scalar"  # changed mid-run: the running job keeps its kernel
-print(first, ops.backend_info()["cpu_isa"], ops.cpu_isas()[-1])
-"""
+def _read_cap(cap):
+    """The kernel a process runs under FSHARD_OPS_CPU_ISA=cap (set before it loads them): what backend_info says at
+    the first use and after the variable changes mid-run, and the CPU's best; or the error of a bad value."""
+    os.environ["FSHARD_OPS_CPU_ISA"] = cap
+    try:
+        first = ops.backend_info()["cpu_isa"]
+    except ValueError as e:
+        return f"error: {e}"
+    os.environ["FSHARD_OPS_CPU_ISA"] = "scalar"  # changed mid-run: the running job keeps its kernel
+    return first, ops.backend_info()["cpu_isa"], ops.cpu_isas()[-1]
 
 
-@pytest.mark.parametrize("cap", ["scalar", "avx512", "neon"])
-def test_the_isa_cap_is_read_once_when_the_kernels_load(native, cap):
-    import subprocess
-    import sys
-
-    env = {**os.environ, "FSHARD_OPS_CPU_ISA": cap}
-    out = subprocess.run([sys.executable, "-c", _READ_CAP], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    if cap == "neon":  # a bad value is an fshard error naming the variable, at the first use
-        assert "FSHARD_OPS_CPU_ISA='neon'" in " ".join(out)
-        return
-    first, later, best = out
-    assert later == first  # read once
-    assert first == ("scalar" if cap == "scalar" else best)  # a cap above the CPU's best is no error
+def test_the_isa_cap_is_read_once_when_the_kernels_load(native):
+    """Each cap in a process of its own that has not loaded the kernels: forked from one interpreter that imported
+    fshard.ops (tests/_proc.py ``forked``), as a fresh job would load them."""
+    from _proc import forked
+    caps = ["scalar", "avx512", "neon"]
+    got = dict(zip(caps, (r for r, in forked(_read_cap, [({}, (cap,)) for cap in caps]))))
+    assert "FSHARD_OPS_CPU_ISA='neon'" in got["neon"]  # a bad value is an fshard error naming the variable
+    for cap in ("scalar", "avx512"):
+        first, later, best = got[cap]
+        assert later == first  # read once
+        assert first == ("scalar" if cap == "scalar" else best)  # a cap above the CPU's best is no error
 
 
 def test_grad_scale_overflow_counts_as_nonfinite(native):
