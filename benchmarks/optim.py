@@ -28,8 +28,10 @@ same on both sides:
 Each repeat times one whole-model update of each side, in turn (the order alternates between repeats), after
 ``--warmup`` untimed updates; threads are ``torch.set_num_threads(--threads)`` for both. Printed per optimizer: the
 median ms, elements/s (trainable elements per second), the speed ratio ``torch ms / fshard ms`` (>= 1.0: fshard's
-update is at least as fast, issue #40's bar) of the medians and its range over the repeats (the noise), and, as a
-check that both ran the same optimizer on the same tensors, the largest parameter difference after the same number
+update is at least as fast, issue #40's bar) of the medians and its range over the repeats (the noise), the median
+of the per-repeat ratios, in how many repeats fshard's update was the faster one with the one-sided sign test's p
+(benchmarks/paired.py's: where both sides run one kernel at the memory roof, the medians' ratio moves by more than
+its distance from 1 between runs), and, as a check that both ran the same optimizer on the same tensors, the largest parameter difference after the same number
 of updates (Lion's peer rounds differently; sign flips of near-zero momenta move an element by 2 lr).
 
 **Muon** (``--muon``): world size 2 on gloo, spawned as benchmarks/step.py does (its harness: fresh processes per
@@ -210,6 +212,7 @@ def run_updates(args) -> dict:
     if unknown:
         raise SystemExit(f"unknown optimizers {unknown}; known: {list(CASES)}")
     from fshard import ops
+    from paired import sign_test  # (the paired step timing's: the same test over repeats)
     from step import _git_head
     print(f"[optim.py] git {_git_head()} torch {torch.__version__}, {torch.get_num_threads()} threads, cfg={cfg}, "
           f"repeats={args.repeats}, warmup={args.warmup}; fshard.ops: "
@@ -218,21 +221,27 @@ def run_updates(args) -> dict:
           flush=True)
     out = {}
     print("\nspeed = torch ms / fshard ms, of the medians (>= 1.0: fshard at least as fast); per repeat: the same "
-          "ratio in each repeat, min-max (the noise)")
+          "ratio in each repeat, min-max (the noise), and its median; fshard faster: in how many repeats, with the "
+          "one-sided sign test's p (the chance of as many or more if each side were as likely to be faster)")
     print("\n| optimizer | fshard impl | torch peer | elements | fshard ms | torch ms | fshard Gelem/s | "
-          "torch Gelem/s | speed | per repeat | max abs param diff |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "torch Gelem/s | speed | per repeat | paired median | fshard faster | max abs param diff |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         pair = Pair(name, cfg, args.seed)
         times = time_pair(pair, args.repeats, args.warmup)
         diff = pair.max_diff()
         n, f, t = pair.numel, statistics.median(times["fshard"]), statistics.median(times["torch"])
         paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
+        wins = sum(r > 1 for r in paired)
         impl = pair.opt.resolved_impl(torch.device("cpu"))
         print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
               f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | "
+              f"{statistics.median(paired):.3f}x | {wins}/{len(paired)} (p={sign_test(wins, len(paired)):.2g}) | "
               f"{diff:.3g} |",
               flush=True)
         out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
+                         paired_median=statistics.median(paired), fshard_faster=wins,
+                         sign_test_p=sign_test(wins, len(paired)),
                          max_abs_diff=diff,
                          fshard_impl=impl, peer=f"{CASES[name][1].__name__} ({pair.how})")
         del pair
