@@ -58,15 +58,14 @@ def _run(cmd: list, timeout: float, what: str, popen: dict) -> str:
 # ranks from itself before any thread or tensor op, each child a fresh process as far as its heap and its loaded
 # kernels go; results come back pickled through a pipe per rank, and the list of them on the last line of stdout.
 _FORKED = r"""
-import importlib, os, pickle, socket, sys, traceback
+import importlib, os, pickle, sys, traceback
 sys.path[:0] = pickle.loads(bytes.fromhex(sys.argv[1]))
+from _dist import _free_port
 module, name, world, calls = pickle.loads(bytes.fromhex(sys.argv[2]))
 fn = getattr(importlib.import_module(module), name)
 out = []
 for env, args in calls:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     kids = []
     for rank in range(world):
         r, w = os.pipe()
