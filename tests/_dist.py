@@ -13,6 +13,7 @@ so that a crash seen once in CI can be read (CI once showed only "rank 0 died: -
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
 import queue as queues
 import shutil
@@ -28,10 +29,44 @@ TIMEOUT_S = 240
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard"]
 
 
-def _free_port() -> int:
+# A rendezvous port comes from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 here). A port
+# bound to 0, closed, then bound again by rank 0's TCPStore could be taken in between as the local port of any
+# outgoing connection (the other pytest-xdist worker's gloo pairs and store clients): rank 0 then failed with
+# EADDRINUSE (test_hsdp in a fresh-clone rehearsal, session 32). Below the range only an explicit bind takes a port;
+# each process walks its own sequence (from its pid) and skips a port that cannot be bound now.
+_LOW = 10000
+_TAKEN = itertools.count()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    span = _ephemeral_low() - _LOW
+    if span < 1000:  # (a system whose ephemeral range starts low: the kernel's choice, as before)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    start = (os.getpid() * 2654435761) % span
+    for _ in range(span):
+        port = _LOW + (start + 7919 * next(_TAKEN)) % span
+        if _bindable(port):
+            return port
+    raise OSError(f"no free port in {_LOW}-{_LOW + span - 1}")
 
 
 def _context():
