@@ -28,7 +28,6 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import traceback
@@ -158,9 +157,8 @@ def _after_collect() -> str:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from _dist import _free_port  # (below the ephemeral range: no connection takes it before rank 0 binds it)
+    return _free_port()
 
 
 def _status(status: int) -> str:

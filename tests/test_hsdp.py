@@ -405,16 +405,14 @@ def test_two_torchrun_agents_train_as_two_nodes_and_share_a_checkpoint(tmp_path)
     single process then loads, bitwise the state every rank had."""
     import json
     import os
-    import socket
     import sys
     import threading
 
     from _proc import run_logged
 
     import fshard as fs
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _dist import _free_port
+    port = _free_port()  # (below the ephemeral range: no connection takes it before the agents bind it)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_two_nodes.py")
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
