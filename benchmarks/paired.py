@@ -55,7 +55,7 @@ def bootstrap_median(xs: list[float], draws: int = 2000, seed: int = 0) -> tuple
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def worker(rank: int, world_size: int, args, pairs: int, port: int | None = None, out: str | None = None) -> None:
+def worker(rank: int, world_size: int, args, pairs: int, port: int | None = None) -> None:
     if port is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
