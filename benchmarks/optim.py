@@ -31,8 +31,9 @@ median ms, elements/s (trainable elements per second), the speed ratio ``torch m
 update is at least as fast, issue #40's bar) of the medians and its range over the repeats (the noise), the median
 of the per-repeat ratios, in how many repeats fshard's update was the faster one with the one-sided sign test's p
 (benchmarks/paired.py's: where both sides run one kernel at the memory roof, the medians' ratio moves by more than
-its distance from 1 between runs), and, as a check that both ran the same optimizer on the same tensors, the largest parameter difference after the same number
-of updates (Lion's peer rounds differently; sign flips of near-zero momenta move an element by 2 lr).
+its distance from 1 between runs), and, as a check that both ran the same optimizer on the same tensors, the
+largest parameter difference after the same number of updates (Lion's peer rounds differently; sign flips of
+near-zero momenta move an element by 2 lr).
 
 **Muon** (``--muon``): world size 2 on gloo, spawned as benchmarks/step.py does (its harness: fresh processes per
 round and config, a step's time the slowest rank's, medians), the GPT with its blocks' 2-D matrices on Muon and the
@@ -233,15 +234,16 @@ def run_updates(args) -> dict:
         n, f, t = pair.numel, statistics.median(times["fshard"]), statistics.median(times["torch"])
         paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
         wins = sum(r > 1 for r in paired)
+        p = sign_test(wins, len(paired))
         impl = pair.opt.resolved_impl(torch.device("cpu"))
         print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
               f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | "
-              f"{statistics.median(paired):.3f}x | {wins}/{len(paired)} (p={sign_test(wins, len(paired)):.2g}) | "
+              f"{statistics.median(paired):.3f}x | {wins}/{len(paired)} (p={p:.2g}) | "
               f"{diff:.3g} |",
               flush=True)
         out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
                          paired_median=statistics.median(paired), fshard_faster=wins,
-                         sign_test_p=sign_test(wins, len(paired)),
+                         sign_test_p=p,
                          max_abs_diff=diff,
                          fshard_impl=impl, peer=f"{CASES[name][1].__name__} ({pair.how})")
         del pair
