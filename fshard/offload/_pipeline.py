@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..optim._protocol import apply_runs
+from ..state._slot_grad import SlotGrad
 from ..state._stored import StoredParam, _Items, param_key
 from ..store._protocol import locked
 from ._staging import HostStaging
@@ -258,11 +259,15 @@ _DONE.set_result((None, None))
 
 def owns_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is all of its storage (a gradient shard that is a view of a bucket is not)."""
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous()
+    return (type(t) is torch.Tensor and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+            and t.is_contiguous())  # (not a SlotGrad, whose storage is a placeholder: its slots' tensors hold it)
 
 
 def _free(t: torch.Tensor) -> bool:
-    """Free ``t``'s storage if ``t`` is all of it; whether it did."""
+    """Free ``t``'s storage if ``t`` is all of it (or a one-rank ``SlotGrad``'s gradients); whether it did."""
+    if isinstance(t, SlotGrad):
+        t.release()
+        return True
     if not owns_storage(t):
         return False
     t.untyped_storage().resize_(0)

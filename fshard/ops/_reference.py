@@ -18,10 +18,25 @@ def as_list(x, name: str, op: str = "adamw_") -> Tensors:
     if x is None:
         return []
     if isinstance(x, torch.Tensor):
-        return [x]
+        return [plain(x, name, op)]
     if isinstance(x, (list, tuple)):
-        return list(x)
+        return [plain(t, name, op) for t in x]
     raise ArgumentTypeError(f"fshard.ops.{op}: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
+
+
+def plain(t, name: str = "tensors", op: str = "adamw_"):
+    """``t`` as a tensor whose memory the native kernels can read: itself, unless it is a tensor subclass that
+    holds no memory of its own (a one-rank ``SlotGrad``, fshard/state/_slot_grad.py: its data pointer is 0),
+    which is read through torch's ops into a plain copy. Only read-only arguments (gradients) can be such: a
+    kernel's writes into a copy would be lost."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return t
+    if t.numel() and t.data_ptr() == 0:
+        if name not in ("grads", "tensors", "g"):
+            raise ArgumentTypeError(f"fshard.ops.{op}: {name} is a {type(t).__name__}, which holds no memory of "
+                                    "its own; the kernel writes into it in place, so pass a plain tensor.")
+        t = torch.Tensor.clone(t)  # (a SlotGrad: its slots' gradients, assembled)
+    return t
 
 
 SQ_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -20,6 +20,7 @@ import torch
 from ..protocol._stages import UnitView
 from ..errors import RecomputeError
 from ..state._flat import UnitLayout, views
+from ..state._slot_grad import SlotViews
 from ._recompute import attach, detach
 from ..state._stored import in_store
 
@@ -255,7 +256,11 @@ class UnitRun(UnitView):
 
     def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
         """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""
-        out = views(use, self.layout)
+        if self._run.spec.mesh.world_size == 1 and use.requires_grad and self.layout.slots:  # (no collective reads it)
+            got = SlotViews.apply(use, self.layout)  # the gradient stays per slot (fshard/state/_slot_grad.py)
+            out = dict(zip((s.name for s in self.layout.slots), got if isinstance(got, tuple) else (got,)))
+        else:
+            out = views(use, self.layout)
         if len(self.layout.trainable) < len(self.layout.slots):
             frozen = views(self._flat.detach(), self.layout)
             out.update({s.name: frozen[s.name] for s in self.layout.slots if not s.requires_grad})
@@ -268,6 +273,7 @@ class UnitRun(UnitView):
         self._run._policy.gather.after_backward(self._run, self)
 
     def _marker(self, k: int):
-        def mark(_grad):
-            self._got[k] = True
+        def mark(grad):
+            if grad is not None:  # (SlotViews' backward gets None for a slot without a gradient, and so do its hooks)
+                self._got[k] = True
         return mark
