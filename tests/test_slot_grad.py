@@ -66,6 +66,10 @@ def test_a_slice_within_a_slot_is_a_view_of_its_gradient_and_in_place_ops_write_
     view = sg[b.offset:b.offset + 7]
     assert view.data_ptr() == g[1].data_ptr()  # no copy
     assert type(sg.detach()) is SlotGrad and type(sg.view_as(sg)) is SlotGrad  # autograd's same-shape views
+    low = SlotGrad(layout, {0: g[0].bfloat16()}, torch.bfloat16, torch.device("cpu"))
+    wide = low.to(torch.float32)  # mixed precision's cast to the reduce dtype: slot by slot
+    assert type(wide) is SlotGrad and wide._flat is None and low._flat is None
+    assert torch.equal(wide.flat(), low.flat().float())
     sg.mul_(2.0)  # assembles, then every later read sees the assembled tensor
     assert torch.equal(sg[b.offset:b.offset + 7], g[1] * 2) and torch.equal(g[1] * 2, view * 2)
     assert sg.parts(0, 4)[0][2].data_ptr() == sg.flat().data_ptr()

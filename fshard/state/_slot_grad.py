@@ -44,7 +44,8 @@ class SlotGrad(torch.Tensor):
             for i, g in self._grads.items():
                 s = self._layout.slots[i]
                 out[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
-            self._flat, self._grads = out, {}
+            self._flat = out
+            self._grads = {}  # (after _flat is set: parts reads them in the other order)
         return self._flat
 
     def parts(self, lo: int, hi: int, padding: bool = True) -> list[tuple[int, int, torch.Tensor]]:
@@ -55,11 +56,13 @@ class SlotGrad(torch.Tensor):
         parameter with a zero gradient and zero state does; tests/test_slot_grad.py)."""
         if lo >= hi:
             return []
-        if self._flat is not None:
-            return [(lo, hi, self._flat[lo:hi])]
+        grads = self._grads  # (read before _flat: flat() sets _flat first, then lets the slots go, so a reader in
+        flat = self._flat    # another thread, an offloaded update's worker, sees one or the other whole)
+        if flat is not None:
+            return [(lo, hi, flat[lo:hi])]
         out, pos = [], lo
         for i, s in enumerate(self._layout.slots):
-            g = self._grads.get(i)
+            g = grads.get(i)
             a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
             if a >= b:
                 continue
@@ -86,8 +89,10 @@ class SlotGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         x = args[0] if args else None
-        if func in _SAME and isinstance(x, SlotGrad) and x._flat is None and tuple(x.shape) == _shape(func, args):
-            return SlotGrad(x._layout, x._grads, x.dtype, x.device)  # (shares the gradients: nothing writes them)
+        if func in _SAME and isinstance(x, SlotGrad) and tuple(x.shape) == _shape(func, args):
+            grads = x._grads  # (before _flat, as in parts)
+            if x._flat is None:
+                return SlotGrad(x._layout, grads, x.dtype, x.device)  # (shares the gradients: nothing writes them)
         if func is _aten.slice.Tensor and isinstance(x, SlotGrad) and x._flat is None and not kwargs:
             dim, lo, hi, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
             lo, hi = _bounds(lo, hi, x.shape[0])
@@ -95,10 +100,11 @@ class SlotGrad(torch.Tensor):
                 got = x.parts(lo, hi)
                 if len(got) == 1:
                     return got[0][2]
-        if func is _aten._to_copy.default and isinstance(x, SlotGrad) and x._flat is None and len(args) == 1 \
-                and set(kwargs) <= {"dtype"}:  # a cast (mixed precision's reduce dtype): slot by slot, not assembled
-            dtype = kwargs.get("dtype", x.dtype)
-            return SlotGrad(x._layout, {i: g.to(dtype) for i, g in x._grads.items()}, dtype, x.device)
+        if func is _aten._to_copy.default and isinstance(x, SlotGrad) and len(args) == 1 and set(kwargs) <= {"dtype"}:
+            grads = x._grads  # (before _flat, as in parts)
+            if x._flat is None:  # a cast (mixed precision's reduce dtype): slot by slot, not assembled
+                dtype = kwargs.get("dtype", x.dtype)
+                return SlotGrad(x._layout, {i: g.to(dtype) for i, g in grads.items()}, dtype, x.device)
         unwrap = lambda t: t.flat() if isinstance(t, SlotGrad) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
