@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fshard.testing as ft
 from fshard.errors import ArgumentTypeError
 from fshard.state._flat import flatten, views
-from fshard.state._slot_grad import SlotGrad, SlotViews
+from fshard.state._slot_grad import SlotGrad, slot_views
 
 
 def _grads_both_ways(tree, data):
@@ -20,18 +20,13 @@ def _grads_both_ways(tree, data):
     flat = flatten(layout, {n: t.float() for n, t in tree.items()})
     uses = {s.name: data.draw(st.integers(0, 2), label=f"uses of {s.name}") for s in layout.slots}
     out = []
-    for make in (lambda f: views(f, layout), lambda f: dict(zip([s.name for s in layout.slots],
-                                                                  _tuple(SlotViews.apply(f, layout))))):
+    for make in (views, slot_views):
         leaf = flat.clone().requires_grad_()
-        vs = make(leaf)
+        vs = make(leaf, layout)
         loss = sum((vs[n] * (k + 1.5)).sum() for n, k in uses.items() for _ in range(k))
         # (the gradient autograd hands the leaf, not accumulated into .grad: a SlotGrad for SlotViews)
         out.append(torch.autograd.grad(loss, leaf)[0] if isinstance(loss, torch.Tensor) else None)
     return layout, uses, out
-
-
-def _tuple(x):
-    return x if isinstance(x, tuple) else (x,)
 
 
 @given(ft.param_trees(dtype=torch.float32), st.data())
@@ -97,26 +92,23 @@ def test_native_kernels_read_a_slot_gradient_through_torch_and_refuse_one_to_wri
     lambda fs: fs.optim.rmsprop(lr=1e-2, momentum=0.5), lambda fs: fs.optim.lion(lr=1e-3, weight_decay=0.1),
     lambda fs: fs.optim.from_torch(torch.optim.NAdam, lr=1e-2, weight_decay=0.1)],
     ids=["adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "from_torch"])
-def test_a_one_rank_update_through_slot_gradients_is_bitwise_the_flat_ones_and_leaves_padding_zero(make):
+def test_a_one_rank_update_through_slot_gradients_is_bitwise_the_flat_ones_and_leaves_padding_zero(make, monkeypatch):
     """The update reads each parameter's gradient where autograd left it and skips the padding between parameters;
     split's flat gradient gives the same bits (within an ulp for torch's fused kernels, whose runs are then cut
     where torch cuts them, at each parameter), and every padding element stays zero."""
     import fshard as fs
     from models import oracle_model
-    from fshard.state import _slot_grad
+    from fshard.run import _unit
 
     def run(slots: bool):
         model, loss_fn, batches = oracle_model("awkward", 3)
         state = fs.init(model, fs.Mesh.local(), make(fs))
-        saved = _slot_grad.SlotViews.apply
-        if not slots:  # the same step with split's flat gradient: SlotViews' backward assembles it
-            _slot_grad.SlotViews.apply = lambda flat, layout: tuple(views(flat, layout).values())
-        try:
-            with fs.compose(loss_fn) as step:
-                for b in batches(0, 1):
-                    state, _ = step(state, b)
-        finally:
-            _slot_grad.SlotViews.apply = saved
+        if not slots:  # the same step with split's flat gradient
+            monkeypatch.setattr(_unit, "slot_views", views)
+        with fs.compose(loss_fn) as step:
+            for b in batches(0, 1):
+                state, _ = step(state, b)
+        monkeypatch.undo()
         return state
 
     a, b = run(True), run(False)

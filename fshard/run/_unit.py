@@ -20,7 +20,7 @@ import torch
 from ..protocol._stages import UnitView
 from ..errors import RecomputeError
 from ..state._flat import UnitLayout, views
-from ..state._slot_grad import SlotViews
+from ..state._slot_grad import slot_views
 from ._recompute import attach, detach
 from ..state._stored import in_store
 
@@ -257,8 +257,7 @@ class UnitRun(UnitView):
     def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
         """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""
         if self._run.spec.mesh.world_size == 1 and use.requires_grad and self.layout.slots:  # (no collective reads it)
-            got = SlotViews.apply(use, self.layout)  # the gradient stays per slot (fshard/state/_slot_grad.py)
-            out = dict(zip((s.name for s in self.layout.slots), got if isinstance(got, tuple) else (got,)))
+            out = slot_views(use, self.layout)  # the gradient stays per slot (fshard/state/_slot_grad.py)
         else:
             out = views(use, self.layout)
         if len(self.layout.trainable) < len(self.layout.slots):

@@ -13,6 +13,8 @@ the same values, so code that does not know this class gets what it got before.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -32,6 +34,7 @@ class SlotGrad(torch.Tensor):
     def __new__(cls, layout: UnitLayout, grads: dict, dtype: torch.dtype, device: torch.device):
         t = torch.Tensor._make_wrapper_subclass(cls, (layout.numel,), dtype=dtype, device=device)
         t._layout, t._grads, t._flat = layout, grads, None
+        t._starts = [s.offset for s in layout.slots]  # (ascending: parts finds a range's first slot by bisection)
         return t
 
     def __repr__(self) -> str:
@@ -60,9 +63,11 @@ class SlotGrad(torch.Tensor):
         flat = self._flat    # another thread, an offloaded update's worker, sees one or the other whole)
         if flat is not None:
             return [(lo, hi, flat[lo:hi])]
-        out, pos = [], lo
-        for i, s in enumerate(self._layout.slots):
-            g = grads.get(i)
+        out, pos, slots = [], lo, self._layout.slots
+        for i in range(max(0, bisect.bisect_right(self._starts, lo) - 1), len(slots)):  # (a unit's runs: O(slots))
+            s, g = slots[i], grads.get(i)
+            if s.offset >= hi:
+                break
             a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
             if a >= b:
                 continue
@@ -120,6 +125,12 @@ def _bounds(lo, hi, n: int) -> tuple[int, int]:
     lo = 0 if lo is None else (lo + n if lo < 0 else lo)
     hi = n if hi is None else (hi + n if hi < 0 else hi)
     return max(0, min(lo, n)), max(0, min(hi, n))
+
+
+def slot_views(flat: torch.Tensor, layout: UnitLayout) -> dict[str, torch.Tensor]:
+    """Slot name -> view of ``flat``, as ``views``, through ``SlotViews``: the gradient comes back per slot."""
+    got = SlotViews.apply(flat, layout)
+    return dict(zip((s.name for s in layout.slots), got if isinstance(got, tuple) else (got,)))
 
 
 class SlotViews(torch.autograd.Function):
