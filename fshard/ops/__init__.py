@@ -160,7 +160,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
     the CPU kernel: 'avx512', 'avx2', 'scalar', or None/'auto' for the best one the CPU runs, capped
     by ``$FSHARD_OPS_CPU_ISA``. A kernel the CPU cannot run is a ValueError.
     """
-    p, g = as_list(params, "params"), as_list(grads, "grads")
+    p, g = as_list(params, "params"), as_list(grads, "grads", read_only=True)
     m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
     c = as_list(param_copies, "param_copies")
     lib = _native()
@@ -192,7 +192,7 @@ def sq_norm(tensors, *, isa: str | None = None) -> float:
     one-time warning; counted in ``metrics()["sq_norm_fallback_calls"]``). The GIL is released while the kernel
     runs.
     """
-    ts = as_list(tensors, "tensors", "sq_norm")
+    ts = as_list(tensors, "tensors", "sq_norm", read_only=True)
     if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in ts):
         return sq_norm_reference(ts)  # CUDA (or a mix): torch's own reduction, no fallback warning
     lib = _native()

@@ -22,7 +22,7 @@ def _run(kind, p, g, rows, *, wd=0.0, maximize=False, lerp_w=0.0, beta2=0.0, sq_
     from ._reference import plain
 
     lib = _lib if _lib is not None else load()  # built and loaded: no lock on every run
-    g = plain(g, "g", "classic")
+    g = plain(g, "g", "classic", read_only=True)
     lib.classic_step(kind, p, g, list(rows), float(wd), bool(maximize), float(lerp_w), float(beta2),
                         float(sq_coeff), float(bc2_sqrt), float(eps), float(neg_step), bool(amsgrad), float(momentum),
                         float(damp1), float(neg_lr), bool(nesterov), bool(first), _cap_for(isa))

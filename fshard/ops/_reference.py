@@ -14,25 +14,25 @@ from ..errors import ArgumentError, ArgumentTypeError
 Tensors = list[torch.Tensor]
 
 
-def as_list(x, name: str, op: str = "adamw_") -> Tensors:
+def as_list(x, name: str, op: str = "adamw_", read_only: bool = False) -> Tensors:
     if x is None:
         return []
     if isinstance(x, torch.Tensor):
-        return [plain(x, name, op)]
+        return [plain(x, name, op, read_only)]
     if isinstance(x, (list, tuple)):
-        return [plain(t, name, op) for t in x]
+        return [plain(t, name, op, read_only) for t in x]
     raise ArgumentTypeError(f"fshard.ops.{op}: {name} must be a Tensor or a list of Tensors, got {type(x).__name__}")
 
 
-def plain(t, name: str = "tensors", op: str = "adamw_"):
+def plain(t, name: str, op: str, read_only: bool):
     """``t`` as a tensor whose memory the native kernels can read: itself, unless it is a tensor subclass that
     holds no memory of its own (a one-rank ``SlotGrad``, fshard/state/_slot_grad.py: its data pointer is 0),
-    which is read through torch's ops into a plain copy. Only read-only arguments (gradients) can be such: a
-    kernel's writes into a copy would be lost."""
+    which is read through torch's ops into a plain copy. Only a ``read_only`` argument (a gradient) can be such:
+    a kernel's writes into a copy would be lost, so one written in place is refused."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
         return t
     if t.numel() and t.data_ptr() == 0:
-        if name not in ("grads", "tensors", "g"):
+        if not read_only:
             raise ArgumentTypeError(f"fshard.ops.{op}: {name} is a {type(t).__name__}, which holds no memory of "
                                     "its own; the kernel writes into it in place, so pass a plain tensor.")
         t = torch.Tensor.clone(t)  # (a SlotGrad: its slots' gradients, assembled)
@@ -56,7 +56,7 @@ def sq_norm_reference(tensors) -> float:
     """The sum over every element of every tensor of x*x, in float64, from torch ops (any device); see
     fshard.ops.sq_norm. One sync per device. Its rounding differs from the native kernel's (and torch's own
     reduction order depends on the thread count), by about 1e-15 relative."""
-    ts = as_list(tensors, "tensors", "sq_norm")
+    ts = as_list(tensors, "tensors", "sq_norm", read_only=True)
     check_sq_norm_dtypes(ts)
     per_device: dict[torch.device, Tensors] = {}
     for t in ts:
@@ -70,7 +70,7 @@ def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: flo
                      beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
                      param_copies=None, adam_w_mode: bool = True, check_finite: bool = True) -> bool:
     """In-place AdamW (or Adam with L2) on lists of fp32 tensors; see fshard.ops.adamw_."""
-    params, grads = as_list(params, "params"), as_list(grads, "grads")
+    params, grads = as_list(params, "params"), as_list(grads, "grads", read_only=True)
     exp_avgs, exp_avg_sqs = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
     copies = as_list(param_copies, "param_copies")
     n = len(params)

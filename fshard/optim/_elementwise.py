@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
-from ..state._slot_grad import SlotGrad
+from ..state._slot_grad import grad_parts
 from ..state._train_state import FrozenMap
 from ._protocol import OptState, Row, apply_runs, counted, initial_rows
 
@@ -197,7 +197,7 @@ class Elementwise:
                 copy = None if copy is None else copy.clone()
             runs += [(_run(param, a, b), g, tuple(_run(r, a, b) for r in rows), step, grad_scale, lr, wd,
                       None if copy is None else _run(copy, a, b))
-                     for lo, hi, step, lr, wd in plan for a, b, g in _grad_parts(grad, lo, hi)]
+                     for lo, hi, step, lr, wd in plan for a, b, g in grad_parts(grad, lo, hi)]
             out.append((param, state.with_rows(count, rows), copy))
         if runs:
             apply_runs(self, runs)
@@ -291,15 +291,6 @@ def pieces(p: torch.Tensor, g: torch.Tensor, rows: tuple, copy, piece: int):
         return ((p, g, rows, copy),)
     return tuple((p[lo:lo + piece], g[lo:lo + piece], tuple(r[lo:lo + piece] for r in rows),
                   None if copy is None else copy[lo:lo + piece]) for lo in range(0, n, piece))
-
-
-def _grad_parts(g: torch.Tensor, lo: int, hi: int) -> list:
-    """A run's gradient as ``(a, b, tensor)`` pieces tiling ``[lo, hi)``: one, unless ``g`` is a ``SlotGrad`` (one
-    rank: each parameter's gradient where autograd left it), whose run is cut at the parameters' edges and leaves out
-    the padding between them (zero, and left zero)."""
-    if isinstance(g, SlotGrad):
-        return g.parts(lo, hi, padding=False)
-    return [(lo, hi, _run(g, lo, hi))]
 
 
 def _run(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..state._slot_grad import SlotGrad
+from ..state._slot_grad import grad_parts
 
 if TYPE_CHECKING:
     from ..dist._protocol import Collectives
@@ -73,17 +73,10 @@ class Grads:
             return self
         from .. import ops  # loaded on first use, as everywhere (it may build the native kernels)
         from ..ops._reference import SQ_NORM_DTYPES
-        shards = [t for g in self.shards.values() for t in _pieces(g)]
+        shards = [t for g in self.shards.values() for _, _, t in grad_parts(g, 0, g.shape[0])]  # (SlotGrad: per slot)
         native = [g for g in shards if g.dtype in SQ_NORM_DTYPES]
         wide = [g for g in shards if g.dtype not in SQ_NORM_DTYPES]  # float64 models: torch's norm
         total = ops.sq_norm(native) + sum(float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in wide)
         local = torch.tensor([total], dtype=torch.float64, device=comm.mesh.device)
         return replace(self, sq_norm=float(comm.all_reduce(local, "grad_norm", over="shard")[0]))
 
-
-def _pieces(g: torch.Tensor) -> list[torch.Tensor]:
-    """A shard as the tensors that hold it: a one-rank ``SlotGrad``'s slot gradients (and zeros between them),
-    read where autograd left them rather than assembled (fshard/state/_slot_grad.py), else the shard itself."""
-    if isinstance(g, SlotGrad):
-        return [t for _, _, t in g.parts(0, g.shape[0], padding=False)]  # (padding is zero)
-    return [g]
