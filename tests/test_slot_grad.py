@@ -126,3 +126,40 @@ def test_a_one_rank_update_through_slot_gradients_is_bitwise_the_flat_ones_and_l
                 assert torch.equal(x, y), u.name
             n = min(x.numel(), u.numel)
             assert not x[:n][pad[:n]].any(), u.name  # (rows cover the trainable prefix)
+
+
+def _bucketed(slots: bool, low: bool):
+    """Three steps of the awkward model with gather_ahead + bucket_reduce (bf16 compute with fp32 reduces where
+    ``low``), the unit gradients per slot or through split's ``cat``; returns the params and the units whose
+    flat gradient was assembled."""
+    import fshard as fs
+    from models import oracle_model
+    from fshard.run import _unit
+
+    assembled, flat = [], SlotGrad.flat
+    if slots:
+        SlotGrad.flat = lambda self: (assembled.append(self._layout.name), flat(self))[1]
+    else:  # (a forked rank of its own: nothing to undo)
+        _unit.slot_views = views
+    mesh = fs.Mesh.from_env()
+    model, loss_fn, batches = oracle_model("awkward", 3)
+    state = fs.init(model, mesh, fs.adamw(lr=1e-2, weight_decay=0.1))
+    low = [fs.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)] if low else []
+    with fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(0.0005), *low) as step:
+        for b in batches(mesh.rank, mesh.world_size):
+            state, _ = step(state, b)
+    return {u: t.numpy().copy() for u, t in state.params.items()}, sorted(set(assembled))  # (pickled, not shared)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("low", [False, True], ids=["fp32", "bf16"])
+def test_bucket_reduce_copies_slot_gradients_into_its_buckets_bitwise_and_never_assembles_them(world_size, low):
+    """At N > 1 bucket_reduce (``per_slot``) takes each unit's gradient per slot and copies the slots into their
+    buckets' pieces (zeros between them): the same bits as split's ``cat`` then a copy, and no flat gradient is
+    assembled except for blocks.0, which the model applies twice (autograd adds its two uses' gradients)."""
+    from _dist import run_ranks
+    ours = run_ranks(_bucketed, world_size, True, low)
+    theirs = run_ranks(_bucketed, world_size, False, low)
+    for (a, assembled), (b, _) in zip(ours, theirs):
+        assert a.keys() == b.keys() and all((a[u].view("u1") == b[u].view("u1")).all() for u in a)  # bitwise
+        assert assembled == ["blocks.0"], assembled

@@ -200,10 +200,16 @@ class ReducePolicy(Protocol):
         widens it piece by piece as it copies it into its own buffers, with the same values as a cast first; so a
         wrapper that would cast the whole gradient (fs.mixed_precision) hands it over as it is, and the unit's
         gradient is never held twice at once (bucket_reduce: 192 MiB less per 50M-parameter unit). Default False.
+      per_slot: ``reduce`` takes the gradient as a ``SlotGrad`` (fshard/state/_slot_grad.py: each parameter's
+        gradient as autograd made it) and copies it out slot by slot (``grad_parts``), so the step never assembles
+        the unit's flat gradient only for the policy to copy it again (bucket_reduce: the ``cat`` of 4% of a
+        two-rank step). At world size 1 every policy is given one (it reads as the flat tensor to any op). Default
+        False: the flat gradient.
     """
 
     reduce_dtype: torch.dtype | None = None
     widens: bool = False
+    per_slot: bool = False
 
     def reduce(self, step: StepView, unit: UnitView, grad: torch.Tensor) -> None:
         """Start reducing ``grad`` (the unit's whole flat gradient, summed over the step's micro-batches).

@@ -256,7 +256,9 @@ class UnitRun(UnitView):
 
     def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
         """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""
-        if self._run.spec.mesh.world_size == 1 and use.requires_grad and self.layout.slots:  # (no collective reads it)
+        run = self._run
+        if (use.requires_grad and self.layout.slots and  # one rank: no collective reads it; or a policy that copies
+                (run.spec.mesh.world_size == 1 or run._policy.reduce.per_slot)):  # it out per slot
             out = slot_views(use, self.layout)  # the gradient stays per slot (fshard/state/_slot_grad.py)
         else:
             out = views(use, self.layout)

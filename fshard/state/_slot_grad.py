@@ -114,14 +114,14 @@ class SlotGrad(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def grad_parts(g: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, torch.Tensor]]:
-    """Elements ``[lo, hi)`` of a gradient shard as ``(a, b, tensor)`` pieces, for a reader that goes element by
-    element (an update, a norm): a ``SlotGrad``'s slot gradients where autograd left them, without the padding
-    between them (zero, and an elementwise update leaves it zero), else one piece, ``g`` itself where the range is
-    all of it (no view made: between kernels that leave the caches cold each tensor op costs tens of
-    microseconds)."""
+def grad_parts(g: torch.Tensor, lo: int, hi: int, padding: bool = False) -> list[tuple[int, int, torch.Tensor]]:
+    """Elements ``[lo, hi)`` of a gradient as ``(a, b, tensor)`` pieces, for a reader that goes element by element
+    (an update, a norm, a copy into a bucket): a ``SlotGrad``'s slot gradients where autograd left them, and the
+    padding between them as zeros only with ``padding`` (an elementwise update leaves it zero), else one piece, ``g``
+    itself where the range is all of it (no view made: between kernels that leave the caches cold each tensor op
+    costs tens of microseconds)."""
     if isinstance(g, SlotGrad):
-        return g.parts(lo, hi, padding=False)
+        return g.parts(lo, hi, padding=padding)
     return [(lo, hi, g if lo == 0 and hi == g.shape[0] else g[lo:hi])]
 
 

@@ -45,6 +45,7 @@ import torch
 from ..protocol._stages import ReducePolicy
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import ROOT
+from ..state._slot_grad import grad_parts
 from ..protocol._transform import Transform
 
 
@@ -155,9 +156,11 @@ class _Pending:
 class BucketReduce(ReducePolicy):
     """The reduce policy of ``fs.bucket_reduce``. The plan lives here (made once per layout); one step's buckets
     live in ``step.scratch(self)``. It widens a narrower gradient as it copies each piece into its bucket (the
-    buckets are in the units' own dtype, or ``reduce_dtype``): ``widens``."""
+    buckets are in the units' own dtype, or ``reduce_dtype``): ``widens``; and it copies a ``SlotGrad``'s slots
+    into their buckets where autograd left them: ``per_slot``."""
 
     widens = True
+    per_slot = True
 
     def __init__(self, bucket_bytes: int, reduce_dtype, op: str, per_unit: bool = False):
         self.bucket_bytes, self.reduce_dtype, self.op, self.per_unit = bucket_bytes, reduce_dtype, op, per_unit
@@ -190,13 +193,15 @@ class BucketReduce(ReducePolicy):
         for b, pieces in st.plan.by_unit.get(name, ()):
             sections = self._buffer(st, b, grad.device)
             for p in pieces:
-                dst, src = _spot(sections, b, p), grad[p.lo:p.hi]
-                if scale is None:
-                    dst.copy_(src)
-                elif dst.dtype == src.dtype:
-                    torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
-                else:
-                    dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
+                spot = _spot(sections, b, p)
+                for lo, hi, src in grad_parts(grad, p.lo, p.hi, padding=True):  # (a SlotGrad: slot by slot)
+                    dst = spot if hi - lo == spot.shape[0] else spot[lo - p.lo:hi - p.lo]
+                    if scale is None:
+                        dst.copy_(src)
+                    elif dst.dtype == src.dtype:
+                        torch.mul(src, scale, out=dst)  # grad * (1/N), as the blocking reduce and DDP do
+                    else:
+                        dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
             st.waiting[b.index].discard(name)
         self._launch_ready(run, st, force=False)
         # (On CUDA a wait orders the compute stream after the whole comm stream, prefetched gathers included, so

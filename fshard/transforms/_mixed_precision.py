@@ -104,6 +104,7 @@ class _ReduceIn(ReducePolicy):
 
     def __init__(self, inner: ReducePolicy, reduce_dtype: torch.dtype):
         self.inner, self.reduce_dtype = inner, reduce_dtype
+        self.per_slot = inner.per_slot  # (a cast of a SlotGrad stays per slot)
 
     def reduce(self, step, unit, grad):
         if grad.dtype != self.reduce_dtype and not (self.inner.widens and _widening(grad.dtype, self.reduce_dtype)):
