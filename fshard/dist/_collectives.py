@@ -302,7 +302,10 @@ class Comm:
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed over the group into shard rank
         r's ``sections[r]`` (the others' are scratch). Sections may differ in size, so a bucket can end anywhere in a
-        unit."""
+        unit. How, measured (benchmarks/RESULTS.md, "Session 34"): one ``reduce`` to each section's rank, except on
+        gloo in a group of two, where an ``all_reduce`` of each section (the sum lands in the scratch too) takes 0.75x
+        the CPU time and wall time of gloo's two reduces, which run one after the other (at three and four ranks
+        the reduces are faster). Bitwise the same: a sum of two is the same in either order."""
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."),
                      "+".join(str(t.numel()) for t in sections)))  # one check for the call's N reduces
         for r, t in enumerate(sections):
@@ -311,9 +314,13 @@ class Comm:
         t0 = time.perf_counter()
         g = self.mesh.shard_group
         with bare():
-            works = [] if g is None or self.dry or self.mesh.shard_size == 1 else [
-                dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
-                for r, t in enumerate(sections)]
+            if g is None or self.dry or self.mesh.shard_size == 1:
+                works = []
+            elif self.mesh.backend == "gloo" and self.mesh.shard_size == 2:  # (see reduce_each's docstring)
+                works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True) for t in sections]
+            else:
+                works = [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
+                         for r, t in enumerate(sections)]
         return self._flight(works, t0, "reduce", tag)
 
     def promise(self, exchanges) -> None:
