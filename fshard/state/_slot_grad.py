@@ -10,6 +10,9 @@ where torch's ``AccumulateGrad`` keeps each gradient as it is. The update reads 
 runs at the slots' edges (``parts``) reads the gradients where autograd left them. Every other op on a
 ``SlotGrad`` (a norm, an in-place scale, a cast, a collective) sees the assembled flat tensor, made once and kept:
 the same values, so code that does not know this class gets what it got before.
+
+Where: at world size 1, and wherever the reduce policy declares ``per_slot`` (``fs.bucket_reduce``, which at N > 1
+copies each slot's gradient into its buckets with ``grad_parts``: no collective ever reads a ``SlotGrad``).
 """
 from __future__ import annotations
 
