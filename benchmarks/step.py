@@ -342,6 +342,8 @@ register("fshard+ahead+buckets+bf16+clip+donate")(  # the global norm: fshard.op
 register("fshard+ahead+buckets+keep")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True)))
 register("fshard+ahead+buckets+keep+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), donate=True))
+register("fshard+ahead+buckets+keep+unchecked+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(keep=True), check_collectives=False, donate=True))
 def _split_units(ctx):
     """Blocks, and the embedding and the head as units of their own: the head's gradient is then reduced at
     the start of backward instead of with the embedding's at its end (the root keeps only pos_emb and ln_f)."""

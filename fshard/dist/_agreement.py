@@ -14,8 +14,9 @@ rank's side: ``RankDivergenceError`` (different collectives) or ``RankFailedErro
 that raises mid-step completes what it has in flight and posts ``failed`` at the others' next check
 (``Comm.fail``); since the others only issue a collective after a check that every rank joined, nothing is left
 waiting (exchanges checked ahead, all at once, are issued with zeros by a rank that fails before them:
-fshard/dist/_promises.py). The step ends with such a check (the commit vote), so a step returns a new state on
-every rank or raises on every rank.
+fshard/dist/_promises.py; a step that issues the collectives of the two before it checks that sequence once, at
+its start, and a rank that leaves it issues the rest with zeros too: fshard/dist/_replay.py). The step ends with
+such a check (the commit vote), so a step returns a new state on every rank or raises on every rank.
 
 A collective that fails in the transport (a timeout while a rank is hung, a connection closed by a dead rank)
 is a ``CollectiveError`` naming the step, the collective and, through torch.distributed's store, the ranks that had
@@ -219,22 +220,23 @@ def batch_hash(batch) -> int:
                                      for l in leaves])
 
 
-_CHECKS = ("batch", "step", "model", "optimizer", "transforms")  # what check_ranks compares, in its order
+_CHECKS = ("batch", "step", "model", "optimizer", "transforms", "sequence")  # what check_ranks compares, in order
 CHECKED = len(_CHECKS)  # (step.plan counts the hashes)
 
 
-def check_ranks(comm, state, batch, chain: int = 0, transforms: tuple = ()) -> None:
+def check_ranks(comm, state, batch, chain: int = 0, transforms: tuple = (), sequence: int = 0) -> bool:
     """Before any gather: do all ranks run the same step of the same model, with the same optimizer hyperparameters
     (at this step: a schedule's learning rate too) and the same composed transforms (``chain``, the hash of their
     fingerprints ``transforms``), on batches of the same structure? A mismatch here would otherwise surface as a
     hang, as silently mixed shards, or as ranks that train different models. Every rank raises the same error
-    (``comm.unanimous``)."""
+    (``comm.unanimous``). Returns whether every rank holds the same ``sequence`` (the checksum of the collectives
+    it would follow unchecked, fshard/dist/_replay.py; 0 for none): where they differ, none follows one."""
     if comm.mesh.world_size == 1:
-        return
+        return False
     step = int(state.step)
     opt = state.spec.optimizer
     hashes = (batch_hash(batch), step % (1 << HASH_BITS), state.spec.fingerprint, small_hash(opt.fingerprint(step)),
-              chain)
+              chain, sequence & ((1 << HASH_BITS) - 1))
     _, same = agree(comm, [], list(hashes))
     ok = dict(zip(_CHECKS, same))
     if not ok["batch"]:
@@ -261,3 +263,4 @@ def check_ranks(comm, state, batch, chain: int = 0, transforms: tuple = ()) -> N
         raise comm.unanimous(RankDivergenceError(
             f"ranks composed different transforms (fs.compose(loss_fn, ...); this rank's: {', '.join(transforms)}); "
             "compose the same ones, with the same arguments and in the same order, on every rank."))
+    return ok["sequence"]

@@ -3,7 +3,8 @@
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
 ``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py; a sequence of exchanges
-may be checked at once, ahead: ``promise``, fshard/dist/_promises.py), (b) seconds spent
+may be checked at once, ahead: ``promise``, fshard/dist/_promises.py; so may the sequence of the steps before:
+``follow``, fshard/dist/_replay.py), (b) seconds spent
 per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
 optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
@@ -35,6 +36,7 @@ from ..errors import ArgumentError
 from ._bare import bare
 from ._agreement import HASH_BITS, describe, exchange, wait_works
 from ._promises import Promises
+from ._replay import Item, Replay
 from ._protocol import Exchange
 from ._mesh import _FASTEST_GATHER, Mesh
 
@@ -115,6 +117,9 @@ class Comm:
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
         self._promised = Promises()  # the exchanges checked ahead (``promise``), not issued yet
+        self._replay: Replay | None = None  # the sequence of the steps before, checked once (``follow``)
+        self._record: list[Item] | None = None  # what this step issues from ``follow`` on, for the steps after
+        self._zeroing = False  # issuing the rest of a sequence with zeros (``Replay.leave``): nothing checked
 
     def span(self, lane: str, label: str, t0: float, t1: float) -> None:
         """Add a span to this step's timeline, if one is being recorded."""
@@ -133,26 +138,63 @@ class Comm:
     def seq_hash(self) -> int:
         return self._hash & ((1 << HASH_BITS) - 1)
 
-    def _note(self, kind: str, tag: str, t: torch.Tensor, check: bool = True, sizes=None, nbytes=None) -> None:
+    def _note(self, kind: str, tag: str, t: torch.Tensor, check: bool = True, sizes=None, nbytes=None,
+              zeros=None) -> None:
         entry = (kind, tag, str(t.dtype).removeprefix("torch."), t.numel() if sizes is None else sizes)
         if check:
-            self._check(entry)
+            self._check(entry, zeros=zeros)
         self._hash = zlib.crc32(repr(entry).encode(), self._hash)
         self.bytes[kind] += t.nbytes if nbytes is None else nbytes
         if self.trace is not None:
             self.trace.append(entry)
 
-    def _check(self, entry: tuple, force: bool = False) -> None:
+    def _check(self, entry: tuple, force: bool = False, zeros=None) -> None:
         """With ``verify`` (or ``force``): before a collective, one all-reduce of three numbers tells whether every
         rank is about to issue the same one and none has failed (fshard/dist/_agreement.py: ``exchange``). Every rank
         raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
-        (which it answers by aborting the process)."""
+        (which it answers by aborting the process). Unchecked where it is the next collective of the sequence
+        being followed (``follow``); ``zeros``: how to issue it with zeros, should a later step follow it."""
         if not force:
             self.vote_next = False  # an update policy's own collective: the others may be in it, not at the vote
+        if self._zeroing:
+            return  # (a sequence's rest, with zeros: the ranks still in it issue these unchecked)
+        if self._record is not None and not force:
+            self._record.append((entry, zeros))
+        if self._replay is not None and not force:
+            if self._replay.take(entry):
+                return
+            self.leave_sequence()
         self._promised.refuse(describe(entry))  # (the others are in, or on their way to, what was promised)
         if not (self.verify or force) or self.mesh.world_size == 1 or self.dry or self.closed:
             return  # (one rank, with or without a process group, has no other rank to disagree with)
         exchange(self, entry)
+
+    def follow(self, items: list[Item] | None) -> None:
+        """From here on, record what this step issues (``end_sequence``) and, if every rank agreed on ``items`` (the
+        sequence of the steps before; ``check_ranks`` compared it), issue each collective unchecked while it is
+        the next of them (fshard/dist/_replay.py). Only with ``verify``, on more than one rank."""
+        if not self.verify or self.mesh.world_size == 1 or self.dry:
+            return
+        self._record = []
+        self._replay = Replay(items) if items else None
+
+    def leave_sequence(self) -> None:
+        """Issue what is left of the sequence being followed with zeros, so that no rank still in it waits, and
+        follow it no more (this rank's step took another path, or failed)."""
+        replay, self._replay = self._replay, None
+        if replay:
+            self._zeroing = True
+            try:
+                replay.leave(self)
+            finally:
+                self._zeroing = False
+
+    def end_sequence(self) -> list[Item] | None:
+        """The end of what ``follow`` covers (the agreement after backward comes next): what is left of the
+        sequence is issued with zeros; returns what this step issued since ``follow`` (None: nothing recorded)."""
+        self.leave_sequence()
+        record, self._record = self._record, None
+        return record
 
     def vote(self, tag: str) -> None:
         """A check with no collective after it, made whether or not ``verify`` is on: the step's commit. Returns on
@@ -173,6 +215,7 @@ class Comm:
         if not (self.verify or self.vote_next) or not isinstance(error, Exception):
             return False
         try:
+            self.leave_sequence()  # (before the failure is posted: the others may be in the sequence, not at a check)
             self._promised.keep(self)
             exchange(self, ("fail", "", "", 0), failure=error)
         except Exception:  # noqa: BLE001 - the transport broke too; the rank's own error is the one to report
@@ -204,7 +247,7 @@ class Comm:
     def gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- concatenation of every rank's shard`` (the ranks of this rank's shard group); wait on the
         returned flight before reading out."""
-        self._note("all_gather", tag, out)
+        self._note("all_gather", tag, out, zeros=_zeros_gather(out.numel(), out.dtype, tag))
         t0 = time.perf_counter()
         g, n, rank = self.mesh.shard_group, self.mesh.shard_size, self.mesh.shard_rank
         if self.stream is not None and shard.is_cuda:  # made on another stream (a cast): not reused under the gather
@@ -284,7 +327,7 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- this rank's slice of the sum over the shard group of full``; wait on the returned flight.
         (On a 2-D mesh the replica groups' sum follows: ``replicate``.)"""
-        self._note("reduce_scatter", tag, full)
+        self._note("reduce_scatter", tag, full, zeros=_zeros_reduce_scatter(full.numel(), full.dtype, tag))
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
         if self.dry:
@@ -306,8 +349,9 @@ class Comm:
         gloo in a group of two, where an ``all_reduce`` of each section (the sum lands in the scratch too) takes 0.75x
         the CPU time and wall time of gloo's two reduces, which run one after the other (at three and four ranks
         the reduces are faster). Bitwise the same: a sum of two is the same in either order."""
-        self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."),
-                     "+".join(str(t.numel()) for t in sections)))  # one check for the call's N reduces
+        sizes = [t.numel() for t in sections]
+        self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
+                    zeros=_zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t, check=False)
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
@@ -356,7 +400,7 @@ class Comm:
         holding the same shard; nothing on a 1-D mesh). ``sizes``: what every rank checks and hashes in place of
         ``t``'s size where shard ranks' sizes differ (a bucket's sections), so the entry is the same on every rank."""
         entry = ("all_reduce_replicas", tag, str(t.dtype).removeprefix("torch."), t.numel() if sizes is None else sizes)
-        self._check(entry)
+        self._check(entry, zeros=_zeros_replicate(t.numel(), t.dtype, tag, sizes))
         self._hash = zlib.crc32(repr(entry).encode(), self._hash)
         self.bytes["replica"] += t.nbytes
         if self.trace is not None:
@@ -373,7 +417,7 @@ class Comm:
         "world" (every rank) or "shard" (this rank's shard group: a sum over the shards of a 2-D mesh, each counted
         once, the replica groups each making the same one)."""
         entry = ("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel())
-        self._check(entry)
+        self._check(entry, zeros=_zeros_all_reduce(t.numel(), t.dtype, tag, op, over))
         if self.trace is not None:
             self.trace.append(entry)
         t0 = time.perf_counter()
@@ -398,3 +442,39 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same memory, element for element (so a copy between them is a no-op)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.device == b.device)
+
+
+# --- a collective with zeros, for a sequence left (fshard/dist/_replay.py): sizes and dtypes only, no tensor kept ---
+
+def _zeros_gather(numel: int, dtype: torch.dtype, tag: str):
+    def zeros(comm: Comm) -> None:
+        d = comm.mesh.device
+        comm.gather(torch.empty(numel, dtype=dtype, device=d),
+                    torch.zeros(numel // comm.mesh.shard_size, dtype=dtype, device=d), tag).wait()
+    return zeros
+
+
+def _zeros_reduce_scatter(numel: int, dtype: torch.dtype, tag: str):
+    def zeros(comm: Comm) -> None:
+        d = comm.mesh.device
+        comm.reduce_scatter(torch.empty(numel // comm.mesh.shard_size, dtype=dtype, device=d),
+                            torch.zeros(numel, dtype=dtype, device=d), tag).wait()
+    return zeros
+
+
+def _zeros_reduce_each(sizes: list[int], dtype: torch.dtype, tag: str):
+    def zeros(comm: Comm) -> None:
+        comm.reduce_each([torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes], tag).wait()
+    return zeros
+
+
+def _zeros_replicate(numel: int, dtype: torch.dtype, tag: str, sizes):
+    def zeros(comm: Comm) -> None:
+        comm.replicate(torch.zeros(numel, dtype=dtype, device=comm.mesh.device), tag, sizes).wait()
+    return zeros
+
+
+def _zeros_all_reduce(numel: int, dtype: torch.dtype, tag: str, op, over: str):
+    def zeros(comm: Comm) -> None:
+        comm.all_reduce(torch.zeros(numel, dtype=dtype, device=comm.mesh.device), tag, op, over)
+    return zeros

@@ -27,6 +27,7 @@ from ..transforms._accumulate import Accumulator
 from ..protocol._stages import Grads
 from ..dist._agreement import agree, check_ranks, small_hash
 from ..dist._collectives import Comm
+from ..dist._replay import Sequences, checksum
 from ._envelope import envelope
 from ._eval import evaluate, train_mode
 from ._guards import (check_empty, check_loss, check_template, check_usable, checked_update, meta_reads,
@@ -81,6 +82,7 @@ class Step:
         self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
+        self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
         self._compiled = None if compile is False else UnitCompiler(compile)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
@@ -155,7 +157,7 @@ class Step:
         with envelope(self, state, "step {}", train=True) as env:
             comm, runs, spec = env.comm, env.runs, state.spec
             state = self.init(state)  # the transforms' state and the parameter copies
-            check_ranks(comm, state, batch, self._chain, self._fingerprints)  # first: a bad batch fails every rank
+            self._check_ranks(comm, state, batch)  # first: a bad batch fails every rank
             micro = self.policy.batches(batch)
             acc, scratch, losses, accum = Accumulator(len(micro)), {}, [], 0
             buffers = state.buffers if self.donate else {k: b.clone() for k, b in state.buffers.items()}
@@ -170,7 +172,7 @@ class Step:
                     accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
             loss = sum(x / len(losses) for x in torch.stack(losses).tolist())  # one device sync for all of them
             t2 = time.perf_counter()
-            run = runs[-1]
+            issued, run = comm.end_sequence(), runs[-1]  # (what follows is checked: the agreement, the update)
             loss, active = self._agree(comm, run, acc, loss)
             acts = max(sum(r._activations.values()) for r in runs)  # what forward saved for backward, at most
             self._observed = (tuple(run.order), tuple(run._backward_order), active, acts)  # what step.plan assumes
@@ -189,7 +191,16 @@ class Step:
                 "io/param_read_bytes": loaded, "io/write_bytes": m.get("io/write_bytes", 0)})  # 0 without a store
             comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
             self._checked = True
+            self._sequences.observed(issued)
             return new, m
+
+    def _check_ranks(self, comm: Comm, state: TrainState, batch) -> None:
+        """The rank check (``check_ranks``), which also compares the collectives of the steps before: where every
+        rank holds the same, this step follows them, each unchecked while it is the next (fshard/dist/_replay.py).
+        From here to the agreement after backward, what the step issues is recorded for the steps after."""
+        follow = self._sequences.to_follow() if comm.verify else None
+        same = check_ranks(comm, state, batch, self._chain, self._fingerprints, checksum(follow))
+        comm.follow(follow if same else None)
 
     def _update(self, run: StepRun, state: TrainState, grads: Grads, active, buffers):
         """The new state and the update's metrics: the optimizer on the shards, or the input with the skip counted

@@ -1,0 +1,77 @@
+"""A step's collectives checked once, at its start: the sequence the steps before issued (design/ARCHITECTURE.md,
+"A stable step's collectives are checked once").
+
+A check before each collective brings the ranks together at each: a rank that is a moment behind holds the other
+at every gather and reduction, where without checks the two only meet when one needs the other's data
+(benchmarks/RESULTS.md, "Session 35": about a tenth of a two-rank step on gloo). Most steps issue exactly the
+collectives of the step before. So once two steps in a row of one step function issued the same sequence
+(``Sequences``), the next step compares that sequence across ranks once, with the rank check at its start
+(``check_ranks``), and then issues each collective unchecked while it is the one expected next (``Replay.take``).
+
+A rank whose step leaves the sequence (a different collective, or fewer of them) first issues what is left of it,
+in order, each with zeros (``Replay.leave``), so that a rank still in the sequence pairs every collective it issues
+and none waits; then it checks its own collective as usual. Ranks that all leave at the same place (the batches
+took another path on every rank) pair their zeros with each other and go on, checked: the step is correct, only
+slower. Where some ranks leave and others do not, those that stayed reach their next check (the agreement after
+backward) while the others check a different collective, and every rank raises ``RankDivergenceError``. A rank that
+raises mid-sequence leaves it the same way before posting its failure (``Comm.fail``). Nothing is committed before
+the agreement after backward, so zeros never reach a state.
+"""
+from __future__ import annotations
+
+import collections
+import zlib
+from typing import Callable, Optional
+
+# one collective of a sequence: its check entry (kind, tag, dtype, sizes), and how to issue it with zeros
+# (``zeros(comm)``: the same call on zero tensors of the same sizes, waited for); None where that cannot be done
+Item = tuple[tuple, Optional[Callable]]
+
+
+def checksum(items: list[Item] | None) -> int:
+    """What ranks compare before following ``items`` (0: none to follow)."""
+    return 0 if not items else zlib.crc32(repr([e for e, _ in items]).encode()) or 1
+
+
+class Replay:
+    """The collectives of the sequence being followed, not issued yet, in order."""
+
+    def __init__(self, items: list[Item]):
+        self._left: collections.deque[Item] = collections.deque(items)
+
+    def __len__(self) -> int:
+        return len(self._left)
+
+    def take(self, entry: tuple) -> bool:
+        """Is ``entry`` the collective expected next? Then it is issued unchecked (and no longer expected)."""
+        if self._left and self._left[0][0] == entry:
+            self._left.popleft()
+            return True
+        return False
+
+    def leave(self, comm) -> None:
+        """Issue what is left of the sequence with zeros, in order, each waited for (the ranks still in it issue
+        the real ones: they are in one of them or on their way, never at a check), then follow nothing."""
+        left, self._left = self._left, collections.deque()
+        for _, zeros in left:
+            zeros(comm)
+
+
+class Sequences:
+    """What one step function's steps issued: the sequence to follow once two steps in a row issued the same one
+    (the first step records the gathers' order; a second may prefetch by it, and issue in another order)."""
+
+    def __init__(self):
+        self._last: list[Item] | None = None
+        self._stable = False
+
+    def to_follow(self) -> list[Item] | None:
+        return self._last if self._stable else None
+
+    def observed(self, items: list[Item] | None) -> None:
+        """A step committed, having issued ``items`` (None: not recorded, or not replayable)."""
+        if items is None or any(z is None for _, z in items):
+            self._last, self._stable = None, False
+            return
+        self._stable = self._last is not None and [e for e, _ in self._last] == [e for e, _ in items]
+        self._last = items
