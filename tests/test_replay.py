@@ -145,3 +145,32 @@ def test_a_rank_that_fails_or_leaves_the_sequence_raises_on_every_rank_and_a_pat
         assert kind == "RankDivergenceError" and unchanged, (rank, alone)
         assert "rank 0: all_reduce of 'agree'" in text and "rank 1: all_gather of 'blocks.2'" in text, text
         assert all((params[k] == ref[rank][k]).all() for k in params), rank  # zeros never reached the state
+
+
+def test_a_sequence_is_followed_after_enough_identical_steps_of_one_layout_and_leaving_it_backs_off():
+    """``Sequences`` against a model of it: follow the last sequence iff the last ``need`` committed steps had the
+    same layout and entries (need 2, doubled up to 64 by each step that left the sequence it followed)."""
+    from hypothesis import given, settings, strategies as st
+
+    from fshard.dist._replay import Sequences
+
+    zero = lambda comm: None  # noqa: E731
+    step = st.tuples(st.sampled_from(["a", "b"]), st.sampled_from([("g", 1), ("g", 2), ("r", 1)]), st.booleans(),
+                     st.booleans())
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(step, max_size=40))
+    def check(steps):
+        seqs, history, need = Sequences(), [], 2
+        for key, entry, left, replayable in steps:
+            items = [(entry, zero if replayable else None)]
+            seqs.observed(key, items, left)
+            need = min(2 * need, 64) if left else need
+            history = history + [(key, entry)] if replayable else []
+            run = len(history) - next((i for i in range(len(history) - 1, -1, -1) if history[i] != history[-1]), -1) - 1
+            for k in ("a", "b"):
+                got = seqs.to_follow(k)
+                want = bool(history) and history[-1][0] == k and run >= need
+                assert (got is not None) == want, (steps, k)
+                assert got is None or got == items
+    check()

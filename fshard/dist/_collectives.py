@@ -120,6 +120,7 @@ class Comm:
         self._replay: Replay | None = None  # the sequence of the steps before, checked once (``follow``)
         self._record: list[Item] | None = None  # what this step issues from ``follow`` on, for the steps after
         self._zeroing = False  # issuing the rest of a sequence with zeros (``Replay.leave``): nothing checked
+        self._left = False  # this step left the sequence it followed
 
     def span(self, lane: str, label: str, t0: float, t1: float) -> None:
         """Add a span to this step's timeline, if one is being recorded."""
@@ -183,18 +184,20 @@ class Comm:
         follow it no more (this rank's step took another path, or failed)."""
         replay, self._replay = self._replay, None
         if replay:
+            self._left = True
             self._zeroing = True
             try:
                 replay.leave(self)
             finally:
                 self._zeroing = False
 
-    def end_sequence(self) -> list[Item] | None:
+    def end_sequence(self) -> tuple[list[Item] | None, bool]:
         """The end of what ``follow`` covers (the agreement after backward comes next): what is left of the
-        sequence is issued with zeros; returns what this step issued since ``follow`` (None: nothing recorded)."""
+        sequence is issued with zeros. Returns what this step issued since ``follow`` (None: nothing recorded) and
+        whether it left the sequence it followed."""
         self.leave_sequence()
         record, self._record = self._record, None
-        return record
+        return record, self._left
 
     def vote(self, tag: str) -> None:
         """A check with no collective after it, made whether or not ``verify`` is on: the step's commit. Returns on

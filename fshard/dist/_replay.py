@@ -58,20 +58,25 @@ class Replay:
 
 
 class Sequences:
-    """What one step function's steps issued: the sequence to follow once two steps in a row issued the same one
-    (the first step records the gathers' order; a second may prefetch by it, and issue in another order)."""
+    """What one step function's steps issued: the sequence to follow once ``need`` steps in a row of the same
+    state layout (``key``: the spec's fingerprint) issued the same one (two at first: the first step records the
+    gathers' order, a second may prefetch by it and issue in another order). A step that left the sequence and
+    committed (every rank took another path: the batches change what runs) doubles ``need``, up to 64, so that a
+    model whose collectives change from step to step (routed experts) rarely pays for a sequence's zeros."""
 
     def __init__(self):
-        self._last: list[Item] | None = None
-        self._stable = False
+        self._key, self._last, self._same, self._need = None, None, 0, 2
 
-    def to_follow(self) -> list[Item] | None:
-        return self._last if self._stable else None
+    def to_follow(self, key) -> list[Item] | None:
+        return self._last if key == self._key and self._same >= self._need else None
 
-    def observed(self, items: list[Item] | None) -> None:
-        """A step committed, having issued ``items`` (None: not recorded, or not replayable)."""
-        if items is None or any(z is None for _, z in items):
-            self._last, self._stable = None, False
+    def observed(self, key, items: list[Item] | None, left: bool) -> None:
+        """A step committed, having issued ``items`` (None: not recorded) on a state of layout ``key``; ``left``:
+        it left the sequence it followed."""
+        if left:
+            self._need = min(2 * self._need, 64)
+        if items is None or any(z is None for _, z in items):  # (a collective that cannot be issued with zeros)
+            self._key, self._last, self._same = None, None, 0
             return
-        self._stable = self._last is not None and [e for e, _ in self._last] == [e for e, _ in items]
-        self._last = items
+        same = key == self._key and self._last is not None and [e for e, _ in self._last] == [e for e, _ in items]
+        self._key, self._last, self._same = key, items, self._same + 1 if same else 1

@@ -191,14 +191,14 @@ class Step:
                 "io/param_read_bytes": loaded, "io/write_bytes": m.get("io/write_bytes", 0)})  # 0 without a store
             comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
             self._checked = True
-            self._sequences.observed(issued)
+            self._sequences.observed(spec.fingerprint, *issued)
             return new, m
 
     def _check_ranks(self, comm: Comm, state: TrainState, batch) -> None:
         """The rank check (``check_ranks``), which also compares the collectives of the steps before: where every
         rank holds the same, this step follows them, each unchecked while it is the next (fshard/dist/_replay.py).
         From here to the agreement after backward, what the step issues is recorded for the steps after."""
-        follow = self._sequences.to_follow() if comm.verify else None
+        follow = self._sequences.to_follow(state.spec.fingerprint) if comm.verify else None
         same = check_ranks(comm, state, batch, self._chain, self._fingerprints, checksum(follow))
         comm.follow(follow if same else None)
 
