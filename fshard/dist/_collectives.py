@@ -38,7 +38,7 @@ from ._agreement import HASH_BITS, describe, exchange, wait_works
 from ._promises import Promises
 from ._replay import Item, Replay
 from ._protocol import Exchange
-from ._mesh import _FASTEST_GATHER, Mesh
+from ._mesh import _FASTEST_GATHER, Mesh, released
 
 
 def gather_impl(mesh: Mesh) -> str:
@@ -448,36 +448,48 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # --- a collective with zeros, for a sequence left (fshard/dist/_replay.py): sizes and dtypes only, no tensor kept ---
+# Each waits, then waits (bounded) until gloo's thread has let go of the zero tensors, so that they are freed on
+# this thread: a rank that fails may exit right after (Mesh.hold's reason; these are too large to hold).
 
 def _zeros_gather(numel: int, dtype: torch.dtype, tag: str):
     def zeros(comm: Comm) -> None:
         d = comm.mesh.device
-        comm.gather(torch.empty(numel, dtype=dtype, device=d),
-                    torch.zeros(numel // comm.mesh.shard_size, dtype=dtype, device=d), tag).wait()
+        out, shard = torch.empty(numel, dtype=dtype, device=d), torch.zeros(numel // comm.mesh.shard_size,
+                                                                             dtype=dtype, device=d)
+        comm.gather(out, shard, tag).wait()
+        released(out, shard)
     return zeros
 
 
 def _zeros_reduce_scatter(numel: int, dtype: torch.dtype, tag: str):
     def zeros(comm: Comm) -> None:
         d = comm.mesh.device
-        comm.reduce_scatter(torch.empty(numel // comm.mesh.shard_size, dtype=dtype, device=d),
-                            torch.zeros(numel, dtype=dtype, device=d), tag).wait()
+        out, full = torch.empty(numel // comm.mesh.shard_size, dtype=dtype, device=d), torch.zeros(numel, dtype=dtype,
+                                                                                                    device=d)
+        comm.reduce_scatter(out, full, tag).wait()
+        released(out, full)
     return zeros
 
 
 def _zeros_reduce_each(sizes: list[int], dtype: torch.dtype, tag: str):
     def zeros(comm: Comm) -> None:
-        comm.reduce_each([torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes], tag).wait()
+        sections = [torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes]
+        comm.reduce_each(sections, tag).wait()
+        released(*sections)
     return zeros
 
 
 def _zeros_replicate(numel: int, dtype: torch.dtype, tag: str, sizes):
     def zeros(comm: Comm) -> None:
-        comm.replicate(torch.zeros(numel, dtype=dtype, device=comm.mesh.device), tag, sizes).wait()
+        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
+        comm.replicate(t, tag, sizes).wait()
+        released(t)
     return zeros
 
 
 def _zeros_all_reduce(numel: int, dtype: torch.dtype, tag: str, op, over: str):
     def zeros(comm: Comm) -> None:
-        comm.all_reduce(torch.zeros(numel, dtype=dtype, device=comm.mesh.device), tag, op, over)
+        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
+        comm.all_reduce(t, tag, op, over)
+        released(t)
     return zeros
