@@ -56,10 +56,15 @@ def _transforms(config: str):
     return () if config == "plain" else (fs.gather_ahead(2), fs.bucket_reduce(0.0001))
 
 
-def _train(config: str, steps: int, check):
+def _mesh(shard_size):
+    import fshard as fs
+    return fs.Mesh.from_env() if shard_size is None else fs.Mesh.from_env(shard_size=shard_size)
+
+
+def _train(config: str, steps: int, check, shard_size=None):
     """Checks made in each step, and the parameters after ``steps`` steps."""
     import fshard as fs
-    mesh = fs.Mesh.from_env()
+    mesh = _mesh(shard_size)
     torch.manual_seed(0)
     state = fs.init(_Chain(), mesh, fs.adamw(lr=1e-2))
     counts = []
@@ -71,11 +76,11 @@ def _train(config: str, steps: int, check):
     return counts, {k: v.numpy().copy() for k, v in fs.full_params(state).items()}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_a_stable_sequence_is_checked_once_a_step_and_trains_bitwise_as_checked_steps(world_size):
+@pytest.mark.parametrize("world_size,shard_size", [(2, None), (3, None), (4, 2)])  # (4, 2): HSDP, 2 x 2
+def test_a_stable_sequence_is_checked_once_a_step_and_trains_bitwise_as_checked_steps(world_size, shard_size):
     for config in ("plain", "ahead+buckets"):
-        checked = run_ranks(_train, world_size, config, 6, None)
-        unchecked = run_ranks(_train, world_size, config, 6, False)
+        checked = run_ranks(_train, world_size, config, 6, None, shard_size)
+        unchecked = run_ranks(_train, world_size, config, 6, False, shard_size)
         for (counts, params), (_, ref) in zip(checked, unchecked):
             # the first steps check every collective; once two in a row issued the same ones (with gather_ahead the
             # second prefetches, so the second and third), a step checks the ranks, the agreement and the commit
@@ -83,12 +88,12 @@ def test_a_stable_sequence_is_checked_once_a_step_and_trains_bitwise_as_checked_
             assert params.keys() == ref.keys() and all((params[k] == ref[k]).all() for k in ref), config
 
 
-def _misbehave(config: str):
+def _misbehave(config: str, shard_size=None):
     """Steps 0-2 clean (the sequence is followed from step 3 on), then at step 3: rank 1 fails in forward; again
     with a failure in backward; rank 1 alone skips a block; every rank skips it (a path they all take); then the
     rest of the steps clean. Returns each step's outcome and the parameters at the end."""
     import fshard as fs
-    mesh = fs.Mesh.from_env()
+    mesh = _mesh(shard_size)
     torch.manual_seed(0)
     state = fs.init(_Chain(), mesh, fs.adamw(lr=1e-2))
     outcomes, s = [], 0
@@ -112,10 +117,10 @@ def _misbehave(config: str):
     return outcomes, {k: v.numpy().copy() for k, v in fs.full_params(state).items()}
 
 
-def _reference(config: str):
+def _reference(config: str, shard_size=None):
     """The same clean steps, unchecked: the step that every rank took with block 1 skipped, skipped here too."""
     import fshard as fs
-    mesh = fs.Mesh.from_env()
+    mesh = _mesh(shard_size)
     torch.manual_seed(0)
     state = fs.init(_Chain(), mesh, fs.adamw(lr=1e-2))
     with fs.compose(_loss, *_transforms(config), check_collectives=False) as step:
@@ -126,15 +131,17 @@ def _reference(config: str):
     return {k: v.numpy().copy() for k, v in fs.full_params(state).items()}
 
 
-@pytest.mark.parametrize("config", ["plain", "ahead+buckets"])
-def test_a_rank_that_fails_or_leaves_the_sequence_raises_on_every_rank_and_a_path_all_take_trains(config):
-    outcome = spawn(_misbehave, 2, config, timeout_s=120, collective_timeout_s=30)
+@pytest.mark.parametrize("config,world_size,shard_size", [("plain", 2, None), ("ahead+buckets", 2, None),
+                                                            ("ahead+buckets", 4, 2)])  # (4, 2): HSDP, 2 x 2
+def test_a_rank_that_fails_or_leaves_the_sequence_raises_on_every_rank_and_a_path_all_take_trains(config, world_size,
+                                                                                                  shard_size):
+    outcome = spawn(_misbehave, world_size, config, shard_size, timeout_s=150, collective_timeout_s=30)
     assert all(status == "ok" for status, _ in outcome.values()), outcome
-    ref = run_ranks(_reference, 2, config)
+    ref = run_ranks(_reference, world_size, config, shard_size)
     for rank, (_, (outcomes, params)) in outcome.items():
         ok, forward, backward, alone, together, *rest = outcomes[2:]
         assert ok == "ok" and together == "ok" and rest == ["ok", "ok"], (rank, outcomes)
-        for failed in (forward, backward):  # the failing rank's own error; the other names it
+        for failed in (forward, backward):  # the failing rank's own error; the others name it
             kind, text, unchanged = failed
             assert unchanged, (rank, failed)
             if rank == 1:
