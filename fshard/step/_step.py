@@ -380,8 +380,11 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
     check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
       one and that none has failed (fshard/dist/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
       one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
-      process or the others would wait for the timeout. None (the default): on CPU meshes at every step (the
-      example's step: 0.98x blocking, 1.04x with gather_ahead + bucket_reduce, benchmarks/RESULTS.md); on CUDA
+      process or the others would wait for the timeout. Once two steps in a row issued the same collectives, a
+      step compares that whole sequence once, at its start, and then issues each of it unchecked while it is the
+      one expected; a rank that fails or takes another path issues the rest with zeros first, so the guarantees
+      hold (fshard/dist/_replay.py). None (the default): on CPU meshes at every step (the 27.4M GPT at two ranks
+      with gather_ahead + bucket_reduce: as fast as unchecked, benchmarks/RESULTS.md "Session 35"); on CUDA
       until a step has completed (each check reads its result on the host). True: every step; False: never, so a
       divergence is found only at the step's end and an error on one rank reaches the others only at the commit
       vote (a rank that fails before it leaves them waiting in a collective until the timeout: ``CollectiveError``).
