@@ -36,9 +36,11 @@ from ..errors import ArgumentError
 from ._bare import bare
 from ._agreement import HASH_BITS, describe, exchange, wait_works
 from ._promises import Promises
-from ._replay import Item, Replay
+from ._replay import (Item, Replay, zeros_all_reduce, zeros_gather, zeros_reduce_each, zeros_reduce_scatter,
+                      zeros_replicate)
 from ._protocol import Exchange
-from ._mesh import _FASTEST_GATHER, Mesh, released
+from ._flight import Flight
+from ._mesh import _FASTEST_GATHER, Mesh
 
 
 def gather_impl(mesh: Mesh) -> str:
@@ -46,53 +48,6 @@ def gather_impl(mesh: Mesh) -> str:
     measured fastest of its backend."""
     impl = mesh.gather_impl
     return _FASTEST_GATHER.get(mesh.backend, "all_gather") if impl == "auto" else impl
-
-
-class Flight:
-    """One collective in flight (a gather or a reduction, ``phase``, of the unit or bucket ``tag``). ``wait()``
-    returns once its output is complete (on CUDA: once the current stream is ordered after it)."""
-
-    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase", "tag")
-
-    def __init__(self, comm: "Comm", works: list, t_issue: float, phase: str = "gather", tag: str = ""):
-        self._comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
-        self.tag = tag
-        self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
-        if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
-            try:
-                futures = [w.get_future() for w in works]
-            except RuntimeError:  # some gloo works have no future (reduce_scatter): completion is seen at wait()
-                futures = []
-            for i, fut in enumerate(futures):
-                # (the stamps, not the flight: gloo's thread then holds no reference to the step's objects; the
-                # mesh watches the callback until gloo's thread has run it and let go: Mesh.hold_callback)
-                stamp = (lambda _f, i=i, s=self._stamps: s.__setitem__(i, time.perf_counter()))
-                fut.add_done_callback(stamp)
-                comm.mesh.hold_callback(stamp)
-
-    def done(self) -> bool:
-        """Has every work completed? Never blocks; ``wait()`` is still what makes the output usable."""
-        return self.works is None or all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        if self.works is None:
-            return
-        t0 = time.perf_counter()
-        # timeline: a wait is exposed if the collective was still running when compute asked for it (issuing, in
-        # _flight, is exposed too)
-        blocked = self._comm.spans is not None and not all(w.is_completed() for w in self.works)
-        wait_works(self.works, self._comm, lambda: f"its {self.phase} of {self.tag!r}")
-        if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
-            torch.cuda.current_stream().wait_stream(self._comm.stream)
-        t1 = time.perf_counter()
-        self.works = None
-        stamps = self._stamps
-        self.t_done = max(stamps) if stamps and all(t is not None for t in stamps) else t1
-        self._comm.seconds[self.phase + "_exposed"] += t1 - t0
-        if blocked and self.t_done > t0:  # (gloo may run the completion callback before is_completed() says so)
-            self._comm.span("wait", f"{self.phase}:{self.tag}", t0, t1)
-        self._comm = None  # a record now: no cycle with comm.flights, so a step's Comm (and its mesh's process
-        # group) is freed when the step ends, not at a later garbage collection (design: "Exit and teardown")
 
 
 class Comm:
@@ -184,17 +139,15 @@ class Comm:
         follow it no more (this rank's step took another path, or failed)."""
         replay, self._replay = self._replay, None
         if replay:
-            self._left = True
-            self._zeroing = True
+            self._left = self._zeroing = True
             try:
                 replay.leave(self)
             finally:
                 self._zeroing = False
 
     def end_sequence(self) -> tuple[list[Item] | None, bool]:
-        """The end of what ``follow`` covers (the agreement after backward comes next): what is left of the
-        sequence is issued with zeros. Returns what this step issued since ``follow`` (None: nothing recorded) and
-        whether it left the sequence it followed."""
+        """The end of what ``follow`` covers (the agreement after backward is next): the sequence's rest is issued
+        with zeros. Returns what this step issued since ``follow`` (None: not recorded) and whether it left it."""
         self.leave_sequence()
         record, self._record = self._record, None
         return record, self._left
@@ -250,7 +203,7 @@ class Comm:
     def gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- concatenation of every rank's shard`` (the ranks of this rank's shard group); wait on the
         returned flight before reading out."""
-        self._note("all_gather", tag, out, zeros=_zeros_gather(out.numel(), out.dtype, tag))
+        self._note("all_gather", tag, out, zeros=zeros_gather(out.numel(), out.dtype, tag))
         t0 = time.perf_counter()
         g, n, rank = self.mesh.shard_group, self.mesh.shard_size, self.mesh.shard_rank
         if self.stream is not None and shard.is_cuda:  # made on another stream (a cast): not reused under the gather
@@ -330,7 +283,7 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
         """Start ``out <- this rank's slice of the sum over the shard group of full``; wait on the returned flight.
         (On a 2-D mesh the replica groups' sum follows: ``replicate``.)"""
-        self._note("reduce_scatter", tag, full, zeros=_zeros_reduce_scatter(full.numel(), full.dtype, tag))
+        self._note("reduce_scatter", tag, full, zeros=zeros_reduce_scatter(full.numel(), full.dtype, tag))
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
         if self.dry:
@@ -354,7 +307,7 @@ class Comm:
         the reduces are faster). Bitwise the same: a sum of two is the same in either order."""
         sizes = [t.numel() for t in sections]
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
-                    zeros=_zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
+                    zeros=zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t, check=False)
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
@@ -403,7 +356,7 @@ class Comm:
         holding the same shard; nothing on a 1-D mesh). ``sizes``: what every rank checks and hashes in place of
         ``t``'s size where shard ranks' sizes differ (a bucket's sections), so the entry is the same on every rank."""
         entry = ("all_reduce_replicas", tag, str(t.dtype).removeprefix("torch."), t.numel() if sizes is None else sizes)
-        self._check(entry, zeros=_zeros_replicate(t.numel(), t.dtype, tag, sizes))
+        self._check(entry, zeros=zeros_replicate(t.numel(), t.dtype, tag, sizes))
         self._hash = zlib.crc32(repr(entry).encode(), self._hash)
         self.bytes["replica"] += t.nbytes
         if self.trace is not None:
@@ -420,7 +373,7 @@ class Comm:
         "world" (every rank) or "shard" (this rank's shard group: a sum over the shards of a 2-D mesh, each counted
         once, the replica groups each making the same one)."""
         entry = ("all_reduce", tag, str(t.dtype).removeprefix("torch."), t.numel())
-        self._check(entry, zeros=_zeros_all_reduce(t.numel(), t.dtype, tag, op, over))
+        self._check(entry, zeros=zeros_all_reduce(t.numel(), t.dtype, tag, op, over))
         if self.trace is not None:
             self.trace.append(entry)
         t0 = time.perf_counter()
@@ -445,51 +398,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same memory, element for element (so a copy between them is a no-op)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.device == b.device)
-
-
-# --- a collective with zeros, for a sequence left (fshard/dist/_replay.py): sizes and dtypes only, no tensor kept ---
-# Each waits, then waits (bounded) until gloo's thread has let go of the zero tensors, so that they are freed on
-# this thread: a rank that fails may exit right after (Mesh.hold's reason; these are too large to hold).
-
-def _zeros_gather(numel: int, dtype: torch.dtype, tag: str):
-    def zeros(comm: Comm) -> None:
-        d = comm.mesh.device
-        out, shard = torch.empty(numel, dtype=dtype, device=d), torch.zeros(numel // comm.mesh.shard_size,
-                                                                             dtype=dtype, device=d)
-        comm.gather(out, shard, tag).wait()
-        released(out, shard)
-    return zeros
-
-
-def _zeros_reduce_scatter(numel: int, dtype: torch.dtype, tag: str):
-    def zeros(comm: Comm) -> None:
-        d = comm.mesh.device
-        out, full = torch.empty(numel // comm.mesh.shard_size, dtype=dtype, device=d), torch.zeros(numel, dtype=dtype,
-                                                                                                    device=d)
-        comm.reduce_scatter(out, full, tag).wait()
-        released(out, full)
-    return zeros
-
-
-def _zeros_reduce_each(sizes: list[int], dtype: torch.dtype, tag: str):
-    def zeros(comm: Comm) -> None:
-        sections = [torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes]
-        comm.reduce_each(sections, tag).wait()
-        released(*sections)
-    return zeros
-
-
-def _zeros_replicate(numel: int, dtype: torch.dtype, tag: str, sizes):
-    def zeros(comm: Comm) -> None:
-        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
-        comm.replicate(t, tag, sizes).wait()
-        released(t)
-    return zeros
-
-
-def _zeros_all_reduce(numel: int, dtype: torch.dtype, tag: str, op, over: str):
-    def zeros(comm: Comm) -> None:
-        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
-        comm.all_reduce(t, tag, op, over)
-        released(t)
-    return zeros

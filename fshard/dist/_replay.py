@@ -23,6 +23,10 @@ import collections
 import zlib
 from typing import Callable, Optional
 
+import torch
+
+from ._mesh import released
+
 # one collective of a sequence: its check entry (kind, tag, dtype, sizes), and how to issue it with zeros
 # (``zeros(comm)``: the same call on zero tensors of the same sizes, waited for); None where that cannot be done
 Item = tuple[tuple, Optional[Callable]]
@@ -80,3 +84,51 @@ class Sequences:
             return
         same = key == self._key and self._last is not None and [e for e, _ in self._last] == [e for e, _ in items]
         self._key, self._last, self._same = key, items, self._same + 1 if same else 1
+
+
+# --- a collective with zeros, for a sequence left (fshard/dist/_replay.py): sizes and dtypes only, no tensor kept ---
+# Each waits, then waits (bounded) until gloo's thread has let go of the zero tensors, so that they are freed on
+# this thread: a rank that fails may exit right after (Mesh.hold's reason; these are too large to hold).
+
+def zeros_gather(numel: int, dtype: torch.dtype, tag: str):
+    def zeros(comm) -> None:
+        d = comm.mesh.device
+        out, shard = torch.empty(numel, dtype=dtype, device=d), torch.zeros(numel // comm.mesh.shard_size,
+                                                                             dtype=dtype, device=d)
+        comm.gather(out, shard, tag).wait()
+        released(out, shard)
+    return zeros
+
+
+def zeros_reduce_scatter(numel: int, dtype: torch.dtype, tag: str):
+    def zeros(comm) -> None:
+        d = comm.mesh.device
+        out, full = torch.empty(numel // comm.mesh.shard_size, dtype=dtype, device=d), torch.zeros(numel, dtype=dtype,
+                                                                                                    device=d)
+        comm.reduce_scatter(out, full, tag).wait()
+        released(out, full)
+    return zeros
+
+
+def zeros_reduce_each(sizes: list[int], dtype: torch.dtype, tag: str):
+    def zeros(comm) -> None:
+        sections = [torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes]
+        comm.reduce_each(sections, tag).wait()
+        released(*sections)
+    return zeros
+
+
+def zeros_replicate(numel: int, dtype: torch.dtype, tag: str, sizes):
+    def zeros(comm) -> None:
+        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
+        comm.replicate(t, tag, sizes).wait()
+        released(t)
+    return zeros
+
+
+def zeros_all_reduce(numel: int, dtype: torch.dtype, tag: str, op, over: str):
+    def zeros(comm) -> None:
+        t = torch.zeros(numel, dtype=dtype, device=comm.mesh.device)
+        comm.all_reduce(t, tag, op, over)
+        released(t)
+    return zeros

@@ -195,12 +195,10 @@ class Step:
             return new, m
 
     def _check_ranks(self, comm: Comm, state: TrainState, batch) -> None:
-        """The rank check (``check_ranks``), which also compares the collectives of the steps before: where every
-        rank holds the same, this step follows them, each unchecked while it is the next (fshard/dist/_replay.py).
-        From here to the agreement after backward, what the step issues is recorded for the steps after."""
-        follow = self._sequences.to_follow(state.spec.fingerprint) if comm.verify else None
-        same = check_ranks(comm, state, batch, self._chain, self._fingerprints, checksum(follow))
-        comm.follow(follow if same else None)
+        """The rank check, which also compares the collectives of the steps before: where every rank holds the
+        same, this step follows them unchecked up to the agreement after backward (fshard/dist/_replay.py)."""
+        seq = self._sequences.to_follow(state.spec.fingerprint) if comm.verify else None
+        comm.follow(seq if check_ranks(comm, state, batch, self._chain, self._fingerprints, checksum(seq)) else None)
 
     def _update(self, run: StepRun, state: TrainState, grads: Grads, active, buffers):
         """The new state and the update's metrics: the optimizer on the shards, or the input with the skip counted
