@@ -86,7 +86,7 @@ class Sequences:
         self._key, self._last, self._same = key, items, self._same + 1 if same else 1
 
 
-# --- a collective with zeros, for a sequence left (fshard/dist/_replay.py): sizes and dtypes only, no tensor kept ---
+# --- a collective with zeros, for a sequence left (Comm.leave_sequence): sizes and dtypes only, no tensor kept ---
 # Each waits, then waits (bounded) until gloo's thread has let go of the zero tensors, so that they are freed on
 # this thread: a rank that fails may exit right after (Mesh.hold's reason; these are too large to hold).
 
