@@ -25,8 +25,12 @@ import traceback
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 240
-# what the server imports once (their import-time state only: the server runs no code of theirs)
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard"]
+# what the server imports once (their import-time state only: the server runs no code of theirs). A rank imports
+# the test module its function comes from, and with it pytest and hypothesis: 0.3 s of CPU a rank when they were not
+# here, about a third of a multi-rank test file's CPU (py-spy over tests/test_optimizers_groups.py, session 37).
+# transformers is not here: it reads HF_HUB_OFFLINE when first imported, which must be the caller's at the call.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard", "fshard.testing", "pytest",
+            "hypothesis", "hypothesis.strategies", "_dist", "models"]
 
 
 # A rendezvous port comes from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 here). A port
