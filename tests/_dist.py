@@ -28,9 +28,15 @@ TIMEOUT_S = 240
 # what the server imports once (their import-time state only: the server runs no code of theirs). A rank imports
 # the test module its function comes from, and with it pytest and hypothesis: 0.3 s of CPU a rank when they were not
 # here, about a third of a multi-rank test file's CPU (py-spy over tests/test_optimizers_groups.py, session 37).
-# transformers is not here: it reads HF_HUB_OFFLINE when first imported, which must be the caller's at the call.
+# fshard.ops (the module, not its kernels, which a rank loads on first use) and torch's cpp_extension under it: 380
+# of the suite's 679 ranks imported them (0.1 s each when quiet; session 37, counted in every rank).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard", "fshard.testing", "pytest",
-            "hypothesis", "hypothesis.strategies", "_dist", "models"]
+            "hypothesis", "hypothesis.strategies", "_dist", "models", "torch.utils.cpp_extension", "fshard.ops"]
+# transformers and the test models' modules (1.8 s of CPU an HF rank): only where HF_HUB_OFFLINE=1 already, as
+# tests/conftest.py sets it for the suite, because transformers reads it once, when first imported, and a rank's
+# environment must be the caller's
+_PRELOAD_HF = ["transformers", "transformers.modeling_utils"] + [
+    f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert", "t5", "switch_transformers", "mixtral")]
 
 
 # A rendezvous port comes from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 here). A port
@@ -76,7 +82,7 @@ def _free_port() -> int:
 def _context():
     """The forkserver context, its server importing ``_PRELOAD`` when it starts (the first call of a process)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_HF if os.environ.get("HF_HUB_OFFLINE") == "1" else []))
     return ctx
 
 

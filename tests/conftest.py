@@ -5,6 +5,10 @@ import sys
 import pytest
 from hypothesis import settings
 
+# no test reaches the Hugging Face Hub (the HF models are built from configs); set before anything imports
+# transformers, which reads it once, so that the ranks' forkserver can import transformers ahead (tests/_dist.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # the example GPT is a test model too
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
