@@ -1,9 +1,9 @@
 """Run a function on N local ranks (processes) over gloo, as torchrun would, and collect what each returns.
 
 Ranks are forked from a server process (multiprocessing's forkserver, one per test process) that has imported
-torch, fshard and what the tests' ranks import (pytest, hypothesis, transformers: ``_PRELOAD``) once and run nothing: a rank starts in a fraction of a second instead of importing them afresh,
-10-20 s of CPU a pair of ranks on a loaded 2-core machine, the largest part of the suite's time when every rank was
-a fresh interpreter. A rank is otherwise what a fresh interpreter's would be: no collective, thread pool, process
+torch, fshard and what the tests' ranks import (pytest, hypothesis, transformers: ``_PRELOAD``) once and run
+nothing: a rank starts in a fraction of a second instead of importing them afresh, 10-20 s of CPU a pair of ranks on
+a loaded 2-core machine, the largest part of the suite's time when every rank was a fresh interpreter. A rank is otherwise what a fresh interpreter's would be: no collective, thread pool, process
 group or native library has been started or loaded in the server (torch seeds, threads and the environment are
 set per rank in ``_worker``), and the environment is the caller's at the time of the call, as with ``spawn``.
 
