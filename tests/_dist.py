@@ -1,11 +1,12 @@
 """Run a function on N local ranks (processes) over gloo, as torchrun would, and collect what each returns.
 
 Ranks are forked from a server process (multiprocessing's forkserver, one per test process) that has imported
-torch, fshard and what the tests' ranks import (pytest, hypothesis, transformers: ``_PRELOAD``) once and run
+torch, fshard and what the tests' ranks import (pytest, hypothesis, transformers: ``_context``) once and run
 nothing: a rank starts in a fraction of a second instead of importing them afresh, 10-20 s of CPU a pair of ranks on
-a loaded 2-core machine, the largest part of the suite's time when every rank was a fresh interpreter. A rank is otherwise what a fresh interpreter's would be: no collective, thread pool, process
-group or native library has been started or loaded in the server (torch seeds, threads and the environment are
-set per rank in ``_worker``), and the environment is the caller's at the time of the call, as with ``spawn``.
+a loaded 2-core machine, the largest part of the suite's time when every rank was a fresh interpreter. A rank is
+otherwise what a fresh interpreter's would be: no collective, thread pool, process group or native library has been
+started or loaded in the server (torch seeds, threads and the environment are set per rank in ``_worker``), and the
+environment is the caller's at the time of the call, as with ``spawn``.
 
 A rank's stderr goes to a file of its own, with faulthandler on: a rank that dies (gloo aborting on a collective
 mismatch, a segfault) is reported with what its native code wrote there and every thread's Python stack (``Died``),
@@ -32,11 +33,6 @@ TIMEOUT_S = 240
 # of the suite's 679 ranks imported them (0.1 s each when quiet; session 37, counted in every rank).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard", "fshard.testing", "pytest",
             "hypothesis", "hypothesis.strategies", "_dist", "models", "torch.utils.cpp_extension", "fshard.ops"]
-# transformers and the test models' modules (1.8 s of CPU an HF rank): only where HF_HUB_OFFLINE=1 already, as
-# tests/conftest.py sets it for the suite, because transformers reads it once, when first imported, and a rank's
-# environment must be the caller's
-_PRELOAD_HF = ["transformers", "transformers.modeling_utils"] + [
-    f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert", "t5", "switch_transformers", "mixtral")]
 
 
 # A rendezvous port comes from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 here). A port
@@ -80,9 +76,13 @@ def _free_port() -> int:
 
 
 def _context():
-    """The forkserver context, its server importing ``_PRELOAD`` when it starts (the first call of a process)."""
+    """The forkserver context, its server importing ``_PRELOAD`` when it starts (the first call of a process), and
+    transformers with the test models' modules (``models.HF_MODULES``, 1.8 s of CPU an HF rank) where
+    HF_HUB_OFFLINE=1 already (tests/conftest.py sets it for the suite): transformers reads it once, when first
+    imported, and a rank's environment must be the caller's."""
+    from models import HF_MODULES
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_HF if os.environ.get("HF_HUB_OFFLINE") == "1" else []))
+    ctx.set_forkserver_preload(_PRELOAD + (HF_MODULES if os.environ.get("HF_HUB_OFFLINE") == "1" else []))
     return ctx
 
 

@@ -130,6 +130,9 @@ def oracle_step(model: nn.Module, opt, loss_fn, batch, world_size: int, scaler=N
 
 HF_MODELS = ("gpt2", "llama", "bert", "t5")  # tests/test_hf_*.py
 MOE_MODELS = ("switch", "mixtral")  # tests/test_routed.py
+# the transformers modules hf_model builds from (tests/_dist.py's forkserver imports them ahead of the ranks)
+HF_MODULES = ["transformers", "transformers.modeling_utils"] + [
+    f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert", "t5", "switch_transformers", "mixtral")]
 HF_VOCAB = 128
 
 
