@@ -1,6 +1,9 @@
 // Python bindings: argument checks with messages that name the bad argument,
 // tensors -> Segments, hyper-parameter folding, and the GIL release.
-#include <torch/extension.h>
+// Not <torch/extension.h>: it brings the whole C++ frontend (torch::nn, optim, data), 417k lines that took 54 of
+// the build's 63 s on a 2-core machine; pybind11 with torch's tensor casters and the Tensor class compile in 20 s.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -164,12 +167,12 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
   } else {
     TORCH_CHECK(false, "fshard.ops.adamw_: unsupported device ", p0.device(), "; use CPU or CUDA");
   }
-  if (!found) {
+  if (!found) {  // (bump_version on the TensorImpl: what torch::autograd::impl::bump_version does, without its headers)
     for (size_t i = 0; i < n; ++i) {
-      torch::autograd::impl::bump_version(params[i]);
-      torch::autograd::impl::bump_version(exp_avgs[i]);
-      torch::autograd::impl::bump_version(exp_avg_sqs[i]);
-      if (!copies.empty()) torch::autograd::impl::bump_version(copies[i]);
+      params[i].unsafeGetTensorImpl()->bump_version();
+      exp_avgs[i].unsafeGetTensorImpl()->bump_version();
+      exp_avg_sqs[i].unsafeGetTensorImpl()->bump_version();
+      if (!copies.empty()) copies[i].unsafeGetTensorImpl()->bump_version();
     }
   }
   return found;
@@ -267,8 +270,8 @@ void classic_step(int64_t kind, const at::Tensor& p, const at::Tensor& g, const 
   s.r0 = r[0], s.r1 = r[1], s.r2 = r[2];
   s.n = p.numel();
   classic_cpu(c, s, parse_isa(isa, "classic"));
-  torch::autograd::impl::bump_version(p);
-  for (const auto& t : rows) torch::autograd::impl::bump_version(t);
+  p.unsafeGetTensorImpl()->bump_version();
+  for (const auto& t : rows) t.unsafeGetTensorImpl()->bump_version();
 }
 
 bool built_with_cuda() {

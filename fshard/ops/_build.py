@@ -268,7 +268,7 @@ def build(verbose: bool = False):
             if before is None:
                 msg = (f"fshard.ops: building native AdamW kernels ({'CPU+CUDA' if cuda else 'CPU'}) into "
                        f"{build_dir}: {_why(build_dir, got)}. This happens once per source version and machine "
-                       "and takes about a minute")
+                       "and takes about half a minute")
                 log.info(msg)
                 _say(msg)
             try:
