@@ -135,8 +135,7 @@ def _memory(d: str):
 
 
 def test_save_and_load_of_offloaded_moments_never_hold_them(tmp_path):
-    train_peak, save_growth, load_growth, moments, params, same, largest = run_ranks(_memory, 1, str(tmp_path),
-                                                                                    fresh=True)[0]
+    train_peak, save_growth, load_growth, moments, params, same, largest = run_ranks(_memory, 1, str(tmp_path))[0]
     chunk = 2 * 4 * 2**20  # a store item: both moments of 1M elements
     assert same and moments > 130e6
     assert save_growth <= 2 * chunk + 64 * 2**20, (save_growth, moments)

@@ -191,8 +191,7 @@ def test_with_parameters_in_the_store_a_step_holds_a_few_units_not_the_model(tmp
     grow = {}
     for params in (True, False):
         for units in (24, 48):
-            (g, n, resident, early), = run_ranks(_peak_growth, 1, str(tmp_path / f"{params}{units}"), params, units,
-                                                 fresh=True)
+            (g, n, resident, early), = run_ranks(_peak_growth, 1, str(tmp_path / f"{params}{units}"), params, units)
             assert resident == (0 if params else n) and early == units
             grow[params, units] = g
     n24 = n // 2  # 24 units of 4.2 MB

@@ -75,7 +75,7 @@ def _export(_):
 
 
 def test_full_state_dict_rank0_only_gathers_to_rank_0_unit_by_unit():
-    (n0, grow0, ok0), (n1, grow1, _) = run_ranks(_export, 2, None, fresh=True)
+    (n0, grow0, ok0), (n1, grow1, _) = run_ranks(_export, 2, None)
     unit = 3072 * 3072 * 4 + 3072 * 4  # one Linear's parameters, fp32
     assert ok0 and n0 == 8 and n1 == 0
     # the dict (4 units) and the one flat buffer; gloo's gather on rank 0 receives into a temporary of its own (a
