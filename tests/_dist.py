@@ -142,7 +142,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collective_t
     ("hung", None); never waits past ``timeout_s``, nor, with ``wait_for`` (ranks), past the moment those reported
     (a test that stops a rank on purpose). A test that measures a rank's memory measures its growth from a point in
     the rank (``_memory.reset_peak``): a rank forked from the server, which ran nothing, grows as a fresh interpreter
-    does (tests/test_offload_params.py's four variants: within 1-6 MB of the figures from spawned interpreters, 51-414
+    does (tests/test_offload_params.py's four variants: within 2-6 MB of the figures from spawned interpreters, 51-414
     MB, session 38), without the 4-7 s import each of those cost."""
     wanted = set(range(world_size) if wait_for is None else wait_for)
     ctx = _context()
