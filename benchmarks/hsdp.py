@@ -25,8 +25,8 @@ all_gather_single/into_tensor, reduce_scatter_single/tensor, reduce_scatter, gat
 all_reduce_coalesced) are wrapped, in ``torch.distributed`` and in ``distributed_c10d`` (where the deprecated
 names forward), and each call adds its size to the ranks of its group: the size of the collective, i.e. the buffer
 every rank ends up with or contributes in full (all_reduce, broadcast, reduce: the tensor; all-gathers: the
-output; reduce-scatters: the input; gather/scatter: a rank's tensor times the group size), counted once per call
-(a wrapped function called inside another is not counted again). DDP's reducer calls its process group from C++,
+output; reduce-scatters and all-to-alls: the input, what a rank sends; gather/scatter: a rank's tensor times the
+group size), counted once per call (a wrapped function called inside another is not counted again). DDP's reducer calls its process group from C++,
 so a comm hook counts each bucket and then runs torch's default ``allreduce_hook``. A group whose ranks lie on
 both nodes is inter-node (the world group and, on 2 x 2, the replica groups {0, 2} and {1, 3}); a group within a
 node is intra-node. Figures are rank 0's, per step, over the timed steps only (not the build, warm-up or

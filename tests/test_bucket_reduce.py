@@ -296,11 +296,12 @@ def test_reduce_dtype_sums_bf16_gradients_in_fp32():
 
 
 def _reduce_calls():
-    """One bucketed step's transport calls for the buckets: how many gloo reduces and section all-reduces (the
-    checks' all-reduces have 3 elements; the loss's and the agreement's are small too: counted by size)."""
+    """One bucketed step's transport calls for the buckets: how many gloo reduces, section all-reduces and
+    exchanges (the checks' all-reduces have 3 elements; the loss's and the agreement's are small too: counted by
+    size)."""
     import torch.distributed as dist
     import fshard as fs
-    calls = {"reduce": 0, "all_reduce": 0}
+    calls = {"reduce": 0, "all_reduce": 0, "all_to_all_single": 0}
     real = {k: getattr(dist, k) for k in calls}
     for k in calls:
         def spy(t, *a, _k=k, **kw):
@@ -316,12 +317,14 @@ def _reduce_calls():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_bucket_is_all_reduced_per_section_on_gloo_at_two_ranks_and_reduced_to_each_owner_otherwise(world_size):
-    """Comm.reduce_each's measured choice (benchmarks/RESULTS.md, "Session 34"): gloo's two reduces run one after the
-    other, so at two ranks each section is all-reduced (0.75x the time); at three the reduces are faster. The
-    values are the same either way (test_bucketed_matches_blocking_at_every_bucket_size: bitwise at two ranks)."""
+def test_a_bucket_is_exchanged_on_gloo_at_two_ranks_and_reduced_to_each_owner_otherwise(world_size):
+    """Comm.reduce_each's measured choice (benchmarks/RESULTS.md, "Session 34", "Session 39"): at two ranks each
+    rank sends the other its section and receives the other's part of its own, one all-to-all a bucket (half the
+    bytes of an all-reduce of each section, which in turn took 0.75x the time of gloo's two reduces); at three the
+    reduces are faster. The values are the same either way (test_bucketed_matches_blocking_at_every_bucket_size:
+    bitwise at two ranks)."""
     for calls in run_ranks(_reduce_calls, world_size):
         if world_size == 2:
-            assert calls["reduce"] == 0 and calls["all_reduce"] >= 2 * 3, calls
+            assert calls["reduce"] == calls["all_reduce"] == 0 and calls["all_to_all_single"] >= 3, calls
         else:
-            assert calls["all_reduce"] == 0 and calls["reduce"] >= 3 * 3, calls
+            assert calls["all_reduce"] == calls["all_to_all_single"] == 0 and calls["reduce"] >= 3 * 3, calls

@@ -274,9 +274,10 @@ def test_no_collective_carries_the_steps_saved_tensor_hooks(tmp_path):
         kinds = {name for name, _, _ in seen}
         assert {"all_reduce", "all_gather", "all_to_all_single"} <= kinds and kinds & {"all_gather_into_tensor",
                 "broadcast"} and kinds & {"gather_object", "broadcast_object_list", "scatter_object_list"}, (rank, kinds)
-        # the buckets' reductions: on gloo at two ranks an all-reduce of each section (Comm.reduce_each), larger
-        # than the checks' and the loss's few numbers
-        assert any(name in ("all_reduce", "reduce", "reduce_scatter_tensor") and n > 16 for name, _, n in seen), seen
+        # the buckets' reductions: on gloo at two ranks an exchange of sections (Comm.reduce_each), larger than the
+        # checks' and the loss's few numbers; the blocking reduce's reduce-scatter
+        assert any(name in ("all_to_all_single", "reduce", "reduce_scatter_tensor") and n > 16
+                   for name, _, n in seen), seen
         assert [name for name, hooked, _ in seen if hooked] == [], (rank, seen)
 
 

@@ -229,8 +229,8 @@ class Comm:
                 works = [dist.all_reduce(out, group=g, async_op=True)]
         return self._flight(works, t0, "gather", tag)
 
-    def _flight(self, works: list, t0: float, phase: str, tag: str) -> Flight:
-        f = Flight(self, works, t0, phase, tag)
+    def _flight(self, works: list, t0: float, phase: str, tag: str, then=None, scratch: tuple = ()) -> Flight:
+        f = Flight(self, works, t0, phase, tag, then, scratch)
         self.flights[phase].append(f)
         t1 = time.perf_counter()
         self.seconds[phase + "_exposed"] += t1 - t0  # issuing runs on the compute thread
@@ -301,27 +301,41 @@ class Comm:
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed over the group into shard rank
         r's ``sections[r]`` (the others' are scratch). Sections may differ in size, so a bucket can end anywhere in a
-        unit. How, measured (benchmarks/RESULTS.md, "Session 34"): one ``reduce`` to each section's rank, except on
-        gloo in a group of two, where an ``all_reduce`` of each section (the sum lands in the scratch too) takes 0.75x
-        the CPU time and wall time of gloo's two reduces, which run one after the other (at three and four ranks
-        the reduces are faster). Bitwise the same: a sum of two is the same in either order."""
+        unit. How, measured (benchmarks/RESULTS.md, "Session 34", "Session 39"): one ``reduce`` to each section's
+        rank, except on gloo in a group of two, where the two ranks exchange what each owes the other (one
+        all-to-all: the other's section goes out, the other's part of this rank's comes into a buffer of its size)
+        and the flight's wait adds it in. That is half the bytes of an all-reduce of each section (the way before,
+        itself 0.75x the time of gloo's two reduces, which run one after the other) and 0.55-0.65x its CPU and wall
+        time; at three and four ranks the reduces are the faster way. The buffer received into is counted in
+        ``reduce_buffer_bytes``. Bitwise the same: a sum of two is the same in either order."""
         sizes = [t.numel() for t in sections]
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
                     zeros=zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t, check=False)
-        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections))
+        g, then, scratch = self.mesh.shard_group, None, ()
+        exchange = self.mesh.backend == "gloo" and self.mesh.shard_size == 2 and g is not None
+        mine = sections[self.mesh.shard_rank] if exchange else None
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes,
+                                       sum(t.nbytes for t in sections) + (mine.nbytes if exchange else 0))
         t0 = time.perf_counter()
-        g = self.mesh.shard_group
         with bare():
             if g is None or self.dry or self.mesh.shard_size == 1:
                 works = []
-            elif self.mesh.backend == "gloo" and self.mesh.shard_size == 2:  # (see reduce_each's docstring)
-                works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True) for t in sections]
+            elif exchange:  # (see the docstring)
+                peer = 1 - self.mesh.shard_rank
+                got = torch.empty_like(mine)
+                # (an all-to-all of one piece each way rather than isend/irecv: gloo's send and receive works
+                # tell they are complete only once waited for, and the bucket policy lands what is done without
+                # blocking, freeing its buffers while backward goes on)
+                out, inp = [0, 0], [0, 0]
+                out[peer], inp[peer] = mine.numel(), sections[peer].numel()
+                works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]
+                then, scratch = (lambda: mine.add_(got)), (got,)
             else:
                 works = [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)
                          for r, t in enumerate(sections)]
-        return self._flight(works, t0, "reduce", tag)
+        return self._flight(works, t0, "reduce", tag, then, scratch)
 
     def promise(self, exchanges) -> None:
         """One check for the ``exchange`` calls about to follow (``Exchange`` tuples, in order; see

@@ -13,11 +13,16 @@ class Flight:
     """One collective in flight (a gather or a reduction, ``phase``, of the unit or bucket ``tag``). ``wait()``
     returns once its output is complete (on CUDA: once the current stream is ordered after it)."""
 
-    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase", "tag")
+    __slots__ = ("_comm", "works", "t_issue", "t_done", "_stamps", "phase", "tag", "_then", "scratch")
 
-    def __init__(self, comm, works: list, t_issue: float, phase: str = "gather", tag: str = ""):
+    def __init__(self, comm, works: list, t_issue: float, phase: str = "gather", tag: str = "", then=None,
+                 scratch: tuple = ()):
         self._comm, self.works, self.t_issue, self.t_done, self.phase = comm, works, t_issue, None, phase
         self.tag = tag
+        # then: what completes the output once the works have (a received piece added in: Comm.reduce_each's
+        # exchange); scratch: what the works write besides the caller's tensors, until waited for (a caller that
+        # must see gloo let go of every buffer, as replay's zeros do before the process may exit, takes it first)
+        self._then, self.scratch = then, scratch
         self._stamps: list = [None] * len(works)  # completion time of each work, set from gloo's threads
         if comm.mesh.device.type == "cpu":  # (on CUDA a work completes on the GPU: only host times are known)
             try:
@@ -45,6 +50,9 @@ class Flight:
         wait_works(self.works, self._comm, lambda: f"its {self.phase} of {self.tag!r}")
         if self._comm.stream is not None:  # the copy (local mesh) or the collective ran on the side stream
             torch.cuda.current_stream().wait_stream(self._comm.stream)
+        if self._then is not None:
+            self._then()
+        self._then, self.scratch = None, ()
         t1 = time.perf_counter()
         self.works = None
         stamps = self._stamps

@@ -113,8 +113,10 @@ def zeros_reduce_scatter(numel: int, dtype: torch.dtype, tag: str):
 def zeros_reduce_each(sizes: list[int], dtype: torch.dtype, tag: str):
     def zeros(comm) -> None:
         sections = [torch.zeros(k, dtype=dtype, device=comm.mesh.device) for k in sizes]
-        comm.reduce_each(sections, tag).wait()
-        released(*sections)
+        flight = comm.reduce_each(sections, tag)
+        scratch = flight.scratch  # (what it receives into, on gloo at two ranks)
+        flight.wait()
+        released(*sections, *scratch)
     return zeros
 
 
