@@ -2,25 +2,20 @@
 
 Every collective goes through a ``Comm``, which keeps (a) a hash of the sequence of collectives, which ranks
 compare at the end of the step so that a divergence is an error rather than silently mixed data, and with
-``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py; a sequence of exchanges
-may be checked at once, ahead: ``promise``, fshard/dist/_promises.py; so may the sequence of the steps before:
-``follow``, fshard/dist/_replay.py), (b) seconds spent
-per kind, for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d)
-optionally a timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
+``verify`` checks each one across ranks before it is issued (fshard/dist/_agreement.py; ahead for a sequence of
+exchanges, ``promise``, or the steps before's, ``follow``: _promises.py, _replay.py), (b) seconds spent per kind,
+for the step's profile, (c) optionally the full list, which tests compare across ranks, and (d) optionally a
+timeline of spans (``fs.compose(..., timeline=True)``, drawn by ``fs.timeline``).
 
-On a 2-D mesh (``Mesh.shard_size`` < ``world_size``, HSDP) gathers, reduce-scatters and ``reduce_each`` run in the
-rank's shard group, and ``replicate`` all-reduces a reduced shard in its replica group (phase "replica", its bytes
-their own figure); checks, ``all_reduce`` (unless ``over="shard"``) and the step's agreement stay over every rank.
+On a 2-D mesh (HSDP) gathers and reductions run in the rank's shard group, ``replicate`` all-reduces a reduced shard
+in its replica group (phase "replica"); checks, ``all_reduce`` (unless ``over="shard"``) and the vote: every rank.
 
-Gathers are issued asynchronously and return a ``Flight``; the caller waits on it right before the data is used.
-Time is kept two ways: ``exposed`` is how long compute waited on gathers, ``busy`` the wall time during which at
-least one gather was in flight. Blocking use (issue, then wait at once) makes the two equal.
+Gathers return a ``Flight``, waited on right before the data is used. Time is kept two ways: ``exposed``, how long
+compute waited on gathers, and ``busy``, the wall time with one in flight (equal when each is waited at once).
 
-How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md, benchmarks/collectives.py):
-on gloo, N broadcasts (one per source rank, into views of the output) take 0.43-0.82x the time of
-``all_gather_into_tensor``; on NCCL, ``all_gather_into_tensor`` is the native ring. ``FSHARD_GATHER`` overrides it
-(``all_gather``, ``broadcast``, ``all_reduce``), read once when the mesh is made (``Mesh.gather_impl``). Every
-implementation is an exact copy of each rank's shard.
+How a gather is done is chosen per backend from measurements (design/COLLECTIVES.md): on gloo, N broadcasts
+(one per source rank, into views of the output), 0.43-0.82x the time of ``all_gather_into_tensor``, NCCL's native
+ring; ``FSHARD_GATHER`` overrides it (read once: ``Mesh.gather_impl``). Each is an exact copy of every shard.
 """
 from __future__ import annotations
 
@@ -232,8 +227,7 @@ class Comm:
     def _flight(self, works: list, t0: float, phase: str, tag: str, then=None, scratch: tuple = ()) -> Flight:
         f = Flight(self, works, t0, phase, tag, then, scratch)
         self.flights[phase].append(f)
-        t1 = time.perf_counter()
-        self.seconds[phase + "_exposed"] += t1 - t0  # issuing runs on the compute thread
+        self.seconds[phase + "_exposed"] += (t1 := time.perf_counter()) - t0  # issuing runs on the compute thread
         if self.spans is not None:  # so the timeline counts it as exposed, as a wait that blocked
             self.spans.append(("wait", f"{phase}:{tag}", t0, t1))
         return f
@@ -300,14 +294,10 @@ class Comm:
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
         """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed over the group into shard rank
-        r's ``sections[r]`` (the others' are scratch). Sections may differ in size, so a bucket can end anywhere in a
-        unit. How, measured (benchmarks/RESULTS.md, "Session 34", "Session 39"): one ``reduce`` to each section's
-        rank, except on gloo in a group of two, where the two ranks exchange what each owes the other (one
-        all-to-all: the other's section goes out, the other's part of this rank's comes into a buffer of its size)
-        and the flight's wait adds it in. That is half the bytes of an all-reduce of each section (the way before,
-        itself 0.75x the time of gloo's two reduces, which run one after the other) and 0.55-0.65x its CPU and wall
-        time; at three and four ranks the reduces are the faster way. The buffer received into is counted in
-        ``reduce_buffer_bytes``. Bitwise the same: a sum of two is the same in either order."""
+        r's ``sections[r]`` (the others' are scratch; sizes may differ, so a bucket can end anywhere in a unit). On
+        gloo in a group of two, an exchange (one all-to-all: the other's section out, the other's part of ours into
+        a buffer counted in ``reduce_buffer_bytes``, added in by the wait); elsewhere a ``reduce`` to each owner.
+        Why, measured: design/COLLECTIVES.md. Bitwise either way (a sum of two in either order)."""
         sizes = [t.numel() for t in sections]
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
                     zeros=zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
@@ -316,18 +306,14 @@ class Comm:
         g, then, scratch = self.mesh.shard_group, None, ()
         exchange = self.mesh.backend == "gloo" and self.mesh.shard_size == 2 and g is not None
         mine = sections[self.mesh.shard_rank] if exchange else None
-        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes,
-                                       sum(t.nbytes for t in sections) + (mine.nbytes if exchange else 0))
+        self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections) + (
+            mine.nbytes if exchange else 0))
         t0 = time.perf_counter()
         with bare():
             if g is None or self.dry or self.mesh.shard_size == 1:
                 works = []
             elif exchange:  # (see the docstring)
-                peer = 1 - self.mesh.shard_rank
-                got = torch.empty_like(mine)
-                # (an all-to-all of one piece each way rather than isend/irecv: gloo's send and receive works
-                # tell they are complete only once waited for, and the bucket policy lands what is done without
-                # blocking, freeing its buffers while backward goes on)
+                peer, got = 1 - self.mesh.shard_rank, torch.empty_like(mine)  # (not isend/irecv: see the design)
                 out, inp = [0, 0], [0, 0]
                 out[peer], inp[peer] = mine.numel(), sections[peer].numel()
                 works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]
