@@ -15,7 +15,10 @@ the figures are over the pairs:
   the pairs, seeded); ``ratio of medians``: step.py's figure, for comparison;
 - ``slower in``: in how many pairs the config's step took longer, and the one-sided sign test's p of so many (or
   more) if each side were equally likely to be slower: a test that asks nothing of the noise's distribution;
-- ``page faults a step``: the median of the rank with the most minor faults (pages the allocator mapped in afresh).
+- ``page faults a step``: the median of the rank with the most minor faults (pages the allocator mapped in afresh);
+- ``CPU s a step (system)``: the median of the CPU seconds the ranks' processes spent in the step, every thread
+  and every rank summed, and of those the system (kernel) seconds: gloo's TCP copies are system time. On a machine
+  with as many cores as ranks, work that overlaps in time still takes cores from the step.
 
 A step's time is the slowest rank's (an all-reduce of the ranks' times after each step). Every config sees the same
 batches in the same order, so their losses are printed side by side. Options not listed under ``--help`` here
@@ -70,33 +73,44 @@ def worker(rank: int, world_size: int, args, pairs: int, port: int | None = None
     times = {name: [] for name in names}
     losses = {name: [] for name in names}
     faults = {name: [] for name in names}  # minor page faults a step (fresh pages the allocator maps in)
+    cpus = {name: [] for name in names}  # (CPU s, of which system s) a step, summed over the ranks
     for i in range(n):
         order = names if i % 2 == 0 else names[::-1]
         for name in order:
             dist.barrier()
-            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             loss, _ = runners[name].step(batches[i])
-            dt = torch.tensor([time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0])
+            t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            dt = torch.tensor([t1 - t0, r1.ru_minflt - r0.ru_minflt])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time, the most page faults
+            # CPU seconds of the whole process (every thread: gloo's, whose TCP copies are system time), all ranks
+            cpu = torch.tensor([r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, r1.ru_stime - r0.ru_stime],
+                               dtype=torch.float64)
+            dist.all_reduce(cpu)
             if i >= args.warmup:
                 times[name].append(float(dt[0]))
                 faults[name].append(int(dt[1]))
+                cpus[name].append((float(cpu[0]), float(cpu[1])))
+            if not runners[name].loss_is_global:  # a torch peer's loss is its rank's: the mean over ranks, as fshard's
+                loss_t = torch.tensor([loss], dtype=torch.float64)
+                dist.all_reduce(loss_t)
+                loss = float(loss_t) / world_size
             losses[name].append(loss)
     for r in runners.values():
         r.close()
     if rank == 0:
-        report(args, names, times, losses, faults, pairs, world_size)
+        report(args, names, times, losses, faults, cpus, pairs, world_size)
     dist.destroy_process_group()
 
 
-def report(args, names, times, losses, faults, pairs, world_size) -> None:
+def report(args, names, times, losses, faults, cpus, pairs, world_size) -> None:
     ref = names[0]
     print(f"[paired.py] git {stepbench._git_head()}, torch {torch.__version__}, world size {world_size}, "
           f"{args.threads} thread(s) a rank, {pairs} pairs after {args.warmup} warm-up steps, model "
           f"{stepbench._model_name(args, stepbench._model_config(args))}; reference {ref}; {os.getloadavg()[0]:.2f} "
           "load (1 min) at the end", flush=True)
     print("\n| config | median s | ratio of medians | median ratio | 95% interval | slower in | p | page faults a step "
-          "| last loss |\n|---|---|---|---|---|---|---|---|---|")
+          "| CPU s a step (system) | last loss |\n|---|---|---|---|---|---|---|---|---|---|")
     result = {}
     for name in names:
         med = statistics.median(times[name])
@@ -106,10 +120,12 @@ def report(args, names, times, losses, faults, pairs, world_size) -> None:
         p = sign_test(slower, len(ratios))
         print(f"| {name} | {med:.4f} | {med / statistics.median(times[ref]):.3f}x | {statistics.median(ratios):.3f}x "
               f"| {lo:.3f}-{hi:.3f} | {slower}/{len(ratios)} | {p:.2g} | {statistics.median(faults[name]):.0f} | "
-              f"{losses[name][-1]:.6f} |", flush=True)
+              f"{statistics.median(c for c, _ in cpus[name]):.3f} ({statistics.median(s for _, s in cpus[name]):.3f}) "
+              f"| {losses[name][-1]:.6f} |", flush=True)
         result[name] = dict(median_s=med, times=times[name], ratios=ratios, median_ratio=statistics.median(ratios),
                             interval=[lo, hi], slower=slower, sign_test_p=p, losses=losses[name],
-                            faults=faults[name])
+                            faults=faults[name], cpu_s=[c for c, _ in cpus[name]],
+                            system_s=[s for _, s in cpus[name]])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(reference=ref, pairs=pairs, world_size=world_size, configs=result), f, indent=1)

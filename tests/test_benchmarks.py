@@ -97,7 +97,8 @@ def test_paired_benchmark_times_each_pair_and_both_see_the_same_batches(tmp_path
     res = json.loads(out.read_text())
     assert res["reference"] == "torch" and res["pairs"] == 3 and list(res["configs"]) == ["torch", "fshard+donate"]
     ref, got = res["configs"]["torch"], res["configs"]["fshard+donate"]
-    assert len(got["times"]) == len(got["ratios"]) == len(got["faults"]) == 3
+    assert len(got["times"]) == len(got["ratios"]) == len(got["faults"]) == len(got["cpu_s"]) == 3
+    assert all(0 <= s <= c for c, s in zip(got["cpu_s"], got["system_s"])) and sum(got["cpu_s"]) > 0
     assert got["ratios"] == pytest.approx([a / b for a, b in zip(got["times"], ref["times"])])
     assert got["slower"] == sum(r > 1 for r in got["ratios"]) and ref["median_ratio"] == 1
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)  # the same model, batches and AdamW

@@ -16,6 +16,7 @@ from ._read_ahead import Launches
 from ._recompute import produced, through
 from ._dispatch import _ACTIVE, _UnitForward, call_bound
 from ._routed_groups import finish_groups
+from ._pool import BufferPool
 from ._unit import UnitRun, _Saved, _storage_id
 
 
@@ -24,7 +25,7 @@ class StepRun(StepView):
     saved-tensor hooks, and the gathered-bytes counter."""
 
     def __init__(self, state, comm, policy, acc: "Accumulator", scratch: dict, last: bool, training: bool = True,
-                 donate: bool = False, compiled=None):
+                 donate: bool = False, compiled=None, pool: BufferPool | None = None):
         self.spec, self.state, self.last, self.training, self.donate = state.spec, state, last, training, donate
         self._launches = Launches()  # launched units whose gathers wait for their reads (fshard/run/_read_ahead.py)
         # the step's Comm; what policies may use of it (issuing the launched gathers first: one order on every rank)
@@ -48,6 +49,8 @@ class StepRun(StepView):
         self._loaded_bytes = 0  # parameter leaves held outside memory (in_store), loaded for gathers
         self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
         self._grad_lock = threading.Lock()
+        # freed gathered buffers' memory, kept for this call's later gathers (fshard/run/_pool.py)
+        self._pool = pool if pool is not None and pool.applies(state.spec.mesh.device) else None
         self._compiled = compiled  # compiled(proxy) -> the unit's class forward compiled (fs.compose(compile=)), or None
         self._read_bytes = self._read_peak = 0  # those leaves loaded (or being loaded) and not yet gathered
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
@@ -103,6 +106,19 @@ class StepRun(StepView):
         self._live_bytes += sign * unit.layout.numel * unit._buf.element_size()
         self._peak_bytes = max(self._peak_bytes, self._live_bytes)
         self._phase_peak[self.phase] = max(self._phase_peak[self.phase], self._live_bytes)
+
+    def _keeps(self, unit: UnitRun) -> bool:
+        """Whether ``unit``'s freed buffer goes to the pool: a gather of its size is still to come in this call (in
+        a training forward, backward re-gathers each unit; in backward, the units not gathered now whose backward
+        has not begun, less the buffers of their size already kept)."""
+        if self._pool is None:
+            return False
+        if self.phase == "forward":
+            return self.training
+        nbytes, begun = unit._buf.untyped_storage().nbytes(), set(self._backward_order)
+        to_come = sum(1 for u in self.units.values() if not u.alive and u._flat is not None and u.name not in begun
+                      and u._buf is not None and u._buf.numel() * u._buf.element_size() == nbytes)
+        return self._pool.count(nbytes) < to_come
 
     def _call_unit(self, route: _UnitForward, args, kwargs):
         unit, gather = self.units[route.name], self._policy.gather

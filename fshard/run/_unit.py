@@ -4,7 +4,8 @@ functional_call, free, re-gather in backward, reduce.
 How a unit's parameters reach the module: ``fs.init`` replaces the ``forward`` of each unit module in the template
 by a ``_UnitForward``, which hands the call to the step being run (a context variable, set only while a step runs).
 The step gathers the unit's flat buffer, binds views of it with ``torch.func.functional_call`` and, after the call,
-frees the buffer's storage (``resize_(0)``, as FSDP does). Autograd still needs the parameters in backward: a
+frees the buffer's storage (``resize_(0)``, as FSDP does; on CPU its memory is kept for a later gather of the
+same size while one is to come: fshard/run/_pool.py). Autograd still needs the parameters in backward: a
 saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
 handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
 which hands it to the reduce policy and frees the buffer again. Activation checkpointing (a recompute in backward)
@@ -133,11 +134,18 @@ class UnitRun(UnitView):
         if self._whole is not None:  # the shard is the whole unit: the buffer is the shard, never freed
             self._buf = self._whole
         else:
+            pool = run._pool
             with comm.gather_scope():
-                if self._buf is None:
+                if self._buf is None and pool is None:
                     self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
-                else:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees the data
-                    self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())
+                elif self._buf is None:  # the memory of a buffer an earlier gather freed (fshard/run/_pool.py)
+                    buf = torch.empty(0, dtype=dtype, device=self.shard.device)
+                    pool.refill(buf.untyped_storage(), self.layout.numel * dtype.itemsize)
+                    self._buf = buf.set_(buf.untyped_storage(), 0, (self.layout.numel,))
+                elif pool is None:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees
+                    self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())  # the data
+                else:
+                    pool.refill(self._buf.untyped_storage(), self.layout.numel * self._buf.element_size())
         if self._stored is not None:  # read ahead on the update policy's reader, freed once the gather has copied it
             self._held = self._stored.numel * dtype.itemsize  # the shard read, in the compute dtype
             run._read_bytes += self._held
@@ -231,7 +239,10 @@ class UnitRun(UnitView):
             self._run._on_alive(self, -1)
             if self._whole is None:  # (a buffer that is the shard itself is the state's: never freed)
                 self._run._comm.before_free()
-                self._buf.untyped_storage().resize_(0)
+                if self._run._keeps(self):  # its memory kept for a later gather of its size (run/_pool.py)
+                    self._run._pool.free(self._buf.untyped_storage())
+                else:
+                    self._buf.untyped_storage().resize_(0)
             self.alive = False
 
     def _bind(self, names) -> dict[str, torch.Tensor]:

@@ -91,5 +91,6 @@ class envelope:
                     self.step.policy.update.abort(env.runs[-1])
                 for run in env.runs:
                     run._close()  # free this call's buffers now, also when it raised
+                self.step._pool.clear()  # (fshard/run/_pool.py: nothing is held between calls)
             finally:
                 self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)

@@ -94,10 +94,10 @@ class Plan:
                 + self.bounds.get("store/memory_peak_bytes", 0)
                 + self.bounds.get("mem/activation_bytes", 0))
 
-    def check(self, max_memory: int) -> "Plan":
+    def check(self, max_memory: int | None) -> "Plan":
         """Raise ``MemoryBudgetError`` if ``predicted_rss`` is over ``max_memory`` bytes, naming the budget, the
-        largest parts of the prediction and what would lower them; else return the plan."""
-        if self.predicted_rss <= max_memory:
+        largest parts of the prediction and what would lower them; else (or with no budget: None) return the plan."""
+        if max_memory is None or self.predicted_rss <= max_memory:
             return self
         f, parts = self.figures, [("process baseline", self.baseline_rss)]
         parts += [(what, f[k]) for k, what in MEMORY if f[k] and k != "mem/grad_shard_bytes"]  # (its peak counts)

@@ -41,7 +41,7 @@ from ..run._dispatch import UnitCompiler, call_bound
 from ..state._train_state import TrainState
 from ..state._stored import in_store
 from ..protocol._transform import fold
-from ..run._run import StepRun
+from ..run._run import BufferPool, StepRun
 
 
 class _Caller(nn.Module):
@@ -79,14 +79,14 @@ class Step:
         self.policy = fold(self.transforms)
         self._fingerprints = tuple(t.fingerprint() for t in self.transforms)  # each transform's fields
         self._chain = small_hash(list(self._fingerprints))  # ranks compare it (check_ranks)
-        self._streams: dict = {}
+        self._streams, self._pool = {}, BufferPool()  # CUDA gather streams; freed gathered buffers (run/_pool.py)
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
         self._compiled = None if compile is False else UnitCompiler(compile)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
-        self._finalizer = weakref.finalize(self, _close, self.policy)
+        self._finalizer = weakref.finalize(self, _close, self.policy, self._pool)
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -104,8 +104,7 @@ class Step:
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
         spec_of(state)  # the checks of a step's call
         check_usable(self, state)
-        p = plan(self, self.init(state), batch, self._observed)
-        return p if max_memory is None else p.check(max_memory)
+        return plan(self, self.init(state), batch, self._observed).check(max_memory)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
@@ -137,8 +136,7 @@ class Step:
         return self.policy.gather.gather_order
 
     def close(self) -> None:
-        """End the threads and release the resources of every policy; idempotent. Stores stay open: they belong
-        to the caller (close them with ``store.close()``)."""
+        """End every policy's threads and resources; idempotent. Stores stay open: the caller's ``store.close()``."""
         self._closed = True
         self._finalizer()  # (once: a second call does nothing)
 
@@ -166,7 +164,7 @@ class Step:
             with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
                 for i, mb in enumerate(micro):  # gather, forward, backward (which reduces each unit's gradient)
                     runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                        donate=self.donate, compiled=self._compiled))
+                                        donate=self.donate, compiled=self._compiled, pool=self._pool))
                     mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                     losses.append(mb_loss)
                     accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
@@ -346,9 +344,11 @@ def _backward(run: StepRun, buffers, out) -> None:
         with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
 
 
-def _close(policy) -> None:
-    """``Step.close`` and the step's finalizer: end every policy's threads (offload_state's reader and worker)."""
+def _close(policy, pool: BufferPool) -> None:
+    """``Step.close`` and the step's finalizer: end every policy's threads (offload_state's reader and worker) and
+    let go of the memory the pool keeps."""
     policy.close()
+    pool.clear()
 
 
 def _copies(state: TrainState, gather):

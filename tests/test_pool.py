@@ -1,0 +1,77 @@
+"""The pool of gathered buffers freed in a step (fshard/run/_pool.py): a freed buffer's memory moves to the pool
+and back into a later gather of its size in the same call, while one is to come (forward's buffers into backward's
+re-gathers); with ``reshard_after_forward=False`` backward gathers nothing, so nothing is kept; the results are the
+allocator's way's bitwise, and nothing is held between calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from fshard.run._pool import BufferPool
+
+STEPS = 3
+
+
+def test_freed_memory_moves_to_the_pool_and_back_into_a_refill_of_its_size():
+    pool, buf = BufferPool(), torch.arange(1000, dtype=torch.float32)
+    view, storage = buf[10:20], buf.untyped_storage()
+    ptr = storage.data_ptr()
+    pool.free(storage)
+    assert storage.nbytes() == 0 and pool.nbytes == 4000 and pool.count(4000) == 1  # the storage object stays, empty
+    pool.refill(storage, 4000)  # the same size: the same memory, as it was
+    assert storage.data_ptr() == ptr and pool.nbytes == 0 and torch.equal(view, torch.arange(10, 20.0))
+    assert pool.reused == 4000 and pool.peak == 4000
+    pool.free(storage)
+    other = torch.empty(0).untyped_storage()
+    pool.refill(other, 800)  # another size: allocated, the pooled memory untouched
+    assert other.nbytes() == 800 and pool.nbytes == 4000 and pool.reused == 4000
+    pool.clear()
+    assert pool.nbytes == 0 and pool.reused == 0 and pool.peak == 0
+
+
+def _train(keep: bool, pooled: bool):
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layers=3)
+    state = fs.init(GPT(cfg), mesh, fs.adamw(lr=1e-2))
+    step = fs.compose(loss_fn, fs.gather_ahead(2, reshard_after_forward=not keep), fs.bucket_reduce(0.01),
+                      donate=True)
+    pool, calls = step._pool, []
+    if not pooled:
+        pool.applies = lambda device: False  # the allocator's way: each refill allocates, each free gives back
+    clear = pool.clear
+
+    def recorded():  # what each call reused and held, as it ends
+        calls.append((pool.reused, pool.peak))
+        clear()
+    pool.clear = recorded
+    losses = []
+    for batch in synthetic_batches(cfg, 2, STEPS, seed=3, rank=mesh.rank, world_size=mesh.world_size):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        assert pool.nbytes == 0  # nothing held between calls
+    step.eval(state, batch)
+    step.close()
+    units = {u.name: u.numel * 4 for u in state.spec.units}
+    params = {k: v.numpy().tobytes() for k, v in fs.full_params(state).items()}
+    return dict(losses=losses, calls=calls, units=units, params=params)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep"])
+def test_a_step_regathers_into_the_memory_forward_freed_and_the_results_are_bitwise_the_allocators(keep):
+    pooled, plain = (run_ranks(_train, 2, keep, p) for p in (True, False))
+    for r in range(2):
+        got, ref = pooled[r], plain[r]
+        assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+        assert all(c == (0, 0) for c in ref["calls"])
+        steps, (eval_reused, eval_peak) = got["calls"][:STEPS], got["calls"][STEPS]
+        block = got["units"]["blocks.0"]
+        if keep:  # forward frees nothing, backward gathers nothing: nothing kept
+            assert all(c == (0, 0) for c in steps), steps
+        else:  # backward re-gathers 2 of the 3 blocks into memory forward freed (the third, launched ahead of any
+            # free, is allocated), never holding all of them at once
+            assert all(reused >= 2 * block and 0 < peak < sum(got["units"].values()) for reused, peak in steps), steps
+        assert eval_peak <= sum(got["units"].values())  # (an eval pass: forward only)
