@@ -79,14 +79,14 @@ class Step:
         self.policy = fold(self.transforms)
         self._fingerprints = tuple(t.fingerprint() for t in self.transforms)  # each transform's fields
         self._chain = small_hash(list(self._fingerprints))  # ranks compare it (check_ranks)
-        self._streams, self._pool = {}, BufferPool()  # CUDA gather streams; freed gathered buffers (run/_pool.py)
+        self._streams, self._pool = {}, BufferPool()  # CUDA gather streams; a call's freed gathers (run/_pool.py)
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
         self._compiled = None if compile is False else UnitCompiler(compile)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
-        self._finalizer = weakref.finalize(self, _close, self.policy, self._pool)
+        self._finalizer = weakref.finalize(self, _close, self.policy)
 
     def _gather_stream(self, device: torch.device):
         """CUDA: one side stream per device for this step function's gathers, so they overlap compute."""
@@ -344,11 +344,9 @@ def _backward(run: StepRun, buffers, out) -> None:
         with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
 
 
-def _close(policy, pool: BufferPool) -> None:
-    """``Step.close`` and the step's finalizer: end every policy's threads (offload_state's reader and worker) and
-    let go of the memory the pool keeps."""
+def _close(policy) -> None:
+    """``Step.close`` and the step's finalizer: end every policy's threads (offload_state's reader and worker)."""
     policy.close()
-    pool.clear()
 
 
 def _copies(state: TrainState, gather):
