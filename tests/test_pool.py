@@ -39,20 +39,24 @@ def _train(keep: bool, pooled: bool):
     state = fs.init(GPT(cfg), mesh, fs.adamw(lr=1e-2))
     step = fs.compose(loss_fn, fs.gather_ahead(2, reshard_after_forward=not keep), fs.bucket_reduce(0.01),
                       donate=True)
-    pool, calls = step._pool, []
-    if not pooled:
-        pool.applies = lambda device: False  # the allocator's way: each refill allocates, each free gives back
-    clear = pool.clear
+    calls, made = [], []  # what each call's pool reused and held at most, as the call ends; the pools made
+    init, clear = BufferPool.__init__, BufferPool.clear
+    if not pooled:  # the allocator's way: each refill allocates, each free gives back
+        BufferPool.applies = staticmethod(lambda device: False)
 
-    def recorded():  # what each call reused and held, as it ends
+    def made_one(pool):
+        init(pool)
+        made.append(pool)
+
+    def recorded(pool):
         calls.append((pool.reused, pool.peak))
-        clear()
-    pool.clear = recorded
+        clear(pool)
+    BufferPool.__init__, BufferPool.clear = made_one, recorded  # (in this rank's process only)
     losses = []
     for batch in synthetic_batches(cfg, 2, STEPS, seed=3, rank=mesh.rank, world_size=mesh.world_size):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
-        assert pool.nbytes == 0  # nothing held between calls
+        assert made and all(p.nbytes == 0 for p in made)  # nothing held between calls
     step.eval(state, batch)
     step.close()
     units = {u.name: u.numel * 4 for u in state.spec.units}

@@ -49,8 +49,10 @@ class StepRun(StepView):
         self._loaded_bytes = 0  # parameter leaves held outside memory (in_store), loaded for gathers
         self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
         self._grad_lock = threading.Lock()
-        # freed gathered buffers' memory, kept for this call's later gathers (fshard/run/_pool.py)
-        self._pool = pool if pool is not None and pool.applies(state.spec.mesh.device) else None
+        # freed gathered buffers' memory, kept for this call's later gathers where that applies (fshard/run/_pool.py;
+        # elsewhere it only ever refills by resize_)
+        self._pool = pool if pool is not None else BufferPool()
+        self._pooling = self._pool.applies(state.spec.mesh.device)
         self._compiled = compiled  # compiled(proxy) -> the unit's class forward compiled (fs.compose(compile=)), or None
         self._read_bytes = self._read_peak = 0  # those leaves loaded (or being loaded) and not yet gathered
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
@@ -111,7 +113,7 @@ class StepRun(StepView):
         """Whether ``unit``'s freed buffer goes to the pool: a gather of its size is still to come in this call (in
         a training forward, backward re-gathers each unit; in backward, the units not gathered now whose backward
         has not begun, less the buffers of their size already kept)."""
-        if self._pool is None:
+        if not self._pooling:
             return False
         if self.phase == "forward":
             return self.training

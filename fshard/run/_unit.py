@@ -134,18 +134,13 @@ class UnitRun(UnitView):
         if self._whole is not None:  # the shard is the whole unit: the buffer is the shard, never freed
             self._buf = self._whole
         else:
-            pool = run._pool
             with comm.gather_scope():
-                if self._buf is None and pool is None:
-                    self._buf = torch.empty(self.layout.numel, dtype=dtype, device=self.shard.device)
-                elif self._buf is None:  # the memory of a buffer an earlier gather freed (fshard/run/_pool.py)
-                    buf = torch.empty(0, dtype=dtype, device=self.shard.device)
-                    pool.refill(buf.untyped_storage(), self.layout.numel * dtype.itemsize)
+                # a new buffer, or one whose storage was freed: its storage refilled in place, so every tensor on it
+                # (flat, views) sees the data, with memory an earlier gather freed where the pool holds some
+                buf = self._buf if self._buf is not None else torch.empty(0, dtype=dtype, device=self.shard.device)
+                run._pool.refill(buf.untyped_storage(), self.layout.numel * dtype.itemsize)
+                if self._buf is None:
                     self._buf = buf.set_(buf.untyped_storage(), 0, (self.layout.numel,))
-                elif pool is None:  # storage was freed: refill it in place, so every tensor on it (flat, views) sees
-                    self._buf.untyped_storage().resize_(self.layout.numel * self._buf.element_size())  # the data
-                else:
-                    pool.refill(self._buf.untyped_storage(), self.layout.numel * self._buf.element_size())
         if self._stored is not None:  # read ahead on the update policy's reader, freed once the gather has copied it
             self._held = self._stored.numel * dtype.itemsize  # the shard read, in the compute dtype
             run._read_bytes += self._held

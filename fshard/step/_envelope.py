@@ -17,14 +17,16 @@ import time
 
 from ..dist._agreement import foreign, step_error
 from ..dist._collectives import Comm
+from ..run._pool import BufferPool
 from ._guards import check_usable, exclusive, spec_of
 
 
 class Envelope:
-    """One call's ``comm``, its ``runs`` (closed when the call ends) and ``t0``, when the call began."""
+    """One call's ``comm``, its ``runs`` (closed when the call ends), ``t0``, when the call began, and ``pool``,
+    the gathered buffers its runs freed for its later gathers (fshard/run/_pool.py; emptied when the call ends)."""
 
     def __init__(self, comm: Comm, t0: float):
-        self.comm, self.runs, self.t0 = comm, [], t0
+        self.comm, self.runs, self.t0, self.pool = comm, [], t0, BufferPool()
 
     def gather_figures(self) -> dict:
         """The gathers' figures of the call so far: busy and exposed time, bytes, the most held at once."""
@@ -91,6 +93,6 @@ class envelope:
                     self.step.policy.update.abort(env.runs[-1])
                 for run in env.runs:
                     run._close()  # free this call's buffers now, also when it raised
-                self.step._pool.clear()  # (fshard/run/_pool.py: nothing is held between calls)
+                env.pool.clear()  # (nothing is held between calls)
             finally:
                 self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)

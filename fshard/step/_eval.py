@@ -44,7 +44,7 @@ def evaluate(step, env, state, batch) -> tuple[float, dict]:
     state = step.init(state)  # the compute dtype and the parameter copies, as a training step would have them
     check_ranks(comm, state, batch, step._chain, step._fingerprints)  # the same rank check as a training step's
     run = StepRun(state, comm, step.policy, Accumulator(1), {}, last=True, training=False,
-                  compiled=step._compiled, pool=step._pool)
+                  compiled=step._compiled, pool=env.pool)
     env.runs.append(run)
     # clones: a module may still write a buffer in eval mode, and the state must not change
     buffers = {k: b.clone() for k, b in state.buffers.items()}

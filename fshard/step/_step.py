@@ -41,7 +41,7 @@ from ..run._dispatch import UnitCompiler, call_bound
 from ..state._train_state import TrainState
 from ..state._stored import in_store
 from ..protocol._transform import fold
-from ..run._run import BufferPool, StepRun
+from ..run._run import StepRun
 
 
 class _Caller(nn.Module):
@@ -79,7 +79,7 @@ class Step:
         self.policy = fold(self.transforms)
         self._fingerprints = tuple(t.fingerprint() for t in self.transforms)  # each transform's fields
         self._chain = small_hash(list(self._fingerprints))  # ranks compare it (check_ranks)
-        self._streams, self._pool = {}, BufferPool()  # CUDA gather streams; a call's freed gathers (run/_pool.py)
+        self._streams: dict = {}
         self._closed = False
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
@@ -164,7 +164,7 @@ class Step:
             with train_mode(spec.template, True):  # chosen per call: step.eval runs module.eval()
                 for i, mb in enumerate(micro):  # gather, forward, backward (which reduces each unit's gradient)
                     runs.append(StepRun(state, comm, self.policy, acc, scratch, last=i == len(micro) - 1,
-                                        donate=self.donate, compiled=self._compiled, pool=self._pool))
+                                        donate=self.donate, compiled=self._compiled, pool=env.pool))
                     mb_loss, gather_metrics = self._forward_backward(runs[-1], buffers, mb, len(micro), loss_scale)
                     losses.append(mb_loss)
                     accum = max(accum, sum(g.nbytes for g in acc.grads.values()))  # summed over micro-batches
