@@ -50,9 +50,9 @@ class StepRun(StepView):
         self._grad_held = self._grad_peak = 0  # gradient-shard bytes held now, and at most at once
         self._grad_lock = threading.Lock()
         # freed gathered buffers' memory, kept for this call's later gathers where that applies (fshard/run/_pool.py;
-        # elsewhere it only ever refills by resize_)
+        # elsewhere, and in step.plan's simulated runs, which pass none, it only ever refills by resize_)
         self._pool = pool if pool is not None else BufferPool()
-        self._pooling = self._pool.applies(state.spec.mesh.device)
+        self._pooling = pool is not None and pool.applies(state.spec.mesh.device)
         self._compiled = compiled  # compiled(proxy) -> the unit's class forward compiled (fs.compose(compile=)), or None
         self._read_bytes = self._read_peak = 0  # those leaves loaded (or being loaded) and not yet gathered
         self._activations: dict[int, int] = {}  # storages forward saved for backward (not units'): their bytes
