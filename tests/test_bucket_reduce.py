@@ -33,10 +33,10 @@ def _configs():
     import fshard as fs
     return {
         "blocking": (),
-        "per_param": (fs.bucket_reduce(bucket_mb=1e-6),),  # every parameter its own bucket
-        "mid": (fs.bucket_reduce(bucket_mb=0.004),),  # buckets that end inside units
+        "tiny": (fs.bucket_reduce(bucket_mb=1e-6),),  # smaller than any unit: each unit a bucket of its own
+        "mid": (fs.bucket_reduce(bucket_mb=0.1),),  # several units a bucket (the GPT's: two blocks each)
         "whole": (fs.bucket_reduce(bucket_mb=1e4),),  # one bucket for the whole model
-        "per_param+ahead": (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=1e-6)),
+        "tiny+ahead": (fs.gather_ahead(2), fs.bucket_reduce(bucket_mb=1e-6)),
         "whole+ahead": (fs.gather_ahead(1), fs.bucket_reduce(bucket_mb=1e4)),
         "per_unit+ahead": (fs.gather_ahead(2), fs.bucket_reduce(per_unit=True)),  # FSDP2's per-module reduce
     }
@@ -94,13 +94,17 @@ def test_bucketed_matches_blocking_at_every_bucket_size(world_size):
         for key in ranks[0]:
             for s in range(STEPS):
                 ft.check_same_collectives([res[key][3][s] for res in ranks])
-        per_param = [c for c in ranks[0]["per_param"][3][0] if c[0] == "reduce"]
-        whole = [c for c in ranks[0]["whole"][3][0] if c[0] == "reduce"]
-        assert len(whole) == world_size and len(per_param) > 4 * world_size
-        per_unit = [c for c in ranks[0]["per_unit+ahead"][3][0] if c[0] == "reduce"]  # one bucket per unit
+        reduces = {key: [c for c in ranks[0][key][3][0] if c[0] == "reduce"] for key in ("tiny", "mid", "whole",
+                                                                                       "per_unit+ahead")}
         import fshard as fs
         trainable = sum(bool(u.trainable) for u in fs.init(_model(name)[0], fs.Mesh.local(), fs.adamw()).spec.units)
-        assert len(per_unit) == world_size * len({c[1].split("/")[0] for c in per_unit}) == world_size * trainable
+        # units are never split: a budget below every unit's size is one bucket per unit, as per_unit is
+        for key in ("tiny", "per_unit+ahead"):
+            assert len(reduces[key]) == world_size * len({c[1].split("/")[0] for c in reduces[key]}) \
+                == world_size * trainable, key
+        assert len(reduces["whole"]) == world_size
+        if name == "gpt":  # 3 blocks of 50 KB and the root's 27 KB, in 100 KiB buckets: two blocks, then the rest
+            assert len(reduces["mid"]) == 2 * world_size
 
 
 def _param_diff(full, ref):

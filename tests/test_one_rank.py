@@ -165,12 +165,12 @@ def test_bucket_reduce_at_world_size_1_is_the_blocking_step():
     torch.manual_seed(0)
     model = Awkward()
     runs = {}
-    for key, ts in {"blocking": (), "per_param": (fs.bucket_reduce(1e-6),), "whole": (fs.bucket_reduce(1e4),),
+    for key, ts in {"blocking": (), "tiny": (fs.bucket_reduce(1e-6),), "whole": (fs.bucket_reduce(1e4),),
                     "per_unit": (fs.bucket_reduce(per_unit=True),),
                     "bf16": (fs.bucket_reduce(1e4, reduce_dtype=torch.bfloat16),)}.items():
         state = fs.init(copy.deepcopy(model), fs.Mesh.local(), fs.adamw(**HP))
         runs[key] = _run(state, awkward_loss, batches, ts)
-    for key in ("per_param", "whole", "per_unit"):
+    for key in ("tiny", "whole", "per_unit"):
         assert runs[key] == runs["blocking"], key
     assert runs["bf16"][0][0] == runs["blocking"][0][0]  # the first loss comes before any update
     assert runs["bf16"] != runs["blocking"]  # the bf16 rounding of the gradients is there

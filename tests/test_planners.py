@@ -37,21 +37,19 @@ def _tiles(ranges, lo: int, hi: int) -> bool:
     return pos == hi
 
 
-def _cuts(u) -> list[int]:
-    """Where the plan may cut a unit: its ends and the start of each trainable parameter."""
-    return sorted({0, u.numel} | {s.offset for s in u.trainable})
+def _nbytes(u) -> int:
+    return u.numel * u.dtype.itemsize
 
 
 # ---------------------------------------------------------------- 1. plan_buckets
 
 @st.composite
 def bucket_sizes(draw, units):
-    """From 1 byte (a bucket per segment) to everything in one; half the time exactly at (or 1 below) the size
-    of the first few segments of one dtype, where an off-by-one in the packing shows."""
+    """From 1 byte (a bucket per unit) to everything in one; half the time exactly at (or 1 below) the size of
+    the first few units of one dtype, where an off-by-one in the packing shows."""
     train = [u for u in units if u.trainable]
-    lead = itertools.takewhile(lambda u: u.dtype == train[0].dtype, train)  # the first bucket's candidates
-    nbytes = [(c - a) * u.dtype.itemsize for u in lead for a, c in itertools.pairwise(_cuts(u))]
-    edges = [sum(nbytes[:k]) + d for k in range(2, len(nbytes) + 1) for d in (-1, 0)]
+    lead = [_nbytes(u) for u in itertools.takewhile(lambda u: u.dtype == train[0].dtype, train)] if train else []
+    edges = [sum(lead[:k]) + d for k in range(2, len(lead) + 1) for d in (-1, 0)]
     if edges and draw(st.booleans()):
         return draw(st.sampled_from(edges))
     return draw(st.one_of(st.sampled_from([1, 2**62]), st.integers(1, 2**16)))
@@ -61,8 +59,8 @@ def bucket_sizes(draw, units):
 def test_bucket_plan(n, data):
     units = [data.draw(layouts(n, f"u{i}")) for i in range(data.draw(st.integers(1, 4)))]
     bucket_bytes = data.draw(bucket_sizes(units))
-    buckets = plan_buckets(units, n, bucket_bytes)
-    by_name = {u.name: u for u in units}
+    per_unit = data.draw(st.booleans())
+    buckets = plan_buckets(units, n, bucket_bytes, per_unit)
     pieces = [p for b in buckets for p in b.pieces]
     for u in units:  # every rank gets every element of its shard of a trainable unit once, nothing else
         mine = [p for p in pieces if p.unit == u.name]
@@ -71,13 +69,13 @@ def test_bucket_plan(n, data):
             continue
         for r in range(n):
             assert _tiles([(p.lo, p.hi) for p in mine if p.rank == r], *u.shard_range(r)), (u, r)
-        cuts = _cuts(u)  # a piece never straddles a trainable parameter's start: units are cut only there
-        assert all(not p.lo < c < p.hi for p in mine for c in cuts)
+            # a unit is never split: so no rank's shard is cut by a bucket's end (it is one run of one section)
+            assert len([p for p in mine if p.rank == r]) == (1 if u.shard_numel else 0)
+        assert len([b for b in buckets if u.name in b.units]) == 1
 
-    order = []  # (unit, lo, hi) per bucket, in plan order
     for i, b in enumerate(buckets):
         assert b.index == i and b.units == {p.unit for p in b.pieces}
-        assert all(by_name[name].dtype == b.dtype for name in b.units), "a bucket mixes dtypes"
+        assert all(u.dtype == b.dtype for u in units if u.name in b.units), "a bucket mixes dtypes"
         # sections: rank-major, contiguous, tiling [0, numel); each rank's pieces fill its section in order
         assert len(b.sections) == n and [p.rank for p in b.pieces] == sorted(p.rank for p in b.pieces)
         sizes = [k for _, k in b.sections]
@@ -89,37 +87,23 @@ def test_bucket_plan(n, data):
                 assert p.at == at, (b.index, r, p)
                 at += p.hi - p.lo
             assert at == off + k
-        # what the bucket holds of each unit is one contiguous range of it, from cut to cut
-        spans = []
-        for name in sorted(b.units, key=[u.name for u in units].index):  # (pieces are rank-major, not in order)
-            mine = [(p.lo, p.hi) for p in b.pieces if p.unit == name]
-            lo, hi = min(a for a, _ in mine), max(c for _, c in mine)
-            assert _tiles(mine, lo, hi) and lo in _cuts(by_name[name]) and hi in _cuts(by_name[name])
-            spans.append((name, lo, hi))
-        order.append(spans)
 
-    # units are taken in the given order, each from 0 to its end, possibly across buckets
-    flat = [s for spans in order for s in spans]
-    assert [k for k, _ in itertools.groupby(name for name, _, _ in flat)] == [u.name for u in units if u.trainable]
-    for u in units:
-        ends = [(lo, hi) for name, lo, hi in flat if name == u.name]
-        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
-        assert not ends or (ends[0][0], ends[-1][1]) == (0, u.numel)
+    # units are taken whole, in the given order
+    trainable = [u for u in units if u.trainable]
+    held = [[u for u in trainable if u.name in b.units] for b in buckets]
+    assert [u.name for group in held for u in group] == [u.name for u in trainable]
 
-    # size, greedy packing: a bucket holds more than bucket_bytes only when it is a single segment (from a
-    # trainable parameter's start to the next one's, or to the unit's end: frozen parameters and padding
-    # included) larger than that; and a bucket is closed only when the next segment has another dtype or would
-    # take it past bucket_bytes.
-    def segments(spans):
-        return [(name, a, c) for name, lo, hi in spans
-                for a, c in itertools.pairwise([x for x in _cuts(by_name[name]) if lo <= x <= hi])]
-
-    for b, spans, nxt in zip(buckets, order, buckets[1:] + [None]):
-        nbytes = b.numel * b.dtype.itemsize
-        assert nbytes <= bucket_bytes or len(segments(spans)) == 1, (nbytes, bucket_bytes, spans)
-        if nxt is not None and nxt.dtype == b.dtype:
-            name, a, c = segments(order[nxt.index])[0]
-            assert nbytes + (c - a) * b.dtype.itemsize > bucket_bytes, "closed a bucket the next segment fits in"
+    # size, greedy packing: a bucket holds more than bucket_bytes only when it is a single unit larger than that,
+    # and it is closed only when the next unit has another dtype or would take it past bucket_bytes (per_unit:
+    # every unit is a bucket of its own)
+    for b, group, nxt in zip(buckets, held, held[1:] + [None]):
+        assert b.numel * b.dtype.itemsize == sum(map(_nbytes, group))
+        if per_unit:
+            assert len(group) == 1
+            continue
+        assert sum(map(_nbytes, group)) <= bucket_bytes or len(group) == 1, (group, bucket_bytes)
+        if nxt is not None and nxt[0].dtype == b.dtype:
+            assert sum(map(_nbytes, group)) + _nbytes(nxt[0]) > bucket_bytes, "closed a bucket the next unit fits in"
 
 
 def test_an_empty_last_parameter_opens_no_bucket():

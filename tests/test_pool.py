@@ -1,7 +1,8 @@
 """The pool of gathered buffers freed in a step (fshard/run/_pool.py): a freed buffer's memory moves to the pool
 and back into a later gather of its size in the same call, while one is to come (forward's buffers into backward's
 re-gathers); with ``reshard_after_forward=False`` backward gathers nothing, so nothing is kept; the results are the
-allocator's way's bitwise, and nothing is held between calls."""
+allocator's way's bitwise, and nothing is held between calls. And bucket_reduce's spare scratch
+(fshard/transforms/_bucket_reduce.py, ``_Spare``): a landed bucket's scratch serves the later buckets' of the step."""
 from __future__ import annotations
 
 import pytest
@@ -79,3 +80,45 @@ def test_a_step_regathers_into_the_memory_forward_freed_and_the_results_are_bitw
             # free, is allocated), never holding all of them at once
             assert all(reused >= 2 * block and 0 < peak < sum(got["units"].values()) for reused, peak in steps), steps
         assert eval_peak <= sum(got["units"].values())  # (an eval pass: forward only)
+
+
+def _train_spare(spare: bool):
+    import fshard as fs
+    from fshard.transforms import _bucket_reduce as br
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layers=3)
+    state = fs.init(GPT(cfg), mesh, fs.adamw(lr=1e-2))
+    made, init = [], br._Spare.__init__
+
+    def made_one(self, device):
+        init(self, device if spare else torch.device("meta"))  # (no spare: as on CUDA, every buffer new)
+        self.device = device
+        made.append(self)
+    # (in this rank's process only) each bucket lands as the next unit arrives, waiting if need be: whether a
+    # flight has completed by then is timing, and the reuse asserted below must not depend on it
+    br._Spare.__init__, br.BucketReduce._landable = made_one, lambda self, run, st: st.landed < len(st.flights)
+    step = fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(1e-6), donate=True)  # a bucket per unit
+    reused, losses = [], []
+    for batch in synthetic_batches(cfg, 2, STEPS, seed=3, rank=mesh.rank, world_size=mesh.world_size):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        reused.append(made[-1].reused)
+    step.close()
+    shard = {u.name: u.shard_numel * 4 for u in state.spec.units}
+    params = {k: v.numpy().tobytes() for k, v in fs.full_params(state).items()}
+    return dict(losses=losses, reused=reused, shard=shard, params=params, steps=len(made))
+
+
+def test_a_landed_buckets_scratch_serves_the_next_buckets_and_the_results_are_bitwise_without():
+    spared, plain = (run_ranks(_train_spare, 2, s) for s in (True, False))
+    for r in range(2):
+        got, ref = spared[r], plain[r]
+        assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+        assert got["steps"] == STEPS and all(k == 0 for k in ref["reused"])
+        # buckets in backward's order: blocks 2, 1, 0, the root. Each block after the first takes the other
+        # rank's section and the exchange's receive buffer (a block's shard each) from the block before; the
+        # root's (27 KB: shards of 13.5 KB, at least half a block's) from block 0's
+        block, root = got["shard"]["blocks.0"], got["shard"]["<root>"]
+        assert all(k == 2 * (2 * block) + 2 * root for k in got["reused"]), got["reused"]

@@ -292,12 +292,11 @@ class Comm:
                                                     async_op=True)]
         return self._flight(works, t0, "reduce", tag)
 
-    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
-        """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed over the group into shard rank
-        r's ``sections[r]`` (the others' are scratch; sizes may differ, so a bucket can end anywhere in a unit). On
-        gloo in a group of two, an exchange (one all-to-all: the other's section out, the other's part of ours into
-        a buffer counted in ``reduce_buffer_bytes``, added in by the wait); elsewhere a ``reduce`` to each owner.
-        Why, measured: design/COLLECTIVES.md. Bitwise either way (a sum of two in either order)."""
+    def reduce_each(self, sections: list[torch.Tensor], tag: str, empty=None) -> Flight:
+        """Start one SUM reduce per rank of the shard group: ``sections[r]`` (sizes may differ) is summed over the
+        group into shard rank r's. On gloo in a group of two, an exchange (one all-to-all: the other's section out,
+        the other's part of ours into a buffer from ``empty(numel, dtype)`` or new, counted in ``reduce_buffer_bytes``,
+        added in by the wait); elsewhere a ``reduce`` to each owner. Why: design/COLLECTIVES.md. Bitwise either way."""
         sizes = [t.numel() for t in sections]
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
                     zeros=zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
@@ -313,7 +312,8 @@ class Comm:
             if g is None or self.dry or self.mesh.shard_size == 1:
                 works = []
             elif exchange:  # (see the docstring)
-                peer, got = 1 - self.mesh.shard_rank, torch.empty_like(mine)  # (not isend/irecv: see the design)
+                peer = 1 - self.mesh.shard_rank  # (not isend/irecv: see the design)
+                got = torch.empty_like(mine) if empty is None else empty(mine.numel(), mine.dtype)
                 out, inp = [0, 0], [0, 0]
                 out[peer], inp[peer] = mine.numel(), sections[peer].numel()
                 works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]

@@ -45,9 +45,10 @@ class Collectives(Protocol):
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> InFlight:
         """Start ``out <- this rank's 1/k slice of the sum over the shard group's k ranks of full``."""
 
-    def reduce_each(self, sections: Sequence[torch.Tensor], tag: str) -> InFlight:
+    def reduce_each(self, sections: Sequence[torch.Tensor], tag: str, empty=None) -> InFlight:
         """Start one SUM reduce per rank of the shard group: ``sections[r]`` is summed into shard rank r's
-        ``sections[r]``."""
+        ``sections[r]``. ``empty(numel, dtype)``: where a buffer the transport receives into comes from (by default
+        a new one); it is the caller's again once the flight has been waited for."""
 
     def exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, tag: str,
                  sizes: str) -> InFlight:

@@ -25,9 +25,9 @@ class CollectivesView(Collectives):
         self._before()
         return self._comm.reduce_scatter(out, full, tag)
 
-    def reduce_each(self, sections: list[torch.Tensor], tag: str) -> Flight:
+    def reduce_each(self, sections: list[torch.Tensor], tag: str, empty=None) -> Flight:
         self._before()
-        return self._comm.reduce_each(sections, tag)
+        return self._comm.reduce_each(sections, tag, empty)
 
     def exchange(self, out, inp, out_splits: list, in_splits: list, tag: str, sizes: str) -> Flight:
         self._before()

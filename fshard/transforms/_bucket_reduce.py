@@ -1,14 +1,19 @@
 """fs.bucket_reduce: reduce gradients in flat buckets, launched asynchronously while backward goes on.
 
 The plan is made once, in the first step's backward, from the layout and that step's forward order, so every
-rank has the same one: each unit with trainable parameters is cut at parameter boundaries into segments; segments
-are packed, in the order backward completes units (the reverse of their first use in forward; the root and
-units forward never called last), into buckets of about ``bucket_mb``. A segment of a unit covers
-pieces of several ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another
-(rank-major). One SUM reduce per rank then leaves each rank the sum of exactly its own pieces, whatever the
-bucket's boundaries, so a bucket may end inside a unit ("one bucket per parameter") or span the whole model.
-With ``per_unit=True`` each unit is one bucket (FSDP2's per-module reduce-scatter): this rank's section of it is
-exactly the unit's gradient shard, handed over as it is, a tensor an update during backward can free.
+rank has the same one: the units with trainable parameters are packed whole, in the order backward completes them
+(the reverse of their first use in forward; the root and units forward never called last), into buckets of at
+most ``bucket_mb`` (a larger unit is a bucket of its own), never mixing dtypes. A unit covers pieces of several
+ranks' shards; a bucket's buffer holds, for each rank r, the pieces r owns, one after another (rank-major). One
+SUM reduce per rank then leaves each rank the sum of exactly its own pieces, and each unit's gradient shard is
+one run of this rank's section: a view, handed over as it is. With ``per_unit=True`` each unit is one bucket
+(FSDP2's per-module reduce-scatter): the section is then exactly the unit's shard, a tensor of its own that an
+update during backward can free.
+
+Why whole units: a unit's gradient arrives in one piece, so a bucket that ended inside it could launch no sooner;
+and where a bucket boundary cut a rank's shard, the shard had to be concatenated from two sections after landing
+(at 117M parameters and two ranks, every block's: a copy of half the gradients each step, into pages faulted in
+afresh). Measured: design/ARCHITECTURE.md, "bucket_reduce".
 
 Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
 the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
@@ -32,9 +37,10 @@ handed over as its shard as soon as it arrives, without a bucket or a copy (desi
 unit no gradient reached gets a zero shard at the end of backward, as at N > 1.
 
 Memory: a bucket's buffer is one tensor per rank section, not one flat tensor. Only this rank's section holds a
-result; the others are the scratch its reduces read from, freed as the bucket lands. So what outlives backward
-is this rank's sections, which the gradient shards are views of (1/N of the gradients), not whole buckets (with
-one flat buffer per bucket, a shard view kept every bucket alive until the update: a whole model's gradient).
+result; the others, and what the transport received into, are scratch, handed as the bucket lands to the step's
+later buckets (``_Spare``, on CPU). So what outlives backward is this rank's sections, which the gradient shards
+are views of (1/N of the gradients), not whole buckets (with one flat buffer per bucket, a shard view kept every
+bucket alive until the update: a whole model's gradient).
 """
 from __future__ import annotations
 
@@ -82,67 +88,88 @@ def backward_order(units, forward_order) -> list:
 
 
 def plan_buckets(units, world_size: int, bucket_bytes: int, per_unit: bool = False) -> list[_Bucket]:
-    """Bucket plan over the units with trainable parameters, taken in the given (backward) order; ``per_unit``:
-    each unit is one bucket, whatever its size."""
-    segments = []  # (unit layout, lo, hi)
+    """Bucket plan over the units with trainable parameters, taken whole in the given (backward) order, packed
+    greedily into buckets of at most ``bucket_bytes`` (a larger unit alone) of one dtype; ``per_unit``: each unit
+    is one bucket, whatever its size."""
+    groups, size = [], 0
     for u in units:
         if not u.trainable:
             continue
-        cuts = sorted({s.offset for s in u.slots if s.requires_grad} | {0})[1:] + [u.numel]
-        lo = 0
-        for c in cuts:
-            if c > lo:
-                segments.append((u, lo, c))
-                lo = c
-    groups, cur, size = [], [], 0
-    for seg in segments:
-        nbytes = (seg[2] - seg[1]) * seg[0].dtype.itemsize
-        if cur and ((seg[0] is not cur[0][0] if per_unit else size + nbytes > bucket_bytes)
-                    or seg[0].dtype != cur[0][0].dtype):
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(seg)
-        size += nbytes
-    if cur:
-        groups.append(cur)
+        nbytes = u.numel * u.dtype.itemsize
+        if groups and not per_unit and u.dtype == groups[-1][0].dtype and size + nbytes <= bucket_bytes:
+            groups[-1].append(u)
+            size += nbytes
+        else:
+            groups.append([u])
+            size = nbytes
     buckets = []
     for i, group in enumerate(groups):
         pieces, sections, at = [], [], 0
         for r in range(world_size):
             start = at
-            for u, lo, hi in group:
-                s = u.shard_numel
-                a, b = max(lo, r * s), min(hi, (r + 1) * s)
+            for u in group:  # rank r's piece of u: its shard
+                a, b = u.shard_range(r)
                 if a < b:
                     pieces.append(_Piece(u.name, a, b, at, r))
                     at += b - a
             sections.append((start, at - start))
-        buckets.append(_Bucket(i, frozenset(u.name for u, _, _ in group), tuple(pieces), tuple(sections), at,
-                               group[0][0].dtype))
+        buckets.append(_Bucket(i, frozenset(u.name for u in group), tuple(pieces), tuple(sections), at,
+                               group[0].dtype))
     return buckets
 
 
 class _Plan:
-    """The buckets, plus what each gradient arrival and the final scatter need, precomputed once."""
+    """The buckets, plus what each gradient arrival and the hand-over need, precomputed once."""
 
     def __init__(self, buckets: list[_Bucket], rank: int):
-        self.buckets = buckets
-        self.by_unit: dict[str, list] = {}  # unit -> [(bucket, its pieces of that unit)]
-        self.mine: dict[str, list] = {}  # unit -> [(bucket index, offset, numel)] of this rank's pieces, in order
+        self.buckets, self.rank = buckets, rank
+        self.by_unit: dict[str, tuple] = {}  # unit -> (its bucket, its pieces there)
+        self.mine: dict[str, tuple] = {}  # unit -> (bucket index, offset in this rank's section, numel)
         for b in buckets:
-            for name in sorted(b.units):
-                self.by_unit.setdefault(name, []).append((b, [p for p in b.pieces if p.unit == name]))
+            for name in b.units:
+                self.by_unit[name] = (b, [p for p in b.pieces if p.unit == name])
             for p in b.pieces:
-                if p.rank == rank:  # offset in this rank's section
-                    self.mine.setdefault(p.unit, []).append((b.index, p.at - b.sections[rank][0], p.hi - p.lo))
-        # units in the order their shards become complete: by the last bucket holding a piece of theirs
-        self.complete_order = sorted(self.mine, key=lambda n: self.mine[n][-1][0])
+                if p.rank == rank:
+                    self.mine[p.unit] = (b.index, p.at - b.sections[rank][0], p.hi - p.lo)
+        # units in the order their shards become complete: by their bucket
+        self.complete_order = sorted(self.mine, key=lambda n: self.mine[n][0])
+
+
+class _Spare:
+    """Scratch this step is done with (the other ranks' sections and the receive buffers of landed buckets), for
+    its later buckets' scratch (CPU): they then reuse pages the process already has, where new blocks of these
+    sizes are often fresh mappings whose every page faults in (benchmarks/RESULTS.md, "Session 41"). A buffer is
+    taken only for a need of at least half its size; what is left is let go with the step's buckets, at the end
+    of backward."""
+
+    def __init__(self, device: torch.device):
+        self.held = [] if device.type == "cpu" else None  # (CUDA's caching allocator keeps blocks already)
+        self.device = device
+        self.reused = 0  # bytes of scratch served from spare memory
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self.held:
+            fits = [t for t in self.held if nbytes <= t.numel() <= 2 * nbytes]
+            if fits:
+                t = min(fits, key=torch.Tensor.numel)
+                self.held.remove(t)  # (by identity: held tensors are distinct storages)
+                self.reused += nbytes
+                return t[:nbytes].view(dtype)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def give(self, *tensors) -> None:
+        if self.held is None:
+            return
+        for t in tensors:  # its whole storage, as bytes
+            if t is not None and t.numel() > 0:
+                self.held.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage()))
 
 
 class _Pending:
     """One step's buckets: buffers, which units each still waits for, and the flights launched."""
 
-    def __init__(self, plan: _Plan):
+    def __init__(self, plan: _Plan, device: torch.device):
         self.plan = plan
         self.buffers: dict[int, list] = {}  # bucket index -> one tensor per rank section (None once freed)
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
@@ -150,6 +177,8 @@ class _Pending:
         self.flights = []  # flights[i] reduces bucket i
         self.replicas = []  # replicas[i] all-reduces this rank's section of bucket i over the replica group (2-D)
         self.landed = 0  # flights waited for, in launch order
+        self.received = []  # received[i]: what bucket i's reduces received into (Comm.reduce_each's ``empty``)
+        self.spare = _Spare(device)
         self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
 
@@ -180,7 +209,7 @@ class BucketReduce(ReducePolicy):
     def _state(self, run) -> _Pending:
         scratch = run.scratch(self)
         if "pending" not in scratch:
-            scratch["pending"] = _Pending(self._plan_for(run))
+            scratch["pending"] = _Pending(self._plan_for(run), run.comm.mesh.device)
         return scratch["pending"]
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
@@ -188,9 +217,11 @@ class BucketReduce(ReducePolicy):
         if n == 1:
             return self._whole(run, unit, grad)
         st = self._state(run)
+        self._land_done(run, st)  # (first: what landed frees memory this unit's buckets can take)
         name = unit.name
         scale = 1.0 / n if (self.op == "avg" and n > 1) else None
-        for b, pieces in st.plan.by_unit.get(name, ()):
+        if name in st.plan.by_unit:
+            b, pieces = st.plan.by_unit[name]
             sections = self._buffer(st, b, grad.device)
             for p in pieces:
                 spot = _spot(sections, b, p)
@@ -204,8 +235,12 @@ class BucketReduce(ReducePolicy):
                         dst.copy_(src).mul_(scale)  # reduce in a wider dtype: widen first, then scale
             st.waiting[b.index].discard(name)
         self._launch_ready(run, st, force=False)
-        # (On CUDA a wait orders the compute stream after the whole comm stream, prefetched gathers included, so
-        # flights land only at the end there.)
+        self._land_done(run, st)
+
+    def _land_done(self, run, st: _Pending) -> None:
+        """Land the flights that have completed, and hand over the shards they complete. (On CUDA a wait orders the
+        compute stream after the whole comm stream, prefetched gathers included, so flights land only at the end
+        there.)"""
         while run.comm.mesh.device.type == "cpu" and self._landable(run, st):
             self._land(run, st)
         self._scatter(run, st)
@@ -250,7 +285,9 @@ class BucketReduce(ReducePolicy):
         if st.landed < len(st.replicas):
             st.replicas[st.landed].wait()
         sections, rank = st.buffers[st.landed], run.comm.mesh.shard_rank
+        st.spare.give(*(t for r, t in enumerate(sections) if r != rank), *st.received[st.landed])
         sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
+        st.received[st.landed] = ()
         st.landed += 1
 
     def _replicate(self, run, st: _Pending, upto: int) -> None:
@@ -267,9 +304,15 @@ class BucketReduce(ReducePolicy):
                                                   sizes="+".join(str(k) for _, k in b.sections)))
 
     def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> list:
+        """Bucket ``b``'s sections: this rank's new (it outlives backward, as the shards' memory, exactly its size:
+        a per-unit shard an early update frees is a whole storage), the others scratch from the spare memory."""
         if b.index not in st.buffers:
-            dtype, make = self.reduce_dtype or b.dtype, torch.empty if fill is None else torch.zeros
-            st.buffers[b.index] = [make(k, dtype=dtype, device=device) for _, k in b.sections]
+            dtype, rank = self.reduce_dtype or b.dtype, st.plan.rank
+            st.buffers[b.index] = [torch.empty(k, dtype=dtype, device=device) if r == rank else st.spare.take(k, dtype)
+                                   for r, (_, k) in enumerate(b.sections)]
+            if fill is not None:
+                for t in st.buffers[b.index]:
+                    t.fill_(fill)
         return st.buffers[b.index]
 
     def _launch_ready(self, run, st: _Pending, force: bool) -> None:
@@ -282,28 +325,27 @@ class BucketReduce(ReducePolicy):
                     if p.unit in st.waiting[b.index]:
                         _spot(st.buffers[b.index], b, p).zero_()
             sections = self._buffer(st, b, run.comm.mesh.device, fill=0)  # none arrived on this rank: all zeros
-            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}"))
+            got = []
+
+            def receive(numel, dtype, got=got):  # (scratch: given back to the spare memory as the bucket lands)
+                got.append(st.spare.take(numel, dtype))
+                return got[-1]
+
+            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}", receive))
+            st.received.append(got)
             st.next += 1
             self._replicate(run, st, st.next - 1)  # (2-D: the bucket before this one's, once its reduces are done)
 
     def _scatter(self, run, st: _Pending) -> None:
-        """Give each unit whose buckets have all landed its reduced gradient shard: a view where its pieces sit
-        together in one bucket (a unit's pieces in a bucket are consecutive in each rank's section; with
-        ``per_unit`` the view is the whole section, a tensor of its own), a concatenation where they span several.
-        (The segments cover each unit's whole flat buffer, so the pieces cover its whole shard.)"""
-        order = st.plan.complete_order
-        while st.given < len(order) and st.plan.mine[order[st.given]][-1][0] < st.landed:
+        """Give each unit whose bucket has landed its reduced gradient shard: its run of this rank's section (a
+        view; with ``per_unit`` the whole section, a tensor of its own)."""
+        order, rank = st.plan.complete_order, run.comm.mesh.shard_rank
+        while st.given < len(order) and st.plan.mine[order[st.given]][0] < st.landed:
             name = order[st.given]
             st.given += 1
-            spots = st.plan.mine[name]
-            rank = run.comm.mesh.shard_rank
-            if len({i for i, _, _ in spots}) == 1:
-                i, at, _ = spots[0]
-                section = st.buffers[i][rank]
-                n = sum(k for _, _, k in spots)
-                g = section if at == 0 and n == section.numel() else section[at:at + n]
-            else:
-                g = torch.cat([st.buffers[i][rank][at:at + k] for i, at, k in spots])
+            i, at, n = st.plan.mine[name]
+            section = st.buffers[i][rank]
+            g = section if at == 0 and n == section.numel() else section[at:at + n]
             unit = run.units[name]
             run.grad_ready(unit, g if g.dtype == unit.layout.dtype else g.to(unit.layout.dtype))
 
