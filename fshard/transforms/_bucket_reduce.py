@@ -17,13 +17,13 @@ afresh). Measured: design/ARCHITECTURE.md, "bucket_reduce".
 
 Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
 the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
-arrives, its segments are scaled into their buckets; a bucket whose units have all arrived is launched, in plan
+arrives, its pieces are scaled into its bucket; a bucket whose units have all arrived is launched, in plan
 order, so ranks issue the same collectives in the same order even when their units finish at different times.
 Buckets still waiting at the end of backward (a unit unused on this rank) are zero-filled and launched then.
 The step waits for all of them before the update.
 
 Landing: at each arrival, the flights that have already completed (checked without blocking, in launch order) are
-landed, and every unit whose pieces all sit in landed buckets gets its gradient shard then, while backward goes
+landed, and every unit of a landed bucket gets its gradient shard then, while backward goes
 on (``step.grad_ready``: offload_state may begin that unit's update). The rest land at the end of backward.
 
 On a 2-D mesh (HSDP) the plan is over the shard group (its k ranks' sections), the reduces sum over it, and each
