@@ -122,3 +122,22 @@ def test_a_landed_buckets_scratch_serves_the_next_buckets_and_the_results_are_bi
         # root's (27 KB: shards of 13.5 KB, at least half a block's) from block 0's
         block, root = got["shard"]["blocks.0"], got["shard"]["<root>"]
         assert all(k == 2 * (2 * block) + 2 * root for k in got["reused"]), got["reused"]
+
+
+def test_the_spare_takes_the_smallest_buffer_that_fits_and_keeps_only_what_a_later_need_may_take():
+    from fshard.transforms._bucket_reduce import _Spare
+    spare = _Spare(torch.device("cpu"))
+    big = [torch.empty(25, dtype=torch.float32) for _ in range(2)]  # 100 bytes each
+    small = [torch.empty(30, dtype=torch.uint8) for _ in range(2)]
+    spare.give(*big, *small, None, torch.empty(0))  # (nothing of the empty ones is held)
+    ptrs = {t.data_ptr() for t in small}
+    got = spare.take(15, torch.bfloat16)  # 30 bytes: a small one (the big ones are more than twice the need)
+    assert got.dtype == torch.bfloat16 and got.numel() == 15 and got.data_ptr() in ptrs and spare.reused == 30
+    again = spare.take(7, torch.float32)  # 28 bytes: the other small one, not the one already taken
+    assert again.data_ptr() in ptrs - {got.data_ptr()} and len(spare.held) == 2
+    assert spare.take(7, torch.float32).data_ptr() not in {t.data_ptr() for t in big}  # none fits: a new one
+    spare.keep_upto(40)  # later needs of at most 40 bytes: the 100-byte buffers would never be taken
+    assert spare.held == []
+    cuda_like = _Spare(torch.device("meta"))  # (not CPU: nothing is held, every take is new)
+    cuda_like.give(torch.empty(4))
+    assert cuda_like.held is None and cuda_like.take(4, torch.float32).device.type == "meta"

@@ -139,8 +139,8 @@ class _Spare:
     """Scratch this step is done with (the other ranks' sections and the receive buffers of landed buckets), for
     its later buckets' scratch (CPU): they then reuse pages the process already has, where new blocks of these
     sizes are often fresh mappings whose every page faults in (benchmarks/RESULTS.md, "Session 41"). A buffer is
-    taken only for a need of at least half its size; what is left is let go with the step's buckets, at the end
-    of backward."""
+    taken only for a need of at least half its size, and held only while a later bucket may need that much
+    (``keep_upto``); what is left is let go with the step's buckets, at the end of backward."""
 
     def __init__(self, device: torch.device):
         self.held = [] if device.type == "cpu" else None  # (CUDA's caching allocator keeps blocks already)
@@ -149,13 +149,11 @@ class _Spare:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
-        if self.held:
-            fits = [t for t in self.held if nbytes <= t.numel() <= 2 * nbytes]
-            if fits:
-                t = min(fits, key=torch.Tensor.numel)
-                self.held.remove(t)  # (by identity: held tensors are distinct storages)
-                self.reused += nbytes
-                return t[:nbytes].view(dtype)
+        fits = [i for i, t in enumerate(self.held or ()) if nbytes <= t.numel() <= 2 * nbytes]
+        if fits:  # (by index: tensors compare elementwise, so list.remove would compare their values)
+            t = self.held.pop(min(fits, key=lambda i: self.held[i].numel()))
+            self.reused += nbytes
+            return t[:nbytes].view(dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, *tensors) -> None:
@@ -165,11 +163,16 @@ class _Spare:
             if t is not None and t.numel() > 0:
                 self.held.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage()))
 
+    def keep_upto(self, nbytes: int) -> None:
+        """Let go of what no need of at most ``nbytes`` (the largest a later bucket has) would take."""
+        if self.held:
+            self.held = [t for t in self.held if t.numel() <= 2 * nbytes]
+
 
 class _Pending:
     """One step's buckets: buffers, which units each still waits for, and the flights launched."""
 
-    def __init__(self, plan: _Plan, device: torch.device):
+    def __init__(self, plan: _Plan, device: torch.device, itemsize):
         self.plan = plan
         self.buffers: dict[int, list] = {}  # bucket index -> one tensor per rank section (None once freed)
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
@@ -179,6 +182,9 @@ class _Pending:
         self.landed = 0  # flights waited for, in launch order
         self.received = []  # received[i]: what bucket i's reduces received into (Comm.reduce_each's ``empty``)
         self.spare = _Spare(device)
+        # need[i]: the largest section, in bytes, of the buckets from i on (what the spare is still kept for)
+        sizes = [max(k for _, k in b.sections) * itemsize(b) for b in plan.buckets]
+        self.need = [max(sizes[i:]) for i in range(len(sizes))] + [0]
         self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
 
@@ -209,7 +215,8 @@ class BucketReduce(ReducePolicy):
     def _state(self, run) -> _Pending:
         scratch = run.scratch(self)
         if "pending" not in scratch:
-            scratch["pending"] = _Pending(self._plan_for(run), run.comm.mesh.device)
+            scratch["pending"] = _Pending(self._plan_for(run), run.comm.mesh.device,
+                                          lambda b: (self.reduce_dtype or b.dtype).itemsize)
         return scratch["pending"]
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
@@ -280,7 +287,8 @@ class BucketReduce(ReducePolicy):
             run.comm.mesh.replicas == 1 or (i < len(st.replicas) and st.replicas[i].done()))
 
     def _land(self, run, st: _Pending) -> None:
-        """Wait for the next flight in launch order; free the sections of its bucket that other ranks own."""
+        """Wait for the next flight in launch order; give its bucket's scratch (the sections other ranks own, what
+        the exchange received into) to the spare memory, which keeps what a bucket not yet launched may take."""
         st.flights[st.landed].wait()
         if st.landed < len(st.replicas):
             st.replicas[st.landed].wait()
@@ -288,6 +296,7 @@ class BucketReduce(ReducePolicy):
         st.spare.give(*(t for r, t in enumerate(sections) if r != rank), *st.received[st.landed])
         sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
         st.received[st.landed] = ()
+        st.spare.keep_upto(st.need[st.next])
         st.landed += 1
 
     def _replicate(self, run, st: _Pending, upto: int) -> None:
@@ -331,7 +340,7 @@ class BucketReduce(ReducePolicy):
                 got.append(st.spare.take(numel, dtype))
                 return got[-1]
 
-            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}", receive))
+            st.flights.append(run.comm.reduce_each(list(sections), f"bucket{b.index}", empty=receive))
             st.received.append(got)
             st.next += 1
             self._replicate(run, st, st.next - 1)  # (2-D: the bucket before this one's, once its reduces are done)
