@@ -366,8 +366,9 @@ def _spot(sections: list, b: _Bucket, p: _Piece) -> torch.Tensor:
 
 
 class bucket_reduce(Transform):
-    """Reduce gradients in flat buckets of about ``bucket_mb`` MiB, each launched asynchronously as soon as
-    backward has produced all of it, and waited for before the update.
+    """Reduce gradients in flat buckets of whole units, at most ``bucket_mb`` MiB each (a larger unit is a bucket
+    of its own), each launched asynchronously as soon as backward has produced all of it, and waited for before the
+    update.
 
     reduce_dtype: reduce in this dtype (e.g. torch.float32 for bf16 gradients); by default the gradients' own.
     op: "avg" (scale by 1/N, then sum: DDP's order, bitwise at 2 ranks) or "sum".
