@@ -10,10 +10,8 @@ one run of this rank's section: a view, handed over as it is. With ``per_unit=Tr
 (FSDP2's per-module reduce-scatter): the section is then exactly the unit's shard, a tensor of its own that an
 update during backward can free.
 
-Why whole units: a unit's gradient arrives in one piece, so a bucket that ended inside it could launch no sooner;
-and where a bucket boundary cut a rank's shard, the shard had to be concatenated from two sections after landing
-(at 117M parameters and two ranks, every block's: a copy of half the gradients each step, into pages faulted in
-afresh). Measured: design/ARCHITECTURE.md, "bucket_reduce".
+Why whole units (design/ARCHITECTURE.md, "bucket_reduce"): a bucket ending inside a unit could launch no sooner,
+and a rank's shard cut by it had to be concatenated from two sections after landing.
 
 Readiness: a unit's gradient reaches the reduce policy in one piece, once every use of the unit (two calls of
 the same block, tied parameters) has contributed; parameters with no gradient contribute zeros. When a unit
@@ -245,9 +243,8 @@ class BucketReduce(ReducePolicy):
         self._land_done(run, st)
 
     def _land_done(self, run, st: _Pending) -> None:
-        """Land the flights that have completed, and hand over the shards they complete. (On CUDA a wait orders the
-        compute stream after the whole comm stream, prefetched gathers included, so flights land only at the end
-        there.)"""
+        """Land the completed flights; hand over the shards they complete. (Not on CUDA, where a wait orders the
+        compute stream after the whole comm stream, prefetched gathers included: flights land at the end there.)"""
         while run.comm.mesh.device.type == "cpu" and self._landable(run, st):
             self._land(run, st)
         self._scatter(run, st)
