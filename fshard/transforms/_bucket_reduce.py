@@ -161,8 +161,7 @@ class _Spare:
             if t is not None and t.numel() > 0:
                 self.held.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage()))
 
-    def keep_upto(self, nbytes: int) -> None:
-        """Let go of what no need of at most ``nbytes`` (the largest a later bucket has) would take."""
+    def keep_upto(self, nbytes: int) -> None:  # let go of what no need of at most ``nbytes`` would take
         if self.held:
             self.held = [t for t in self.held if t.numel() <= 2 * nbytes]
 
@@ -310,8 +309,8 @@ class BucketReduce(ReducePolicy):
                                                   sizes="+".join(str(k) for _, k in b.sections)))
 
     def _buffer(self, st: _Pending, b: _Bucket, device, fill=None) -> list:
-        """Bucket ``b``'s sections: this rank's new (it outlives backward, as the shards' memory, exactly its size:
-        a per-unit shard an early update frees is a whole storage), the others scratch from the spare memory."""
+        """``b``'s sections: this rank's new and exactly sized (the shards' memory, which an early update may free),
+        the others scratch from the spare memory."""
         if b.index not in st.buffers:
             dtype, rank = self.reduce_dtype or b.dtype, st.plan.rank
             st.buffers[b.index] = [torch.empty(k, dtype=dtype, device=device) if r == rank else st.spare.take(k, dtype)
