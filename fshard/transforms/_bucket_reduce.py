@@ -119,8 +119,12 @@ def plan_buckets(units, world_size: int, bucket_bytes: int, per_unit: bool = Fal
 class _Plan:
     """The buckets, plus what each gradient arrival and the hand-over need, precomputed once."""
 
-    def __init__(self, buckets: list[_Bucket], rank: int):
+    def __init__(self, buckets: list[_Bucket], rank: int, reduce_dtype=None):
         self.buckets, self.rank = buckets, rank
+        self.need = [0] * (len(buckets) + 1)  # need[i]: the largest section of buckets i.. in bytes (spare's bound)
+        for b in reversed(buckets):
+            self.need[b.index] = max(self.need[b.index + 1],
+                                     max(k for _, k in b.sections) * (reduce_dtype or b.dtype).itemsize)
         self.by_unit: dict[str, tuple] = {}  # unit -> (its bucket, its pieces there)
         self.mine: dict[str, tuple] = {}  # unit -> (bucket index, offset in this rank's section, numel)
         for b in buckets:
@@ -169,7 +173,7 @@ class _Spare:
 class _Pending:
     """One step's buckets: buffers, which units each still waits for, and the flights launched."""
 
-    def __init__(self, plan: _Plan, device: torch.device, itemsize):
+    def __init__(self, plan: _Plan, device: torch.device):
         self.plan = plan
         self.buffers: dict[int, list] = {}  # bucket index -> one tensor per rank section (None once freed)
         self.waiting = {b.index: set(b.units) for b in plan.buckets}
@@ -179,9 +183,6 @@ class _Pending:
         self.landed = 0  # flights waited for, in launch order
         self.received = []  # received[i]: what bucket i's reduces received into (Comm.reduce_each's ``empty``)
         self.spare = _Spare(device)
-        # need[i]: the largest section, in bytes, of the buckets from i on (what the spare is still kept for)
-        sizes = [max(k for _, k in b.sections) * itemsize(b) for b in plan.buckets]
-        self.need = [max(sizes[i:]) for i in range(len(sizes))] + [0]
         self.given = 0  # units of plan.complete_order whose gradient shard has been handed over
 
 
@@ -206,14 +207,13 @@ class BucketReduce(ReducePolicy):
         if self._plan is None or self._plan[0] != key:
             order = backward_order(run.spec.units, run.order)
             self._plan = (key, _Plan(plan_buckets(order, mesh.shard_size, self.bucket_bytes, self.per_unit),
-                                     mesh.shard_rank))
+                                     mesh.shard_rank, self.reduce_dtype))
         return self._plan[1]
 
     def _state(self, run) -> _Pending:
         scratch = run.scratch(self)
         if "pending" not in scratch:
-            scratch["pending"] = _Pending(self._plan_for(run), run.comm.mesh.device,
-                                          lambda b: (self.reduce_dtype or b.dtype).itemsize)
+            scratch["pending"] = _Pending(self._plan_for(run), run.comm.mesh.device)
         return scratch["pending"]
 
     def reduce(self, run, unit, grad: torch.Tensor) -> None:
@@ -292,7 +292,7 @@ class BucketReduce(ReducePolicy):
         st.spare.give(*(t for r, t in enumerate(sections) if r != rank), *st.received[st.landed])
         sections[:] = [t if r == rank else None for r, t in enumerate(sections)]
         st.received[st.landed] = ()
-        st.spare.keep_upto(st.need[st.next])
+        st.spare.keep_upto(st.plan.need[st.next])
         st.landed += 1
 
     def _replicate(self, run, st: _Pending, upto: int) -> None:
