@@ -112,6 +112,7 @@ def test_checkpointing_lowers_fshards_peak_as_it_lowers_torchs():
     assert saved_torch > 64 * 2**20, f"the model is too small to show checkpointing: {mib} MiB"
     # measured (MiB): torch 119 -> 18, fshard 126 -> 25 (design/ARCHITECTURE.md: at sequence 512, 244 -> 38 and
     # 253 -> 50)
+    # (at sequence 256: 101 MiB saved either way, against a bound of 91)
     assert saved_fs >= 0.9 * saved_torch, f"checkpointing saved fshard less than torch (peak growth, MiB): {mib}"
     assert fs_ckpt["growth"] <= torch_ckpt["growth"] + 32 * 2**20, f"peak growth, MiB: {mib}"
     for m in (fs_plain, fs_ckpt):  # gather_ahead(2): the current unit, two ahead, one more in backward

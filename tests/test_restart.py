@@ -39,9 +39,10 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_bitwise(tmp_path):
                                 str(tmp_path / "uninterrupted.pt"), "--data", "synthetic", "--run-dir",
                                 str(tmp_path / "uninterrupted-run")])
     ref = torch.load(tmp_path / "uninterrupted.pt")
-    # one run that restarts (a torchrun restart costs 20-30 s here), with the most in it: parameters and moments in
-    # an NVMe store, saves in the background. The kill before step 7 finds step 6 saved, or, while step 6's
-    # asynchronous save still runs, step 3, the newest complete one (an incomplete save is never used)
+    # one run that restarts (a torchrun run with a restart costs 20-30 s here), with the most in it: parameters and
+    # moments in an NVMe store, saves in the background (loading moments alone into a store: test_checkpoint_stored;
+    # a resume after blocking saves: test_train_example's rerun). The kill before step 7 finds step 6 saved, or,
+    # while step 6's asynchronous save still runs, step 3, the newest complete one (an incomplete save is never used)
     d, nvme = tmp_path / "ckpt", tmp_path / "nvme"
     got, log = _train(tmp_path, "restarted", "--checkpoint-dir", str(d), "--save-every", "3", "--fault-at", "7",
                       "--nvme-dir", str(nvme), "--offload-params", "--async-save", restarts=2)

@@ -2,10 +2,13 @@
 
 paired.py runs its configs in one set of processes, so it cannot take step.py's ``--baseline DIR`` (a second
 ``fshard`` cannot be imported under the same name). This driver extracts commit ``--commit``'s ``fshard/`` and
-``ops/`` (``git archive``) into a temporary directory as the package ``fshard_base`` (fshard imports itself only
-relatively, so the copy runs as itself; its native kernels build from its own ``ops/`` into a cache entry of their
-own) and registers, for every config of step.py, ``base:X``: X built while ``import fshard`` yields the copy. A
-step function keeps the modules it was built from, so ``base:X`` steps the old code and X today's, pair by pair.
+``ops/`` (``git archive``) into a temporary directory as the package ``fshard_base`` and registers, for every
+fshard config X of step.py, ``base:X``: X built while ``import fshard`` yields the copy. fshard imports itself
+relatively, except the package's lazy attributes (``ops``, ``testing``: ``import_module("fshard.ops")``), so the
+copy's are imported under its own name first; its native kernels build from its own ``ops/`` into a cache entry of
+their own. A build that imports any ``fshard.*`` module while the copy stands in for ``fshard`` is refused, so
+neither side ever runs the other's modules. A step function keeps the modules it was built from, so ``base:X``
+steps the old code and X today's, pair by pair.
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s42/paired_commit.py --commit 992e49a \\
         --world-size 1 --configs torch,base:fshard+donate,fshard+donate --pairs 30 --warmup 3
@@ -30,29 +33,34 @@ NAME = "fshard_base"
 ENV = "FSHARD_PAIRED_BASE"  # the extracted directory, for the ranks (spawned: they import this file afresh)
 
 
-def _extract(commit: str) -> str:
-    """A temporary directory holding ``fshard_base/`` (commit's fshard/) and ``ops/`` (its native sources)."""
-    where = tempfile.mkdtemp(prefix="fshard-base-")
+def _extract(commit: str, where: str) -> None:
+    """Into ``where``: ``fshard_base/`` (commit's fshard/) and ``ops/`` (its native sources)."""
     archive = subprocess.run(["git", "archive", commit, "fshard", "ops"], cwd=ROOT, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
     os.rename(os.path.join(where, "fshard"), os.path.join(where, NAME))
-    return where
 
 
 def _base_builder(builder):
     def build(ctx):
         import importlib
+
+        import fshard as today  # today's package and its modules are loaded before the swap, under their names
         base = importlib.import_module(NAME)
-        today = sys.modules.get("fshard")
+        for lazy in ("ops", "testing"):  # else the copy's `from .. import ops` would load "fshard.ops" by name
+            importlib.import_module(f"{NAME}.{lazy}")
+        loaded = {k for k in sys.modules if k == "fshard" or k.startswith("fshard.")}
         sys.modules["fshard"] = base  # the builder's `import fshard as fs` (and its transforms') get the copy
         try:
             return builder(ctx)
         finally:
-            if today is None:
-                del sys.modules["fshard"]
-            else:
-                sys.modules["fshard"] = today
+            sys.modules["fshard"] = today
+            mixed = sorted(k for k in sys.modules if (k == "fshard" or k.startswith("fshard.")) and k not in loaded)
+            for k in mixed:
+                del sys.modules[k]
+            if mixed:
+                raise RuntimeError(f"[paired_commit.py] building base: imported {mixed} by today's name while "
+                                   "the copy stood in for fshard: the two would share them")
     return build
 
 
@@ -89,8 +97,14 @@ def main(argv=None) -> None:
     i = argv.index("--commit")
     commit = argv[i + 1]
     del argv[i:i + 2]
-    where = _extract(commit)
+    if os.environ.get("FSHARD_OPS_SRC"):
+        raise SystemExit("paired_commit.py: unset FSHARD_OPS_SRC (it would give both sides the same native sources)")
+    where = tempfile.mkdtemp(prefix="fshard-base-")
     try:
+        try:
+            _extract(commit, where)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"paired_commit.py: cannot extract {commit}: {(e.stderr or b'').decode().strip()}")
         os.environ[ENV] = where
         sys.path.insert(0, where)
         print(f"[paired_commit.py] base: = fshard at {commit} (from {where})", flush=True)
