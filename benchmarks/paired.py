@@ -15,7 +15,10 @@ the figures are over the pairs:
   the pairs, seeded); ``ratio of medians``: step.py's figure, for comparison;
 - ``slower in``: in how many pairs the config's step took longer, and the one-sided sign test's p of so many (or
   more) if each side were equally likely to be slower: a test that asks nothing of the noise's distribution;
-- ``page faults a step``: the median of the rank with the most minor faults (pages the allocator mapped in afresh);
+- ``page faults a step``: the median of the rank with the most minor faults (pages the allocator mapped in afresh).
+  All configs share one heap per rank, so a config's faults (and the CPU they cost) depend on the others in the
+  process: at 117M, fshard's ranged from 79k to 138k a step with the same code (benchmarks/RESULTS.md, "Session
+  42"); for a config's own figure run it alone, or use step.py's rounds (a process per config);
 - ``CPU s a step (system)``: the median of the CPU seconds the ranks' processes spent in the step, every thread
   and every rank summed, and of those the system (kernel) seconds: gloo's TCP copies are system time. On a machine
   with as many cores as ranks, work that overlaps in time still takes cores from the step.
