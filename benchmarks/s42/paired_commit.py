@@ -4,8 +4,8 @@ paired.py runs its configs in one set of processes, so it cannot take step.py's 
 ``fshard`` cannot be imported under the same name). This driver extracts commit ``--commit``'s ``fshard/`` and
 ``ops/`` (``git archive``) into a temporary directory as the package ``fshard_base`` and registers, for every
 fshard config X of step.py, ``base:X``: X built while ``import fshard`` yields the copy. fshard imports itself
-relatively, except the package's lazy attributes (``ops``, ``testing``: ``import_module("fshard.ops")``), so the
-copy's are imported under its own name first; its native kernels build from its own ``ops/`` into a cache entry of
+relatively, except the package's lazy attributes (``import_module("fshard.ops")``; the code a step runs needs only
+``ops``, not ``testing``), so the copy's ``ops`` is imported under its own name first; its native kernels build from its own ``ops/`` into a cache entry of
 their own. A build that imports any ``fshard.*`` module while the copy stands in for ``fshard`` is refused, so
 neither side ever runs the other's modules. A step function keeps the modules it was built from, so ``base:X``
 steps the old code and X today's, pair by pair.
@@ -47,8 +47,7 @@ def _base_builder(builder):
 
         import fshard as today  # today's package and its modules are loaded before the swap, under their names
         base = importlib.import_module(NAME)
-        for lazy in ("ops", "testing"):  # else the copy's `from .. import ops` would load "fshard.ops" by name
-            importlib.import_module(f"{NAME}.{lazy}")
+        importlib.import_module(f"{NAME}.ops")  # else the copy's `from .. import ops` loads "fshard.ops" by name
         loaded = {k for k in sys.modules if k == "fshard" or k.startswith("fshard.")}
         sys.modules["fshard"] = base  # the builder's `import fshard as fs` (and its transforms') get the copy
         try:
