@@ -2,13 +2,13 @@
 
 paired.py runs its configs in one set of processes, so it cannot take step.py's ``--baseline DIR`` (a second
 ``fshard`` cannot be imported under the same name). This driver extracts commit ``--commit``'s ``fshard/`` and
-``ops/`` (``git archive``) into a temporary directory as the package ``fshard_base`` and registers, for every
-fshard config X of step.py, ``base:X``: X built while ``import fshard`` yields the copy. fshard imports itself
-relatively, except the package's lazy attributes (``import_module("fshard.ops")``; the code a step runs needs only
-``ops``, not ``testing``), so the copy's ``ops`` is imported under its own name first; its native kernels build from its own ``ops/`` into a cache entry of
-their own. A build that imports any ``fshard.*`` module while the copy stands in for ``fshard`` is refused, so
-neither side ever runs the other's modules. A step function keeps the modules it was built from, so ``base:X``
-steps the old code and X today's, pair by pair.
+``ops/`` (``git archive``) into a temporary directory as the package ``fshard_base`` and registers, for every fshard
+config X of step.py, ``base:X``: X built while ``import fshard`` yields the copy. fshard imports itself relatively,
+except the package's lazy attributes (``import_module("fshard.ops")``; the code a step runs needs only ``ops``, not
+``testing``), so the copy's ``ops`` is imported under its own name first; its native kernels build from its own
+``ops/`` into a cache entry of their own. A build that imports any ``fshard.*`` module while the copy stands in for
+``fshard`` is refused, so neither side ever runs the other's modules. A step function keeps the modules it was built
+from, so ``base:X`` steps the old code and X today's, pair by pair.
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s42/paired_commit.py --commit 992e49a \\
         --world-size 1 --configs torch,base:fshard+donate,fshard+donate --pairs 30 --warmup 3
