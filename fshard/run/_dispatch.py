@@ -32,6 +32,42 @@ def call_bound(module: nn.Module, tensors: dict, args=(), kwargs=None, forward=N
         return forward(module.m, *args, **(kwargs or {}))
 
 
+def bind_at(owners: dict, tensors: dict) -> list:
+    """Put each tensor of ``tensors`` (template path -> tensor) in the place of the parameter of that name, as
+    functional_call's swap does, with the owners resolved once (``ShardSpec.owners``); returns what ``unbind`` puts
+    back. For names that are every name of each tensor (a unit's: route_units finds them by identity), so there is
+    no tie to untie, as functional_call's ``tie_weights`` does by walking the module at every call."""
+    undo = []
+    try:
+        for name, t in tensors.items():
+            module, attr = owners[name]
+            undo.append((module, attr, module._parameters[attr]))
+            module._parameters[attr] = t
+    except BaseException:
+        unbind(undo)
+        raise
+    return undo
+
+
+def unbind(undo: list) -> None:
+    """Put back what ``bind_at`` replaced, newest first (a module at two paths was swapped twice: its original is
+    what the first swap took)."""
+    for module, attr, old in reversed(undo):
+        module._parameters[attr] = old
+
+
+def call_unit_bound(owners: dict, proxy: "_Proxy", tensors: dict, args, kwargs, forward=None):
+    """``proxy(*args, **kwargs)`` (or ``forward(proxy.m, ...)``, compiled) with ``tensors`` (template path -> tensor)
+    bound by ``bind_at``: ``call_bound`` for a unit's call, without a walk of the module at each call."""
+    undo = bind_at(owners, tensors)
+    try:
+        if forward is None:
+            return proxy(*args, **(kwargs or {}))
+        return forward(proxy.m, *args, **(kwargs or {}))
+    finally:
+        unbind(undo)
+
+
 class _Proxy(nn.Module):
     """Calls the unit module's own class forward, so functional_call can bind the unit without recursing into the
     routed ``forward`` (and without running the module's hooks a second time)."""
@@ -47,7 +83,8 @@ class _Proxy(nn.Module):
 
 class _UnitForward:
     def __init__(self, name: str, module: nn.Module, names: tuple[tuple[str, ...], ...]):
-        self.name, self.proxy, self.names = name, _Proxy(module), names  # names[i]: slot i's names in the unit
+        self.name, self.proxy = name, _Proxy(module)
+        self.names = names  # names[i]: every template path of slot i's parameter inside the unit module
 
     @torch.compiler.disable  # a compiled loss function leaves units to the step (their gathers, hooks, collectives)
     def __call__(self, *args, **kwargs):
@@ -68,7 +105,8 @@ def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
             continue
         module = template.get_submodule(u.module)
         local = list(module.named_parameters(remove_duplicate=False))
-        names = tuple(tuple(n for n, p in local if p is template.get_parameter(s.name)) for s in u.slots)
+        names = tuple(tuple(f"{u.module}.{n}" for n, p in local if p is template.get_parameter(s.name))
+                      for s in u.slots)
         module.forward = _UnitForward(u.name, module, names)
 
 

@@ -10,8 +10,9 @@ tensors or freed storage. Three mechanisms cover every place a checkpoint can si
   unit's backward use begins there (``GatherPolicy.before_backward``), so the unit is gathered before a recompute
   inside it runs, as FSDP2's pre-backward hooks on module outputs do.
 - **Attached parameters.** While a unit is gathered in backward, its module's parameters (every alias) are views
-  of the gathered buffer, so a recompute that reads ``self.weight`` directly (a checkpoint inside the unit) sees
-  the data; they are meta again when the unit is freed. Forward keeps the per-call ``functional_call`` binding,
+  of the gathered buffer (those forward's last call bound, fshard/run/_unit.py), so a recompute that reads
+  ``self.weight`` directly (a checkpoint inside the unit) sees the data; they are meta again when the unit is
+  freed. Forward keeps the per-call ``functional_call`` binding,
   so code that reaches into a unit outside its call still fails with ``UnboundParameterError``.
 - **Bound buffers.** The step's buffers stay bound to the template for the whole backward call, as they are for
   the forward call, so a recompute reads (and, like plain torch, updates) the step's buffers.
@@ -29,22 +30,6 @@ import torch
 import torch.nn as nn
 
 from ._dispatch import call_bound
-
-
-def attach(template: nn.Module, names: dict[str, torch.Tensor]) -> list:
-    """Set each parameter ``name`` (a template path) of the template to its tensor; returns what to restore."""
-    undo = []
-    for name, t in names.items():
-        path, _, attr = name.rpartition(".")
-        module = template.get_submodule(path)
-        undo.append((module, attr, module._parameters[attr]))
-        module._parameters[attr] = t  # as functional_call's swap: a plain tensor in the parameter's place
-    return undo
-
-
-def detach(undo: list) -> None:
-    for module, attr, old in reversed(undo):
-        module._parameters[attr] = old
 
 
 def produced(out, args, kwargs) -> list[torch.Tensor]:

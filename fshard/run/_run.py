@@ -14,7 +14,7 @@ from ..dist._view import CollectivesView
 from ..errors import PolicyError, TemplateCallError
 from ._read_ahead import Launches
 from ._recompute import produced, through
-from ._dispatch import _ACTIVE, _UnitForward, call_bound
+from ._dispatch import _ACTIVE, _UnitForward, call_unit_bound
 from ._routed_groups import finish_groups
 from ._pool import BufferPool
 from ._unit import UnitRun, _Saved, _storage_id
@@ -130,8 +130,8 @@ class StepRun(StepView):
                                         "and was called outside a call of its container; call it through the "
                                         "container, which every rank calls.")
             unit.acquire()
-            return call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()},
-                              args, kwargs, self._forward_of(route))
+            return call_unit_bound(self.spec.owners, route.proxy, unit._bind(route.names), args, kwargs,
+                                   self._forward_of(route))
         recompute = self.phase == "backward"  # activation checkpointing runs the call again in backward
         if recompute:  # the unit's backward use begins; it stays gathered until that use's gradient is complete
             self._begin_backward(unit)
@@ -143,8 +143,8 @@ class StepRun(StepView):
         if not recompute and not unit.shard.requires_grad and torch.is_grad_enabled():
             # a frozen unit has no gradient to end its backward use: a node on its inputs does (run/_recompute.py)
             _, args, kwargs = through(lambda: unit._use_done(None), args, kwargs)
-        out = call_bound(route.proxy, {"m." + k: v for k, v in unit._bind(route.names).items()}, args, kwargs,
-                         self._forward_of(route))
+        out = call_unit_bound(self.spec.owners, route.proxy, unit._bind(route.names), args, kwargs,
+                              self._forward_of(route))
         if not recompute:
             if torch.is_grad_enabled():  # backward enters the unit where its outputs' gradients are complete
                 for t in produced(out, args, kwargs):
@@ -236,6 +236,7 @@ class StepRun(StepView):
         for unit in self.units.values():
             unit.release()
             unit._flat = unit._buf = unit._grad = unit.shard = unit._copy = unit._run = unit._whole = None
+            unit._bound = None  # (forward's views: their nodes lead back to the unit)
             unit._anchor = unit._stash = None
         self._group_calls.clear()
         self._activations.clear()

@@ -22,7 +22,7 @@ from ..protocol._stages import UnitView
 from ..errors import RecomputeError
 from ..state._flat import UnitLayout, views
 from ..state._slot_grad import slot_views
-from ._recompute import attach, detach
+from ._dispatch import bind_at, unbind
 from ..state._stored import in_store
 
 
@@ -96,6 +96,7 @@ class UnitRun(UnitView):
         self._grad: torch.Tensor | None = None
         self._got = [False] * len(layout.trainable)
         self._attached: list | None = None  # in backward, the module's parameters set to views of the buffer
+        self._bound: dict | None = None  # slot name -> view, as the last call bound them with its graph (_bind)
         self._member = layout.name in run._grouped  # a member of a routed group (fshard/run/_routed_groups.py)
         self._anchor = self._stash = None  # the group call's anchor for _Gather; the gradient until the group's end
         self._group_depth = 0  # calls of its group under way
@@ -217,14 +218,20 @@ class UnitRun(UnitView):
             else:
                 self._flat = self._buf
         if self._attached is None and self._run.phase == "backward":  # a recompute may read the module's tensors
-            with torch.enable_grad():  # requires_grad as in forward, so a recompute saves the same tensors
-                # a use of its own: a reentrant checkpoint differentiates its recompute, through these views
-                bound = self._bind([s.aliases for s in self.layout.slots])
-            self._attached = attach(self._run.spec.template, bound)
+            # the views forward's last call bound, which live on the buffer just re-gathered: a recompute reads
+            # their values, requires_grad as in forward (so it saves the same tensors), and a reentrant checkpoint
+            # differentiates its recompute through them into the unit, as through views made now (and not made at
+            # every backward use for a recompute that seldom comes)
+            by_slot = self._bound
+            if by_slot is None:  # forward bound them without a graph (a reentrant checkpoint's no_grad forward)
+                with torch.enable_grad():
+                    by_slot = self._bind_slots()
+            self._attached = bind_at(self._run.spec.owners,
+                                     {a: by_slot[s.name] for s in self.layout.slots for a in s.aliases})
 
     def release(self) -> None:
         if self._attached is not None:
-            detach(self._attached)
+            unbind(self._attached)
             self._attached = None
         if self.alive:
             if self._queued:  # launched, not issued yet: every rank issues it, so this one does too
@@ -241,8 +248,14 @@ class UnitRun(UnitView):
             self.alive = False
 
     def _bind(self, names) -> dict[str, torch.Tensor]:
-        """name -> view of the gathered buffer, for each slot's ``names[i]``. Trainable views carry a hook that
-        records that they got a gradient (torch skips a parameter whose .grad is None; so do we)."""
+        """name -> view of the gathered buffer, for each slot's ``names[i]`` (``_bind_slots``)."""
+        by_slot = self._bind_slots()
+        return {n: by_slot[s.name] for s, slot_names in zip(self.layout.slots, names) for n in slot_names}
+
+    def _bind_slots(self) -> dict[str, torch.Tensor]:
+        """Slot name -> view of the gathered buffer, for one call. Trainable views carry a hook that records that
+        they got a gradient (torch skips a parameter whose .grad is None; so do we). Kept as ``_bound`` where made
+        with the graph a use in backward would make (grad enabled), for backward's attach."""
         assert self.alive, "bind() before acquire()"
         use = self._flat.view_as(self._flat)
         if use.requires_grad:  # (not under torch.no_grad)
@@ -250,15 +263,16 @@ class UnitRun(UnitView):
             # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
             # gathered while the units between its two uses run backward.
             use.register_hook(self._use_done)
-        bound, out, k = self._views(use), {}, 0
-        for s, slot_names in zip(self.layout.slots, names):
-            v = bound[s.name]
+        bound, k = self._views(use), 0
+        for s in self.layout.slots:
             if s.requires_grad:
+                v = bound[s.name]
                 if v.requires_grad:
                     v.register_hook(self._marker(k))
                 k += 1
-            out.update({n: v for n in slot_names})
-        return out
+        if use.requires_grad == self._flat.requires_grad:
+            self._bound = bound
+        return bound
 
     def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
         """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""

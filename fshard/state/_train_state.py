@@ -7,6 +7,7 @@ registered with optree under the "fshard" namespace: ``optree.tree_leaves(state,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,14 @@ class ShardSpec:
 
     def unit(self, name: str) -> UnitLayout:
         return next(u for u in self.units if u.name == name)
+
+    @functools.cached_property  # (the template's structure is fixed by fs.init; written once, outside __setattr__)
+    def owners(self) -> dict[str, tuple]:
+        """Every name of every parameter in the template (a tied one under each of its names) -> (the module that
+        holds it, its attribute): resolved once, for the binds a step makes at each unit call and in backward
+        (fshard/run/_dispatch.py's ``bound_at``), not by a walk of the module tree at every call."""
+        return {name: (self.template.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                for name, _ in self.template.named_parameters(remove_duplicate=False)}
 
 
 class FrozenMap(Mapping):
