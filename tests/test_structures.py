@@ -28,6 +28,9 @@ def _trains_like_torch(model, loss_fn, batches, dtype=torch.float32, steps=4):
     assert list(full) == [n for n, _ in ref.named_parameters()]
     for n, p in ref.named_parameters():
         assert full[n].dtype == dtype and torch.equal(full[n], p.detach()), n
+    assert list(state.buffers) == [n for n, _ in ref.named_buffers()]
+    for n, b in ref.named_buffers():  # (a buffer forward updates, as BatchNorm's statistics)
+        assert torch.equal(state.buffers[n], b), n
     return state
 
 
@@ -77,6 +80,32 @@ def test_module_shared_at_two_paths_is_one_unit():
     # the block is itself a Sequential, so its Linear is the unit; its two paths give one unit, not two
     assert [u.name for u in state.spec.units] == ["<root>", "layers.0.0"]
     assert state.spec.unit("layers.0.0").slots[0].aliases == ("layers.0.0.weight", "layers.1.0.weight")
+
+
+class SharedBuffer(nn.Module):
+    """One buffer at three paths: two units' and the root's (a step binds it under every name, as functional_call's
+    tie_weights does), and a BatchNorm whose running statistics forward updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.norm = nn.BatchNorm1d(6)
+        self.register_buffer("shift", torch.linspace(-1, 1, 6))
+        for b in self.blocks:
+            b.register_buffer("shift", self.shift)
+
+    def forward(self, x):
+        x = self.norm(x) + self.shift
+        for b in self.blocks:
+            x = torch.tanh(b(x) * b.shift)
+        return x
+
+
+def test_buffer_at_three_paths_and_running_statistics():
+    torch.manual_seed(0)
+    state = _trains_like_torch(SharedBuffer(), _mse, _batches())  # buffers equal torch's too
+    assert list(state.buffers) == ["shift", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    assert int(state.buffers["norm.num_batches_tracked"]) == 4
 
 
 def test_top_level_sequential_without_root_parameters():

@@ -6,11 +6,11 @@ variable, set only while a step runs (``StepRun._active``).
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import ArgumentTypeError, TemplateCallError
 from ..state._flat import UnitLayout
@@ -18,31 +18,19 @@ from ..state._flat import UnitLayout
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fshard_active_step", default=None)
 
 
-def call_bound(module: nn.Module, tensors: dict, args=(), kwargs=None, forward=None):
-    """``module(*args, **kwargs)`` with ``tensors`` (name -> tensor) in place of its parameters and buffers, as
-    ``torch.func.functional_call`` (every name of a tied tensor bound), but the originals put back in the reverse
-    order (torch's own ``stack_weights`` restore). functional_call puts them back in the order it swapped: a module
-    registered at two paths (``blocks[1].lin = blocks[0].lin``) is one attribute under two names, whose second
-    restore wrote the bound tensor back over the original, left in the template after the call (issue #37).
-    ``forward``: a ``_Proxy``'s class forward compiled (``fs.compose(compile=)``), called on the bound unit module
-    in place of the proxy's own call."""
-    with _reparametrize_module(module, tensors, tie_weights=True, stack_weights=True):
-        if forward is None:
-            return module(*args, **(kwargs or {}))
-        return forward(module.m, *args, **(kwargs or {}))
-
-
 def bind_at(owners: dict, tensors: dict) -> list:
-    """Put each tensor of ``tensors`` (template path -> tensor) in the place of the parameter of that name, as
-    functional_call's swap does, with the owners resolved once (``ShardSpec.owners``); returns what ``unbind`` puts
-    back. For names that are every name of each tensor (a unit's: route_units finds them by identity), so there is
-    no tie to untie, as functional_call's ``tie_weights`` does by walking the module at every call."""
+    """Put each tensor of ``tensors`` (template path -> tensor) in the place of the parameter or buffer of that
+    name, as functional_call's swap does, with the owners resolved once (``ShardSpec.owners``); returns what
+    ``unbind`` puts back. For names that are every name of each tensor (a unit's: route_units finds them by
+    identity; the buffers' through ``ShardSpec.buffer_aliases``), so there is no tie left to untie, which
+    functional_call's ``tie_weights`` does by walking the module tree at every call."""
     undo = []
     try:
         for name, t in tensors.items():
-            module, attr = owners[name]
-            undo.append((module, attr, module._parameters[attr]))
-            module._parameters[attr] = t
+            module, attr, kind = owners[name]
+            where = getattr(module, kind)
+            undo.append((where, attr, where[attr]))
+            where[attr] = t
     except BaseException:
         unbind(undo)
         raise
@@ -50,22 +38,30 @@ def bind_at(owners: dict, tensors: dict) -> list:
 
 
 def unbind(undo: list) -> None:
-    """Put back what ``bind_at`` replaced, newest first (a module at two paths was swapped twice: its original is
-    what the first swap took)."""
-    for module, attr, old in reversed(undo):
-        module._parameters[attr] = old
+    """Put back what ``bind_at`` replaced, newest first, as torch's ``stack_weights`` restore: a module registered at
+    two paths (``blocks[1].lin = blocks[0].lin``) is one attribute under two names, swapped twice, and restored in
+    the swap order the second restore would write the bound tensor back over the original (issue #37)."""
+    for where, attr, old in reversed(undo):
+        where[attr] = old
+
+
+@contextlib.contextmanager
+def bound_at(owners: dict, tensors: dict):
+    """``bind_at`` for the duration of the block."""
+    undo = bind_at(owners, tensors)
+    try:
+        yield
+    finally:
+        unbind(undo)
 
 
 def call_unit_bound(owners: dict, proxy: "_Proxy", tensors: dict, args, kwargs, forward=None):
     """``proxy(*args, **kwargs)`` (or ``forward(proxy.m, ...)``, compiled) with ``tensors`` (template path -> tensor)
     bound by ``bind_at``: ``call_bound`` for a unit's call, without a walk of the module at each call."""
-    undo = bind_at(owners, tensors)
-    try:
+    with bound_at(owners, tensors):
         if forward is None:
             return proxy(*args, **(kwargs or {}))
         return forward(proxy.m, *args, **(kwargs or {}))
-    finally:
-        unbind(undo)
 
 
 class _Proxy(nn.Module):

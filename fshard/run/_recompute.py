@@ -2,7 +2,7 @@
 
 ``torch.utils.checkpoint`` (and transformers' ``gradient_checkpointing_enable()``, which checkpoints each layer's
 class ``forward`` from inside the layer's call) runs part of forward a second time during backward. By then the
-unit's ``functional_call`` binding has ended and its gathered buffer is freed, so the recompute would read meta
+unit's binding for its call has ended and its gathered buffer is freed, so the recompute would read meta
 tensors or freed storage. Three mechanisms cover every place a checkpoint can sit:
 
 - **Pre-backward hooks.** Each tensor a unit call returns (that requires grad and is not one of its inputs passed
@@ -12,8 +12,8 @@ tensors or freed storage. Three mechanisms cover every place a checkpoint can si
 - **Attached parameters.** While a unit is gathered in backward, its module's parameters (every alias) are views
   of the gathered buffer (those forward's last call bound, fshard/run/_unit.py), so a recompute that reads
   ``self.weight`` directly (a checkpoint inside the unit) sees the data; they are meta again when the unit is
-  freed. Forward keeps the per-call ``functional_call`` binding,
-  so code that reaches into a unit outside its call still fails with ``UnboundParameterError``.
+  freed. Forward keeps the per-call binding, so code that reaches into a unit outside its call still fails with
+  ``UnboundParameterError``.
 - **Bound buffers.** The step's buffers stay bound to the template for the whole backward call, as they are for
   the forward call, so a recompute reads (and, like plain torch, updates) the step's buffers.
 
@@ -27,9 +27,6 @@ frozen unit, which has no gradient of its own to say so, and for a routed group 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-
-from ._dispatch import call_bound
 
 
 def produced(out, args, kwargs) -> list[torch.Tensor]:
@@ -49,22 +46,6 @@ def _tensors(x):
     elif isinstance(x, (tuple, list)):
         for v in x:
             yield from _tensors(v)
-
-
-class _Thunk(nn.Module):
-    def __init__(self, template: nn.Module):
-        super().__init__()
-        self.m = template
-
-    def forward(self, fn):
-        return fn()
-
-
-def with_buffers(template: nn.Module, buffers: dict[str, torch.Tensor], fn):
-    """``fn()`` with the step's buffers bound to the template (a recompute in backward reads them)."""
-    if not buffers:
-        return fn()
-    return call_bound(_Thunk(template), {"m." + k: v for k, v in buffers.items()}, (fn,))
 
 
 class _CallBackward(torch.autograd.Function):

@@ -1,11 +1,11 @@
-"""One step's runtime for the units (``UnitRun``; the step's is ``StepRun``, fshard/run/_run.py): gather, bind through
-functional_call, free, re-gather in backward, reduce.
+"""One step's runtime for the units (``UnitRun``; the step's is ``StepRun``, fshard/run/_run.py): gather, bind (as
+functional_call does), free, re-gather in backward, reduce.
 
 How a unit's parameters reach the module: ``fs.init`` replaces the ``forward`` of each unit module in the template
 by a ``_UnitForward``, which hands the call to the step being run (a context variable, set only while a step runs).
-The step gathers the unit's flat buffer, binds views of it with ``torch.func.functional_call`` and, after the call,
-frees the buffer's storage (``resize_(0)``, as FSDP does; on CPU its memory is kept for a later gather of the
-same size while one is to come: fshard/run/_pool.py). Autograd still needs the parameters in backward: a
+The step gathers the unit's flat buffer, binds views of it in the module's place (``_dispatch.call_unit_bound``)
+and, after the call, frees the buffer's storage (``resize_(0)``, as FSDP does; on CPU its memory is kept for a later
+gather of the same size while one is to come: fshard/run/_pool.py). Autograd still needs the parameters in backward: a
 saved-tensors hook replaces every saved tensor that lives in a gathered buffer by a small handle, and unpacking that
 handle re-gathers the unit. The gradient of the whole flat buffer arrives in one piece at ``_Gather.backward``,
 which hands it to the reduce policy and frees the buffer again. Activation checkpointing (a recompute in backward)

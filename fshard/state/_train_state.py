@@ -78,12 +78,25 @@ class ShardSpec:
 
     @functools.cached_property  # (the template's structure is fixed by fs.init; written once, outside __setattr__)
     def owners(self) -> dict[str, tuple]:
-        """Every name of every parameter in the template (a tied one under each of its names) -> (the module that
-        holds it, its attribute): resolved once, for the binds a step makes at each unit call and in backward
-        (fshard/run/_dispatch.py's ``bound_at``), not by a walk of the module tree at every call."""
-        return {name: (self.template.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
-                for name, _ in self.template.named_parameters(remove_duplicate=False)}
+        """Every name of every parameter and buffer in the template (a tied one under each of its names) -> (the
+        module that holds it, its attribute, ``"_parameters"`` or ``"_buffers"``): resolved once, for the binds a
+        step makes at each unit call (fshard/run/_dispatch.py's ``bind_at``), not by a walk of the module tree at
+        every call as ``functional_call`` makes."""
+        t = self.template
+        return {**{n: (t.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], "_parameters")
+                   for n, _ in t.named_parameters(remove_duplicate=False)},
+                **{n: (t.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], "_buffers")
+                   for n, _ in t.named_buffers(remove_duplicate=False)}}
 
+    @functools.cached_property
+    def buffer_aliases(self) -> dict[str, tuple[str, ...]]:
+        """Each buffer's name in ``named_buffers()`` (a key of ``TrainState.buffers``) -> every name of it in the
+        template (a buffer registered at several paths is one tensor under each), found by identity as
+        ``functional_call``'s ``tie_weights`` finds them. First read before a step binds anything (the root's bind)."""
+        names: dict[int, list[str]] = {}
+        for n, b in self.template.named_buffers(remove_duplicate=False):
+            names.setdefault(id(b), []).append(n)
+        return {n: tuple(names[id(b)]) for n, b in self.template.named_buffers()}
 
 class FrozenMap(Mapping):
     """A read-only mapping (name -> tensor or optimizer state), in insertion order: the ``params``, ``opt_state``

@@ -21,7 +21,6 @@ import time
 import weakref
 
 import torch
-import torch.nn as nn
 
 from ..transforms._accumulate import Accumulator
 from ..protocol._stages import Grads
@@ -36,23 +35,11 @@ from ..errors import ArgumentTypeError, LossError, RankDivergenceError, Transfor
 from ..state._flat import ROOT
 from ._plan import Plan, new_state_bytes, peak_bytes, state_figures
 from ._dry_run import plan
-from ..run._recompute import with_buffers
-from ..run._dispatch import UnitCompiler, call_bound
+from ..run._dispatch import UnitCompiler, bound_at
 from ..state._train_state import TrainState
 from ..state._stored import in_store
 from ..protocol._transform import fold
 from ..run._run import StepRun
-
-
-class _Caller(nn.Module):
-    """Runs loss_fn(template, batch) inside one functional_call that binds the root unit and the buffers."""
-
-    def __init__(self, template: nn.Module, loss_fn):
-        super().__init__()
-        self.m, self.loss_fn = template, loss_fn
-
-    def forward(self, batch):
-        return self.loss_fn(self.m, batch)
 
 
 class Step:
@@ -259,7 +246,8 @@ class Step:
     def _forward(self, run: StepRun, buffers, batch) -> torch.Tensor:
         """loss_fn(template, batch), with the root unit and the buffers bound for the whole call (the gather policy
         the run was made with: step.plan's meta forward runs a copy)."""
-        root, binding, gather = run.units.get(ROOT), dict(buffers), run._policy.gather
+        spec, root, gather = run.spec, run.units.get(ROOT), run._policy.gather
+        binding = {a: b for n, b in buffers.items() for a in spec.buffer_aliases[n]}  # (every name of each)
         if root is not None:
             gather.before_forward(run, root)
             binding.update(root._bind([s.aliases for s in root.layout.slots]))
@@ -269,8 +257,8 @@ class Step:
                 "code that reaches into a unit (model.blocks[0].attn(x), model.blocks[0].weight) instead of calling "
                 "it sees no data. Call the unit module, or choose units with fs.init(..., units=[...]) so that each "
                 "parameter is used inside a call of its unit."):
-            loss = call_bound(_Caller(run.spec.template, self.loss_fn),
-                              {"m." + k: v for k, v in binding.items()}, (batch,))
+            with bound_at(spec.owners, binding):
+                loss = self.loss_fn(spec.template, batch)
         if root is not None:
             gather.after_forward(run, root)
         check_loss(loss)
@@ -341,7 +329,8 @@ def _backward(run: StepRun, buffers, out) -> None:
             "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
             "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
             "one (fs.init(..., units=[...]))."):
-        with_buffers(run.spec.template, buffers, lambda: torch.autograd.backward(out))
+        with bound_at(run.spec.owners, {a: b for n, b in buffers.items() for a in run.spec.buffer_aliases[n]}):
+            torch.autograd.backward(out)
 
 
 def _close(policy) -> None:
