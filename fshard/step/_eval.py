@@ -35,7 +35,8 @@ def train_mode(module: nn.Module, training: bool):
         yield
     finally:
         for m, flag in saved:
-            m.training = flag
+            if m.training != flag:  # (nn.Module.__setattr__'s checks, for a bool: only where it changed)
+                m.training = flag
 
 
 def evaluate(step, env, state, batch) -> tuple[float, dict]:
