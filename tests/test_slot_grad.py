@@ -104,7 +104,7 @@ def test_a_one_rank_update_through_slot_gradients_is_bitwise_the_flat_ones_and_l
         model, loss_fn, batches = oracle_model("awkward", 3)
         state = fs.init(model, fs.Mesh.local(), make(fs))
         if not slots:  # the same step with split's flat gradient
-            monkeypatch.setattr(_unit, "slot_views", views)
+            monkeypatch.setattr(_unit, "slot_views", _split_views)
         with fs.compose(loss_fn) as step:
             for b in batches(0, 1):
                 state, _ = step(state, b)
@@ -128,6 +128,17 @@ def test_a_one_rank_update_through_slot_gradients_is_bitwise_the_flat_ones_and_l
             assert not x[:n][pad[:n]].any(), u.name  # (rows cover the trainable prefix)
 
 
+def _split_views(flat, layout, got=None):
+    """``slot_views``' stand-in with split's flat gradient (its backward ``cat``s the slots'), telling ``got`` of
+    each slot's gradient through a hook on its view, as SlotViews' backward tells it."""
+    out = views(flat, layout)
+    for i, s in enumerate(layout.slots):
+        v = out[s.name]
+        if got is not None and v.requires_grad:
+            v.register_hook(lambda g, i=i: None if g is None else got({i: g}))
+    return out
+
+
 def _bucketed(slots: bool, low: bool):
     """Three steps of the awkward model with gather_ahead + bucket_reduce (bf16 compute with fp32 reduces where
     ``low``), the unit gradients per slot or through split's ``cat``; returns the params and the units whose
@@ -140,7 +151,7 @@ def _bucketed(slots: bool, low: bool):
     if slots:
         SlotGrad.flat = lambda self: (assembled.append(self._layout.name), flat(self))[1]
     else:  # (a forked rank of its own: nothing to undo)
-        _unit.slot_views = views
+        _unit.slot_views = _split_views
     mesh = fs.Mesh.from_env()
     model, loss_fn, batches = oracle_model("awkward", 3)
     state = fs.init(model, mesh, fs.adamw(lr=1e-2, weight_decay=0.1))

@@ -161,11 +161,14 @@ class AdamW(Elementwise):
         same bits as a call per run (the kernel is elementwise), with one release of the GIL for them all. The
         runs another implementation takes, or with a copy the kernel does not write, go through ``apply``."""
         groups: dict = {}
+        impls: dict = {}  # (device, dtype) -> the implementation that runs (resolved once, not once a run)
         for run in runs:
             p, g, rows, step, scale, lr, wd, copy = run
             fused = copy is None or copy.dtype in (torch.bfloat16, torch.float16)
-            if (self.amsgrad or lr is None or wd is None or not fused
-                    or self.resolved_impl(p.device, p.dtype) != "native"):
+            impl = impls.get((p.device, p.dtype))
+            if impl is None:
+                impl = impls[(p.device, p.dtype)] = self.resolved_impl(p.device, p.dtype)
+            if self.amsgrad or lr is None or wd is None or not fused or impl != "native":
                 self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
                 continue
             groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(run)

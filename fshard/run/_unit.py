@@ -263,35 +263,47 @@ class UnitRun(UnitView):
             # buffer can be freed (a later use's saved tensors re-gather it), so a unit used twice does not stay
             # gathered while the units between its two uses run backward.
             use.register_hook(self._use_done)
-        bound, k = self._views(use), 0
-        for s in self.layout.slots:
-            if s.requires_grad:
-                v = bound[s.name]
-                if v.requires_grad:
-                    v.register_hook(self._marker(k))
-                k += 1
+        bound, marked = self._views(use)
+        if not marked:
+            k = 0
+            for s in self.layout.slots:
+                if s.requires_grad:
+                    v = bound[s.name]
+                    if v.requires_grad:
+                        v.register_hook(self._marker(k))
+                    k += 1
         if use.requires_grad == self._flat.requires_grad:
             self._bound = bound
         return bound
 
-    def _views(self, use: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient)."""
+    def _views(self, use: torch.Tensor) -> tuple[dict[str, torch.Tensor], bool]:
+        """Slot name -> view: trainable slots of ``use``, frozen ones of the buffer (no gradient); and whether
+        backward marks the slots that got a gradient itself (``SlotViews``: no hook on each view)."""
         run = self._run
-        if (use.requires_grad and self.layout.slots and  # one rank: no collective reads it; or a policy that copies
-                (run.spec.mesh.world_size == 1 or run._policy.reduce.per_slot)):  # it out per slot
-            out = slot_views(use, self.layout)  # the gradient stays per slot (fshard/state/_slot_grad.py)
+        marked = bool(use.requires_grad and self.layout.slots and  # one rank: no collective reads it; or a policy
+                      (run.spec.mesh.world_size == 1 or run._policy.reduce.per_slot))  # that copies it out per slot
+        if marked:  # the gradient stays per slot (fshard/state/_slot_grad.py)
+            out = slot_views(use, self.layout, self._mark_slots)
         else:
             out = views(use, self.layout)
         if len(self.layout.trainable) < len(self.layout.slots):
             frozen = views(self._flat.detach(), self.layout)
             out.update({s.name: frozen[s.name] for s in self.layout.slots if not s.requires_grad})
-        return out
+        return out, marked
 
     def _use_done(self, _grad):
         if self._member or self._run is None:  # its group ends the use; the step has ended
             return
         self._run._reading.discard(self.name)
         self._run._policy.gather.after_backward(self._run, self)
+
+    def _mark_slots(self, got) -> None:
+        """``SlotViews``' backward: the slots (indices into the layout's slots) that got a gradient."""
+        index = self.layout.trainable_index
+        for i in got:
+            k = index[i]
+            if k is not None:  # (a frozen slot's view is the buffer's, never SlotViews': no gradient comes)
+                self._got[k] = True
 
     def _marker(self, k: int):
         def mark(grad):

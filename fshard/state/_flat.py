@@ -59,6 +59,15 @@ class UnitLayout:
     def trainable(self) -> tuple[ParamSlot, ...]:  # that leave Python's data cold: kept, not recomputed)
         return tuple(s for s in self.slots if s.requires_grad)
 
+    @functools.cached_property
+    def trainable_index(self) -> tuple[int | None, ...]:
+        """For each slot, its index among the trainable slots (``trainable``), or None for a frozen one."""
+        out, k = [], 0
+        for s in self.slots:
+            out.append(k if s.requires_grad else None)
+            k += bool(s.requires_grad)
+        return tuple(out)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         lo = rank * self.shard_numel
         return lo, lo + self.shard_numel

@@ -141,10 +141,12 @@ def _bounds(lo, hi, n: int) -> tuple[int, int]:
     return max(0, min(lo, n)), max(0, min(hi, n))
 
 
-def slot_views(flat: torch.Tensor, layout: UnitLayout) -> dict[str, torch.Tensor]:
-    """Slot name -> view of ``flat``, as ``views``, through ``SlotViews``: the gradient comes back per slot."""
-    got = SlotViews.apply(flat, layout)
-    return dict(zip((s.name for s in layout.slots), got if isinstance(got, tuple) else (got,)))
+def slot_views(flat: torch.Tensor, layout: UnitLayout, got=None) -> dict[str, torch.Tensor]:
+    """Slot name -> view of ``flat``, as ``views``, through ``SlotViews``: the gradient comes back per slot.
+    ``got(indices)``: called in backward with the indices of the slots that got a gradient (what a hook on each
+    view would tell, without a hook a view)."""
+    out = SlotViews.apply(flat, layout, got)
+    return dict(zip((s.name for s in layout.slots), out if isinstance(out, tuple) else (out,)))
 
 
 class SlotViews(torch.autograd.Function):
@@ -152,8 +154,8 @@ class SlotViews(torch.autograd.Function):
     instead of ``torch.split``'s ``cat`` of them."""
 
     @staticmethod
-    def forward(ctx, flat, layout: UnitLayout):
-        ctx.layout, ctx.dtype, ctx.device = layout, flat.dtype, flat.device
+    def forward(ctx, flat, layout: UnitLayout, got=None):
+        ctx.layout, ctx.dtype, ctx.device, ctx.got = layout, flat.dtype, flat.device, got
         ctx.set_materialize_grads(False)  # (a slot without a gradient stays None: zeros only if assembled)
         pieces = flat.split(layout.split_sizes())
         return tuple(pieces[2 * i + 1].view(s.shape) for i, s in enumerate(layout.slots))
@@ -161,4 +163,7 @@ class SlotViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         got = {i: g for i, g in enumerate(grads) if g is not None}
-        return SlotGrad(ctx.layout, got, ctx.dtype, ctx.device), None
+        tell, ctx.got = ctx.got, None  # (the node must not keep its caller alive)
+        if tell is not None:
+            tell(got)
+        return SlotGrad(ctx.layout, got, ctx.dtype, ctx.device), None, None
