@@ -103,7 +103,7 @@ def test_a_failed_async_save_raises_from_wait_and_keeps_the_previous(tmp_path):
 # --- the template read before the save leaves for the background (a flaky failure, session 27) ---
 
 def test_a_background_save_reads_the_template_before_it_leaves(tmp_path, monkeypatch):
-    """A step rebinds the template module's parameters while it runs (functional_call): a thread reading the
+    """A step rebinds the template module's parameters while it runs (bound per call): a thread reading the
     template's state-dict names during steps saw some missing (265 of 1.1M reads over 40 steps of this model), and a
     save's thread doing so beside a step failed with ``KeyError: 'head.weight'`` (1 suite run of many). fs.save now
     reads them on the caller's thread, between steps, and hands them to the background, which never reads the

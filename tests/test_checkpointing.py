@@ -24,9 +24,10 @@ STEPS, D, HP = 3, 12, dict(lr=1e-2, weight_decay=0.01)
 
 
 class Block(nn.Module):
-    """A unit. ``inner``: its MLP checkpointed inside its own forward; the buffer is read inside the checkpoint."""
+    """A unit. ``inner``: "plain", its MLP checkpointed inside its own forward; "reentrant", its whole body (every
+    parameter of the unit) in a reentrant checkpoint inside its forward; the buffer is read inside the checkpoint."""
 
-    def __init__(self, inner: bool):
+    def __init__(self, inner: str | None):
         super().__init__()
         self.norm, self.a, self.b = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, D))
@@ -35,27 +36,37 @@ class Block(nn.Module):
     def _mlp(self, x):
         return self.b(torch.tanh(self.a(x + self.shift)))
 
+    def _body(self, x):
+        return self._mlp(self.norm(x))
+
     def forward(self, x):
+        if self.inner == "reentrant":
+            return x + checkpoint(self._body, x, use_reentrant=True)
         h = self.norm(x)
         return x + (checkpoint(self._mlp, h, use_reentrant=False) if self.inner else self._mlp(h))
 
 
 class Net(nn.Module):
     """Embedding and head in the root unit, four blocks. ``mode`` says how forward runs them: "inner" (each block
-    checkpoints its MLP), "around" / "reentrant" (each block call checkpointed), "pairs" (one checkpoint around two
-    blocks). Except with "reentrant", the third block runs twice (a unit with two uses)."""
+    checkpoints its MLP), "inner-reentrant" (each block's body in a reentrant checkpoint: its recompute reads the
+    views its forward call bound), "around" / "reentrant" (each block call checkpointed), "pairs" (one checkpoint
+    around two blocks). Except with the reentrant ones, the third block runs twice (a unit with two uses). The
+    blocks share one buffer (at four paths, read in each recompute)."""
 
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
         self.emb = nn.Embedding(17, D)
-        self.blocks = nn.ModuleList([Block(mode == "inner") for _ in range(4)])
+        inner = {"inner": "plain", "inner-reentrant": "reentrant"}.get(mode)
+        self.blocks = nn.ModuleList([Block(inner) for _ in range(4)])
+        for blk in self.blocks[1:]:
+            blk.shift = self.blocks[0].shift  # (a registered buffer's name: the same tensor under a second path)
         self.head = nn.Linear(D, 17)
 
     def forward(self, batch):
         x, y = batch
         h = self.emb(x)
-        blocks = [self.blocks[i] for i in ((0, 1, 2, 3) if self.mode == "reentrant" else (0, 1, 2, 3, 2))]
+        blocks = [self.blocks[i] for i in ((0, 1, 2, 3) if "reentrant" in self.mode else (0, 1, 2, 3, 2))]
         if self.mode == "pairs":
             for a, b in zip(blocks[0:4:2], blocks[1:4:2]):
                 h = checkpoint(_two, h, a, b, use_reentrant=False)
@@ -120,7 +131,7 @@ def _custom(mode, policies, frozen=False):
     return _train(make, _call, _batches, policies)
 
 
-@pytest.mark.parametrize("mode", ["inner", "around", "pairs", "reentrant"])
+@pytest.mark.parametrize("mode", ["inner", "inner-reentrant", "around", "pairs", "reentrant"])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_checkpointed_custom_model_is_bitwise_the_oracle(mode, frozen):
     same_loss, same_params, _, _, _ = _custom(mode, "default", frozen)

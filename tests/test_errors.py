@@ -21,6 +21,13 @@ def test_parameters_on_mixed_devices():
         _init(model)
 
 
+def test_a_buffer_that_is_a_parameter():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_buffer("w", model[0].weight)  # one tensor, registered as a parameter and as a buffer
+    with pytest.raises(fs.InitError, match=r"buffer '1.w' is the tensor of parameter '0.weight'.*detach\(\)"):
+        fs.init(model, fs.Mesh.local(), fs.adamw())
+
+
 def test_loss_fn_returning_a_non_scalar():
     state = _init(Awkward())
     snap = ft.snapshot(state)

@@ -56,7 +56,7 @@ def _layout_of(state: TrainState) -> dict:
 def template_keys(template: torch.nn.Module) -> tuple[tuple[str, str, str], ...]:
     """``(state_dict key, "param" or "buffer", the canonical name)`` of each tensor of the model's state dict (a
     tied or shared tensor's first name, as the state's slots and buffers are named). Read from the template module,
-    so only where no step is running: a step rebinds the template's parameters while it runs (functional_call), and
+    so only where no step is running: a step rebinds the template's parameters while it runs (bound per call), and
     a background save reading them then saw untied names (a KeyError, 1 run in many)."""
     canonical = {id(p): n for n, p in template.named_parameters()}
     buffer_of = {id(b): n for n, b in template.named_buffers()}  # a shared buffer's first name, as state.buffers

@@ -57,7 +57,7 @@ def bound_at(owners: dict, tensors: dict):
 
 def call_unit_bound(owners: dict, proxy: "_Proxy", tensors: dict, args, kwargs, forward=None):
     """``proxy(*args, **kwargs)`` (or ``forward(proxy.m, ...)``, compiled) with ``tensors`` (template path -> tensor)
-    bound by ``bind_at``: ``call_bound`` for a unit's call, without a walk of the module at each call."""
+    bound by ``bind_at`` for the call."""
     with bound_at(owners, tensors):
         if forward is None:
             return proxy(*args, **(kwargs or {}))
@@ -65,7 +65,7 @@ def call_unit_bound(owners: dict, proxy: "_Proxy", tensors: dict, args, kwargs, 
 
 
 class _Proxy(nn.Module):
-    """Calls the unit module's own class forward, so functional_call can bind the unit without recursing into the
+    """Calls the unit module's own class forward, so a bound call of the unit does not recurse into the
     routed ``forward`` (and without running the module's hooks a second time)."""
 
     def __init__(self, module: nn.Module):
@@ -108,7 +108,7 @@ def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:
 
 class UnitCompiler:
     """``fs.compose(compile=)``: each unit class's forward compiled once with ``torch.compile(**options)`` and called
-    on the bound unit module (``call_bound(forward=)``). Keyed by the class's forward function, so the units of one
+    on the bound unit module (``call_unit_bound(forward=)``). Keyed by the class's forward function, so the units of one
     class (a GPT's blocks) share one compiled function, whose graphs take the gathered parameters as inputs
     (torch.compile's inlining of built-in modules: parameters are inputs, not constants) and are reused across
     units and steps."""

@@ -70,7 +70,7 @@ class ShardSpec:
     optimizer: Any
     fingerprint: int              # identical on every rank that built the same model: checked each step
     groups: tuple = ()            # (container path, member unit names) per routed container (fs.init(routed=...))
-    # held while a step or eval pass runs the template (functional_call swaps its tensors): a second one is refused
+    # held while a step or eval pass runs the template (a step swaps its tensors): a second one is refused
     busy: Any = field(default_factory=lambda: Busy(), repr=False, compare=False)
 
     def unit(self, name: str) -> UnitLayout:
@@ -97,6 +97,7 @@ class ShardSpec:
         for n, b in self.template.named_buffers(remove_duplicate=False):
             names.setdefault(id(b), []).append(n)
         return {n: tuple(names[id(b)]) for n, b in self.template.named_buffers()}
+
 
 class FrozenMap(Mapping):
     """A read-only mapping (name -> tensor or optimizer state), in insertion order: the ``params``, ``opt_state``

@@ -42,7 +42,7 @@ def check_usable(step, state) -> None:
 @contextlib.contextmanager
 def exclusive(step, spec):
     """One step (or eval pass) at a time per step function and per model template (states of one ``fs.init``
-    share it, and functional_call swaps its tensors): a second, concurrent one is refused, not interleaved."""
+    share it, and a step swaps its tensors): a second, concurrent one is refused, not interleaved."""
     if not step._busy.acquire(blocking=False):
         raise ConcurrentStepError(
             f"{step!r} is already running a step in another thread. A step function runs one step at a time "
