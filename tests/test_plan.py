@@ -199,3 +199,30 @@ def test_plan_follows_the_observed_order_on_awkward_models(model_name, world_siz
     second step on, the plan uses the units' order and gradients of the step before, and matches the measurement."""
     for off in run_ranks(_awkward_plans, world_size, model_name):
         assert not off, off
+
+
+def test_a_plan_that_fails_leaves_the_template_unbound(monkeypatch):
+    """The simulated backward binds each unit's module (for a recompute) as a step's does: a plan that fails there
+    unbinds them all, so the template keeps its meta parameters and the next step runs."""
+    import fshard as fs
+    from fshard.step import _dry_run
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    cfg = GPTConfig.tiny(n_layers=2)
+    torch.manual_seed(0)
+    state = fs.init(GPT(cfg), fs.Mesh.local(), fs.adamw())
+    batch = next(iter(synthetic_batches(cfg, 2, 1, 0, 0, 1)))
+    before = dict(state.spec.template.named_parameters())
+
+    def fail(run, gather, unit, last):
+        assert unit._attached is not None  # (bound in the simulated backward: what must be undone)
+        raise RuntimeError("a policy failed in the simulated backward")
+
+    with fs.compose(loss_fn) as step:
+        monkeypatch.setattr(_dry_run, "_finish_use", fail)
+        with pytest.raises(RuntimeError, match="simulated backward"):
+            step.plan(state, batch)
+        monkeypatch.undo()
+        after = dict(state.spec.template.named_parameters())
+        assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+        state, m = step(state, batch)
+        assert m["loss"] > 0

@@ -133,36 +133,38 @@ def plan(step, state, batch, observed=None) -> Plan:
     k = len(pol.batches(batch))
     fake = _meta_state(spec, {n: p for n, p in state.params.items() if in_store(p) is not None})
     acc, scratch, runs, accum = Accumulator(k), {}, [], 0
-    for i in range(k):
-        run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)
-        runs.append(run)
-        _simulate(sim, run, observed)
-        accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
-    run = runs[-1]
-    agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
-    shards = run._grad_shards()
-    ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
-    got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
-    g = Grads(ones, spec=spec, active=got, transform_state=state.transform_state)
-    for link in pol.grads:  # the grads chain, link after link, as the step runs it
-        g = _copy(link)(CollectivesView(ctrl), g)
-    f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
-         "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
-         "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
-         "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
-         "mem/grad_shard_peak_bytes": sum(g.nbytes for g in shards.values()),  # (the update's plan may lower it)
-         "mem/param_read_bytes": max(r._read_peak for r in runs),
-         "comm/gather_bytes": comm.bytes.get("all_gather", 0),
-         "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
-         "comm/replica_bytes": comm.bytes.get("replica", 0), "comm/update_bytes": 0,  # (the update's plan says)
-         "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
-         "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
-         "mem/new_state_bytes": 0, **state_figures(state)}
-    unknown = ()
-    active = {name: list(u._got) for name, u in run.units.items()}
-    update = pol.update.plan(run, state, active, step.donate)  # while the simulated units still hold their grads
-    for r in runs:
-        r._close()
+    try:  # the simulated runs bind the template in backward: closed (unbound) whatever happens
+        for i in range(k):
+            run = StepRun(fake, comm, sim, acc, scratch, last=i == k - 1, donate=step.donate)
+            runs.append(run)
+            _simulate(sim, run, observed)
+            accum = max(accum, sum(g.nbytes for g in acc.grads.values()))
+        run = runs[-1]
+        agree(ctrl, [0.0] * (1 + sum(len(u._got) for u in run.units.values())), [0])  # the step's agreement
+        shards = run._grad_shards()
+        ones = {n: torch.zeros(1, dtype=g.dtype) for n, g in shards.items()}  # the grads stage's control messages
+        got = {name: [bool(g) for g in u._got] for name, u in run.units.items()}
+        g = Grads(ones, spec=spec, active=got, transform_state=state.transform_state)
+        for link in pol.grads:  # the grads chain, link after link, as the step runs it
+            g = _copy(link)(CollectivesView(ctrl), g)
+        f = {"mem/peak_gathered_bytes": max(r._peak_bytes for r in runs),
+             "mem/unit_grad_bytes": max(r._unit_grad_bytes for r in runs),
+             "mem/reduce_buffer_bytes": comm.reduce_buffer_bytes,
+             "mem/grad_shard_bytes": sum(g.nbytes for g in shards.values()), "mem/accum_bytes": accum,
+             "mem/grad_shard_peak_bytes": sum(g.nbytes for g in shards.values()),  # (the update's plan may lower it)
+             "mem/param_read_bytes": max(r._read_peak for r in runs),
+             "comm/gather_bytes": comm.bytes.get("all_gather", 0),
+             "comm/reduce_bytes": comm.bytes.get("reduce_scatter", 0) + comm.bytes.get("reduce", 0),
+             "comm/replica_bytes": comm.bytes.get("replica", 0), "comm/update_bytes": 0,  # (the update's plan says)
+             "comm/control_bytes": ctrl.bytes.get("control", 0), "io/write_bytes": 0,
+             "io/read_bytes": sum(r._loaded_bytes for r in runs),  # parameter shards a gather reads from a store
+             "mem/new_state_bytes": 0, **state_figures(state)}
+        unknown = ()
+        active = {name: list(u._got) for name, u in run.units.items()}
+        update = pol.update.plan(run, state, active, step.donate)  # while the simulated units still hold their grads
+    finally:
+        for r in runs:
+            r._close()
     if update is None:
         unknown = ("update",)
     else:
