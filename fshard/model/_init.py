@@ -197,15 +197,12 @@ def _check_args(model, mesh, opt, units, init_fn, seed, align_bytes) -> None:
         raise InitError(f"fs.init: the model has uninitialized (lazy) parameters {lazy[:5]}, whose shapes forward "
                         "decides. Run one forward on a dummy batch before fs.init, so that they exist.")
     if not any(True for _ in model.parameters()):
-        raise InitError(f"fs.init: the model ({type(model).__name__}) has no parameters, so there is nothing to shard "
-                        "or train.")
+        raise InitError(f"fs.init: the model ({type(model).__name__}) has no parameters: nothing to shard or train.")
     params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    both = [(n, params[id(b)]) for n, b in model.named_buffers(remove_duplicate=False) if id(b) in params]
-    if both:  # a parameter's shard is trained and a buffer replicated: one tensor cannot be both
-        raise InitError(f"fs.init: buffer {both[0][0]!r} is the tensor of parameter {both[0][1]!r} (registered as "
-                        "both). fshard shards and trains a parameter and keeps a buffer whole beside it, so the two "
-                        "would part. Register it once: as the parameter (read self.<parameter> where the buffer "
-                        "was read), or register a copy as the buffer (register_buffer(name, param.detach().clone())).")
+    for n, b in model.named_buffers(remove_duplicate=False):
+        if id(b) in params:  # (fshard trains a parameter's shards and keeps a buffer whole: the two would part)
+            raise InitError(f"fs.init: buffer {n!r} is the tensor of parameter {params[id(b)]!r}; register it once, "
+                            "or register a copy as the buffer (register_buffer(name, param.detach().clone())).")
 
 
 def _check_devices(model: nn.Module, mesh: Mesh) -> torch.device:
