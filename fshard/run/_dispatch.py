@@ -27,8 +27,7 @@ def bind_at(owners: dict, tensors: dict) -> list:
     undo = []
     try:
         for name, t in tensors.items():
-            module, attr, kind = owners[name]
-            where = getattr(module, kind)
+            where, attr = owners[name]
             undo.append((where, attr, where[attr]))
             where[attr] = t
     except BaseException:

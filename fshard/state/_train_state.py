@@ -77,16 +77,17 @@ class ShardSpec:
         return next(u for u in self.units if u.name == name)
 
     @functools.cached_property  # (the template's structure is fixed by fs.init; written once, outside __setattr__)
-    def owners(self) -> dict[str, tuple]:
+    def owners(self) -> dict[str, tuple[dict, str]]:
         """Every name of every parameter and buffer in the template (a tied one under each of its names) -> (the
-        module that holds it, its attribute, ``"_parameters"`` or ``"_buffers"``): resolved once, for the binds a
+        ``_parameters`` or ``_buffers`` dict of the module that holds it, its key): resolved once, for the binds a
         step makes at each unit call (fshard/run/_dispatch.py's ``bind_at``), not by a walk of the module tree at
         every call as ``functional_call`` makes."""
-        t = self.template
-        return {**{n: (t.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], "_parameters")
-                   for n, _ in t.named_parameters(remove_duplicate=False)},
-                **{n: (t.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], "_buffers")
-                   for n, _ in t.named_buffers(remove_duplicate=False)}}
+        t, out = self.template, {}
+        for kind, named in (("_parameters", t.named_parameters), ("_buffers", t.named_buffers)):
+            for n, _ in named(remove_duplicate=False):
+                path, _, attr = n.rpartition(".")
+                out[n] = (getattr(t.get_submodule(path), kind), attr)
+        return out
 
     @functools.cached_property
     def buffer_aliases(self) -> dict[str, tuple[str, ...]]:

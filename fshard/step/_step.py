@@ -247,7 +247,7 @@ class Step:
         """loss_fn(template, batch), with the root unit and the buffers bound for the whole call (the gather policy
         the run was made with: step.plan's meta forward runs a copy)."""
         spec, root, gather = run.spec, run.units.get(ROOT), run._policy.gather
-        binding = {a: b for n, b in buffers.items() for a in spec.buffer_aliases[n]}  # (every name of each)
+        binding = _buffer_names(spec, buffers)
         if root is not None:
             gather.before_forward(run, root)
             binding.update(root._bind([s.aliases for s in root.layout.slots]))
@@ -329,8 +329,13 @@ def _backward(run: StepRun, buffers, out) -> None:
             "uses parameters of the root unit, or of a unit it does not call. fshard gathers a unit for a "
             "recompute when backward enters one of its calls; make each checkpointed module a unit, or a part of "
             "one (fs.init(..., units=[...]))."):
-        with bound_at(run.spec.owners, {a: b for n, b in buffers.items() for a in run.spec.buffer_aliases[n]}):
+        with bound_at(run.spec.owners, _buffer_names(run.spec, buffers)):
             torch.autograd.backward(out)
+
+
+def _buffer_names(spec, buffers: dict) -> dict:
+    """The step's buffers under every name each has in the template (one tensor at several paths), to bind."""
+    return {a: b for n, b in buffers.items() for a in spec.buffer_aliases[n]}
 
 
 def _close(policy) -> None:
