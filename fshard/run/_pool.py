@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _pages
+
 _SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
@@ -59,6 +61,7 @@ class BufferPool:
             self.reused += nbytes
         else:
             storage.resize_(nbytes)
+            _pages.advise(storage)  # new memory: in huge pages where the kernel maps it afresh (fshard/_pages.py)
 
     def free(self, storage: torch.UntypedStorage) -> None:
         """Empty ``storage`` (as ``resize_(0)``), keeping its memory for a later ``refill`` of the same size."""

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _pages
 from ..protocol._stages import ReducePolicy
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import ROOT
@@ -156,7 +157,7 @@ class _Spare:
             t = self.held.pop(min(fits, key=lambda i: self.held[i].numel()))
             self.reused += nbytes
             return t[:nbytes].view(dtype)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        return _pages.empty(numel, dtype, self.device)  # (in huge pages where it is mapped afresh)
 
     def give(self, *tensors) -> None:
         if self.held is None:
@@ -313,7 +314,7 @@ class BucketReduce(ReducePolicy):
         the others scratch from the spare memory."""
         if b.index not in st.buffers:
             dtype, rank = self.reduce_dtype or b.dtype, st.plan.rank
-            st.buffers[b.index] = [torch.empty(k, dtype=dtype, device=device) if r == rank else st.spare.take(k, dtype)
+            st.buffers[b.index] = [_pages.empty(k, dtype, device) if r == rank else st.spare.take(k, dtype)
                                    for r, (_, k) in enumerate(b.sections)]
             if fill is not None:
                 for t in st.buffers[b.index]:

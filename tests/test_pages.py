@@ -1,0 +1,142 @@
+"""New large CPU buffers in transparent huge pages where the kernel maps them afresh (fshard/_pages.py): the planner
+of the ranges to ask for (a property test), ``advise`` on new and on reused memory, the switch, and a two-rank step
+whose gathers, sections and receive buffers are advised, bitwise the same as without."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _dist import run_ranks
+from fshard import _pages
+
+PER = _pages.HUGE // _pages.PAGE  # base pages a huge page
+
+# mincore's bytes for 0-6 huge pages: each huge page wholly unbacked, or with one or all of its pages resident
+# (bit 0), and reserved bits set either way (they must not count)
+_huge_page = st.builds(
+    lambda backed, at, fill: bytes([fill]) * PER if not backed else bytes([fill | 1]) * PER if at is None else (
+        bytes([fill]) * at + bytes([fill | 1]) + bytes([fill]) * (PER - at - 1)),
+    st.booleans(), st.one_of(st.none(), st.integers(0, PER - 1)), st.sampled_from([0, 2, 4, 254]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(_huge_page, max_size=6), first=st.integers(0, 1 << 20))
+def test_the_ranges_asked_for_are_the_maximal_runs_of_wholly_unbacked_huge_pages(pages, first):
+    start = first * _pages.HUGE
+    runs = _pages.unbacked(start, b"".join(pages))
+    free = [not any(b & 1 for b in p) for p in pages]
+    covered = [False] * len(pages)
+    for addr, length in runs:
+        assert addr % _pages.HUGE == 0 and length % _pages.HUGE == 0 and length > 0
+        k0, k1 = (addr - start) // _pages.HUGE, (addr + length - start) // _pages.HUGE
+        assert 0 <= k0 < k1 <= len(pages) and all(free[k0:k1])  # only unbacked huge pages
+        assert (k0 == 0 or not free[k0 - 1]) and (k1 == len(pages) or not free[k1])  # maximal: no neighbour left
+        covered[k0:k1] = [True] * (k1 - k0)
+    assert covered == free  # every unbacked huge page asked for
+    assert [a for a, _ in runs] == sorted(a for a, _ in runs)
+
+
+def _recording(monkeypatch):
+    """``_pages``' libc with ``madvise`` recorded (and still made): the list of (address, bytes, advice)."""
+    fns = _pages._libc()
+    if fns is None:
+        pytest.skip("no transparent huge pages to ask for here (FSHARD_HUGE_PAGES=0, not Linux, or 'never')")
+    madvise, mincore = fns
+    calls = []
+
+    def recorded(addr, length, advice):
+        calls.append((addr, length, advice))
+        return madvise(addr, length, advice)
+    monkeypatch.setattr(_pages, "_libc", lambda: (recorded, mincore))
+    return calls
+
+
+def test_advise_asks_for_the_whole_huge_pages_of_new_memory_and_leaves_reused_memory_alone(monkeypatch):
+    calls = _recording(monkeypatch)
+    monkeypatch.setattr(_pages, "MIN_BYTES", 4 << 20)  # (a small buffer for the test)
+    mm = mmap.mmap(-1, 9 << 20, flags=mmap.MAP_PRIVATE)  # a new mapping: no page of it backed yet
+    new = torch.frombuffer(mm, dtype=torch.uint8, count=(9 << 20) - 4096, offset=4096)
+    lo, hi = new.data_ptr(), new.data_ptr() + new.nbytes
+    _pages.advise(new)
+    assert len(calls) == 1 and calls[0][2] == mmap.MADV_HUGEPAGE
+    addr, length, _ = calls[0]
+    assert addr == -(-lo // _pages.HUGE) * _pages.HUGE and addr + length == hi // _pages.HUGE * _pages.HUGE
+    assert length >= 3 * _pages.HUGE  # (9 MiB less its first page: 3 or 4 whole huge pages, by where it is mapped)
+    new.fill_(3)
+    assert new.sum().item() == 3 * new.numel()  # (a hint: the memory is as it was)
+    calls.clear()
+    _pages.advise(new)  # every page resident now: nothing to ask for
+    _pages.advise(_pages.empty(1 << 14, torch.float32, "cpu"))  # under MIN_BYTES
+    monkeypatch.setattr(_pages, "MIN_BYTES", 64 << 20)
+    _pages.advise(torch.frombuffer(mmap.mmap(-1, 9 << 20, flags=mmap.MAP_PRIVATE), dtype=torch.uint8))  # (new, small)
+    assert calls == []
+    del new
+    mm.close()
+
+
+def test_advise_is_off_with_fshard_huge_pages_0_and_a_bad_value_warns(monkeypatch):
+    monkeypatch.setenv("FSHARD_HUGE_PAGES", "0")
+    _pages._libc.cache_clear()
+    try:
+        assert not _pages.available()
+        t = _pages.empty((8 << 20) // 4, torch.float32, "cpu")  # a plain torch.empty
+        assert t.numel() == (8 << 20) // 4 and t.untyped_storage().resizable()
+    finally:
+        monkeypatch.delenv("FSHARD_HUGE_PAGES")
+        _pages._libc.cache_clear()
+    monkeypatch.setenv("FSHARD_HUGE_PAGES", "off")
+    try:
+        with pytest.warns(RuntimeWarning, match="FSHARD_HUGE_PAGES.*'off' is not 0 or 1"):
+            on = _pages.available()  # (ignored: as by default)
+        assert on == (_pages._libc() is not None)
+    finally:
+        monkeypatch.delenv("FSHARD_HUGE_PAGES")
+        _pages._libc.cache_clear()
+    calls = _recording(monkeypatch)
+    _pages.advise(torch.empty(8 << 20, dtype=torch.uint8, device="meta"))  # (not a CPU buffer: nothing asked)
+    assert calls == []
+
+
+STEPS = 2
+
+
+def _train(advised: bool):
+    import fshard as fs
+    from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
+    sizes, advise = [], _pages.advise
+    if advised:  # (this rank's process only) every buffer advise is called for, then advised as it would be
+        _pages.advise = lambda buf: sizes.append(
+            (buf.untyped_storage() if isinstance(buf, torch.Tensor) else buf).nbytes()) or advise(buf)
+    else:
+        _pages._libc = lambda: None  # as FSHARD_HUGE_PAGES=0
+    _pages.MIN_BYTES = 4 << 20  # (a small model's buffers: 10.3 and 5.2 MB)
+    mesh = fs.Mesh.from_env()
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(dim=464, n_heads=4)  # a block 10.3 MB: its gathered buffer, sections and receives >= 4 MiB
+    state = fs.init(GPT(cfg), mesh, fs.adamw(lr=1e-2))
+    step = fs.compose(loss_fn, fs.gather_ahead(2), fs.bucket_reduce(1e-6), donate=True)  # a bucket per unit
+    losses, called = [], []
+    for batch in synthetic_batches(cfg, 2, STEPS, seed=3, rank=mesh.rank, world_size=mesh.world_size):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        called.append(sorted(set(sizes)))
+        sizes.clear()
+    step.close()
+    params = {k: v.numpy().tobytes() for k, v in fs.full_params(state).items()}
+    block = next(u for u in state.spec.units if u.name == "blocks.0")
+    return dict(losses=losses, params=params, called=called, block=block.numel * 4, shard=block.shard_numel * 4)
+
+
+def test_a_step_advises_its_new_gathered_buffers_and_sections_and_its_results_are_bitwise_the_same():
+    advised, plain = (run_ranks(_train, 2, a) for a in (True, False))
+    for r in range(2):
+        assert advised[r]["losses"] == plain[r]["losses"] and advised[r]["params"] == plain[r]["params"]
+        # every step: forward's first gathers of a block (new memory) and this rank's section of each block's
+        # bucket (the shard's size), whether the kernel then maps them afresh or glibc reuses its heap
+        got = advised[r]
+        assert all(got["block"] in c and got["shard"] in c for c in got["called"]), got["called"]
