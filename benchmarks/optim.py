@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def run_updates(args) -> dict:
             raise SystemExit(f"--piece {args.piece}: a piece is a number of elements >= 0 (0: whole runs)")
         _elementwise.PIECE = args.piece
     cfg = GPTConfig.tiny() if args.quick else GPTConfig()
-    names = list(CASES) if not args.only else [n.strip() for n in args.only.split(",")]
+    names = list(CASES) if not args.only else [n.strip() for n in re.split(r",(?![^()]*\))", args.only)]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SystemExit(f"unknown optimizers {unknown}; known: {list(CASES)}")
@@ -379,7 +380,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=9, help="timed updates per side and optimizer")
     ap.add_argument("--warmup", type=int, default=2, help="untimed updates per side first")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides; per rank with --muon)")
-    ap.add_argument("--only", default="", help=f"comma-separated, from {list(CASES)}")
+    ap.add_argument("--only", default="",
+                    help=f"comma-separated (a comma inside a name's parentheses stays), from {list(CASES)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--piece", type=int, default=None,
                     help="elements an update written as torch ops takes at a time on the CPU (fshard.optim's PIECE; "
