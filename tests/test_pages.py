@@ -46,13 +46,13 @@ def _recording(monkeypatch):
     fns = _pages._libc()
     if fns is None:
         pytest.skip("no transparent huge pages to ask for here (FSHARD_HUGE_PAGES=0, not Linux, or 'never')")
-    madvise, mincore = fns
+    madvise, mincore, huge = fns
     calls = []
 
     def recorded(addr, length, advice):
         calls.append((addr, length, advice))
         return madvise(addr, length, advice)
-    monkeypatch.setattr(_pages, "_libc", lambda: (recorded, mincore))
+    monkeypatch.setattr(_pages, "_libc", lambda: (recorded, mincore, huge))
     return calls
 
 
@@ -65,8 +65,9 @@ def test_advise_asks_for_the_whole_huge_pages_of_new_memory_and_leaves_reused_me
     _pages.advise(new)
     assert len(calls) == 1 and calls[0][2] == mmap.MADV_HUGEPAGE
     addr, length, _ = calls[0]
-    assert addr == -(-lo // _pages.HUGE) * _pages.HUGE and addr + length == hi // _pages.HUGE * _pages.HUGE
-    assert length >= 3 * _pages.HUGE  # (9 MiB less its first page: 3 or 4 whole huge pages, by where it is mapped)
+    huge = _pages._libc()[2]
+    assert addr == -(-lo // huge) * huge and addr + length == hi // huge * huge
+    assert huge != _pages.HUGE or length >= 3 * huge  # (9 MiB less its first page: 3 or 4 whole 2 MiB pages)
     new.fill_(3)
     assert new.sum().item() == 3 * new.numel()  # (a hint: the memory is as it was)
     calls.clear()
@@ -79,26 +80,27 @@ def test_advise_asks_for_the_whole_huge_pages_of_new_memory_and_leaves_reused_me
     mm.close()
 
 
-def test_advise_is_off_with_fshard_huge_pages_0_and_a_bad_value_warns(monkeypatch):
-    monkeypatch.setenv("FSHARD_HUGE_PAGES", "0")
+def test_advise_is_off_with_fshard_huge_pages_0_a_bad_value_warns_and_is_the_default_and_not_on_other_devices(
+        monkeypatch):
+    monkeypatch.setattr(_pages, "MIN_BYTES", 4 << 20)  # (so that 8 MiB buffers reach the switch and the device)
+    monkeypatch.delenv("FSHARD_HUGE_PAGES", raising=False)
     _pages._libc.cache_clear()
+    default = _pages.available()
     try:
-        assert not _pages.available()
-        t = _pages.empty((8 << 20) // 4, torch.float32, "cpu")  # a plain torch.empty
-        assert t.numel() == (8 << 20) // 4 and t.untyped_storage().resizable()
-    finally:
-        monkeypatch.delenv("FSHARD_HUGE_PAGES")
+        monkeypatch.setenv("FSHARD_HUGE_PAGES", "0")
         _pages._libc.cache_clear()
-    monkeypatch.setenv("FSHARD_HUGE_PAGES", "off")
-    try:
+        assert not _pages.available()
+        t = _pages.empty((8 << 20) // 4, torch.float32, "cpu")  # a plain torch.empty, nothing asked
+        assert t.numel() == (8 << 20) // 4 and t.untyped_storage().resizable()
+        monkeypatch.setenv("FSHARD_HUGE_PAGES", "off")
+        _pages._libc.cache_clear()
         with pytest.warns(RuntimeWarning, match="FSHARD_HUGE_PAGES.*'off' is not 0 or 1"):
-            on = _pages.available()  # (ignored: as by default)
-        assert on == (_pages._libc() is not None)
+            assert _pages.available() == default  # ignored: as by default
     finally:
-        monkeypatch.delenv("FSHARD_HUGE_PAGES")
+        monkeypatch.delenv("FSHARD_HUGE_PAGES", raising=False)
         _pages._libc.cache_clear()
     calls = _recording(monkeypatch)
-    _pages.advise(torch.empty(8 << 20, dtype=torch.uint8, device="meta"))  # (not a CPU buffer: nothing asked)
+    _pages.advise(torch.empty(8 << 20, dtype=torch.uint8, device="meta"))  # not a CPU buffer: nothing asked
     assert calls == []
 
 
@@ -124,7 +126,7 @@ def _train(advised: bool):
     for batch in synthetic_batches(cfg, 2, STEPS, seed=3, rank=mesh.rank, world_size=mesh.world_size):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
-        called.append(sorted(set(sizes)))
+        called.append(list(sizes))
         sizes.clear()
     step.close()
     params = {k: v.numpy().tobytes() for k, v in fs.full_params(state).items()}
@@ -136,7 +138,8 @@ def test_a_step_advises_its_new_gathered_buffers_and_sections_and_its_results_ar
     advised, plain = (run_ranks(_train, 2, a) for a in (True, False))
     for r in range(2):
         assert advised[r]["losses"] == plain[r]["losses"] and advised[r]["params"] == plain[r]["params"]
-        # every step: forward's first gathers of a block (new memory) and this rank's section of each block's
-        # bucket (the shard's size), whether the kernel then maps them afresh or glibc reuses its heap
+        # every step: forward's first gathers of a block (new memory) and this rank's section of each of the two
+        # blocks' buckets (the shard's size; the spare's and the exchange's buffers may add more), whether the
+        # kernel then maps them afresh or glibc reuses its heap (which the hint leaves alone: the test above)
         got = advised[r]
-        assert all(got["block"] in c and got["shard"] in c for c in got["called"]), got["called"]
+        assert all(got["block"] in c and c.count(got["shard"]) >= 2 for c in got["called"]), got["called"]

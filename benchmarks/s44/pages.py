@@ -33,14 +33,14 @@ def run(make, n: int, count: int, reps: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="50,25,12.5", help="MB a buffer, comma-separated")
+    ap.add_argument("--sizes", default="50,25,12.5", help="MiB a buffer, comma-separated")
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(1)
     _pages.MIN_BYTES = 1 << 20
     print(f"huge pages asked for: {_pages.available()}; {args.count} buffers a repetition, medians of {args.reps}")
-    print("| MB a buffer | torch.empty ms | faults | advised ms | faults | already mapped ms |")
+    print("| MiB a buffer | torch.empty ms | faults | advised ms | faults | already mapped ms |")
     print("|---|---|---|---|---|---|")
     for mb in (float(s) for s in args.sizes.split(",")):
         n = int(mb * 2**20) // 4

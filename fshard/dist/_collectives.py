@@ -317,7 +317,7 @@ class Comm:
                 n = mine.numel()
                 got = _pages.empty(n, mine.dtype, mine.device) if empty is None else empty(n, mine.dtype)
                 out, inp = [0, 0], [0, 0]
-                out[peer], inp[peer] = mine.numel(), sections[peer].numel()
+                out[peer], inp[peer] = n, sections[peer].numel()
                 works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]
                 then, scratch = (lambda: mine.add_(got)), (got,)
             else:
