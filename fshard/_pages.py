@@ -62,7 +62,7 @@ def _libc():
                 huge = int(f.read())
         except (OSError, ValueError):
             huge = HUGE
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
         madvise, mincore = libc.madvise, libc.mincore
     except (OSError, AttributeError):
         return None
