@@ -27,7 +27,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from .. import _pages
 from ..errors import ArgumentError
 from ._bare import bare
 from ._agreement import HASH_BITS, describe, exchange, wait_works
@@ -314,10 +313,9 @@ class Comm:
                 works = []
             elif exchange:  # (see the docstring)
                 peer = 1 - self.mesh.shard_rank  # (not isend/irecv: see the design)
-                n = mine.numel()
-                got = _pages.empty(n, mine.dtype, mine.device) if empty is None else empty(n, mine.dtype)
+                got = torch.empty_like(mine) if empty is None else empty(mine.numel(), mine.dtype)
                 out, inp = [0, 0], [0, 0]
-                out[peer], inp[peer] = n, sections[peer].numel()
+                out[peer], inp[peer] = mine.numel(), sections[peer].numel()
                 works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]
                 then, scratch = (lambda: mine.add_(got)), (got,)
             else:

@@ -139,11 +139,10 @@ class _Plan:
 
 
 class _Spare:
-    """Scratch this step is done with (the other ranks' sections and the receive buffers of landed buckets), for
-    its later buckets' scratch (CPU): they then reuse pages the process already has, where new blocks of these
-    sizes are often fresh mappings whose every page faults in (benchmarks/RESULTS.md, "Session 41"). A buffer is
-    taken only for a need of at least half its size, and held only while a later bucket may need that much
-    (``keep_upto``); what is left is let go with the step's buckets, at the end of backward."""
+    """Scratch this step is done with (other ranks' sections, receive buffers of landed buckets) for its later
+    buckets' scratch (CPU): pages the process has, where new blocks of these sizes often fault in afresh (RESULTS,
+    "Session 41"; a new one asks for huge pages: fshard/_pages.py). A buffer is taken only for a need of at least
+    half its size, held only while a later bucket may need that much (``keep_upto``), let go at backward's end."""
 
     def __init__(self, device: torch.device):
         self.held = [] if device.type == "cpu" else None  # (CUDA's caching allocator keeps blocks already)
