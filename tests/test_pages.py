@@ -3,7 +3,6 @@ of the ranges to ask for (a property test), ``advise`` on new and on reused memo
 whose gathers, sections and receive buffers are advised, bitwise the same as without."""
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import pytest
