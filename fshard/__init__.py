@@ -39,7 +39,6 @@ from ._malloc import from_env as _mmap_from_env, set_mmap_threshold
 _mmap_from_env()  # FSHARD_MMAP_THRESHOLD (fshard/_malloc.py)
 
 from . import optim, protocol, state, transforms  # noqa: F401 (public modules, with errors and store)
-from .checkpoint import SaveHandle, latest, load, save
 from .dist import Mesh
 from .errors import (ArgumentError, ArgumentTypeError, CheckpointError, CollectiveError, FshardError, InitError,
                      RankDivergenceError, StepError)
@@ -56,6 +55,10 @@ from .transforms import (GatherOrder, accumulate, bucket_reduce, clip_by_global_
 __version__ = "0.1.0"
 
 _LAZY = ("ops", "testing")
+# Names whose modules load on first use: the checkpoint functions import torch.distributed.checkpoint and with it
+# DTensor and sympy (1.2 s of an `import fshard` that took 2.3 s beyond torch's own 2.4; a run that never saves
+# does not need them).
+_LAZY_NAMES = {"save": "checkpoint", "load": "checkpoint", "latest": "checkpoint", "SaveHandle": "checkpoint"}
 _MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "store")  # the public modules
 
 __all__ = [
@@ -80,6 +83,8 @@ __all__ = [
 def __getattr__(name: str):
     if name in _LAZY:
         return importlib.import_module(f"fshard.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f"fshard.{_LAZY_NAMES[name]}"), name)
     raise AttributeError(f"module 'fshard' has no attribute {name!r}")
 
 

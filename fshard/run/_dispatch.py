@@ -81,8 +81,12 @@ class _UnitForward:
         self.name, self.proxy = name, _Proxy(module)
         self.names = names  # names[i]: every template path of slot i's parameter inside the unit module
 
-    @torch.compiler.disable  # a compiled loss function leaves units to the step (their gathers, hooks, collectives)
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _left_to_the_step(self, args, kwargs)
+        return self.call(args, kwargs)
+
+    def call(self, args, kwargs):
         run = _ACTIVE.get()
         if run is None:
             raise TemplateCallError(
@@ -90,6 +94,14 @@ class _UnitForward:
                 "(its tensors are on the meta device); train with step = fs.compose(loss_fn), or get the weights "
                 "with fs.full_params(state) and load them into a regular module.")
         return run._call_unit(self, args, kwargs)
+
+
+# A compiled loss function leaves units to the step (their gathers, hooks, collectives): dynamo runs this eagerly. As
+# torch's own modules do, the decorator imports dynamo at the first call, not at import (dynamo and the sympy under
+# it were 2.4 s of an `import fshard`), and a step that is not compiled never calls it.
+@torch._disable_dynamo
+def _left_to_the_step(unit: _UnitForward, args, kwargs):
+    return unit.call(args, kwargs)
 
 
 def route_units(template: nn.Module, layouts: list[UnitLayout]) -> None:

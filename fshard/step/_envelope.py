@@ -13,6 +13,8 @@ run is closed, freeing its buffers now rather than at a later collection.
 """
 from __future__ import annotations
 
+import gc
+import sys
 import time
 
 from ..dist._agreement import foreign, step_error
@@ -59,6 +61,7 @@ class envelope:
         self.step, self.state, self.context, self.train = step, state, context, train
 
     def __enter__(self) -> Envelope:
+        self._dynamo = "torch._dynamo" in sys.modules
         step, state = self.step, self.state
         t0 = time.perf_counter()
         spec = spec_of(state)
@@ -96,3 +99,9 @@ class envelope:
                 env.pool.clear()  # (nothing is held between calls)
             finally:
                 self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)
+                if not self._dynamo and "torch._dynamo" in sys.modules:
+                    # torch imports dynamo at its first use inside a call (its optimizers' functional steps,
+                    # checkpoint, an op on a meta tensor), and the import calls torch.fx.wrap, which keeps its own
+                    # frame in a local: a cycle that holds, through f_back, every frame of this call (the mesh, the
+                    # model) until a collection. Collected now: once a process.
+                    gc.collect()
