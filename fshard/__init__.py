@@ -57,7 +57,7 @@ __version__ = "0.1.0"
 _LAZY = ("ops", "testing")
 # Names whose modules load on first use: the checkpoint functions import torch.distributed.checkpoint and with it
 # DTensor and sympy (1.2 s of an `import fshard` that took 2.3 s beyond torch's own 2.4; a run that never saves
-# does not need them).
+# does not need them). `from fshard import *` loads them, as these names are in __all__.
 _LAZY_NAMES = {"save": "checkpoint", "load": "checkpoint", "latest": "checkpoint", "SaveHandle": "checkpoint"}
 _MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "store")  # the public modules
 

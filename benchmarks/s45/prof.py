@@ -54,6 +54,7 @@ def main(rank, port, argv):
         if rank == who:
             print("\n".join(out), flush=True)
         dist.barrier()
+    r.close()  # (the step function and its state, before the group goes)
     dist.destroy_process_group()
 
 

@@ -96,9 +96,10 @@ class _UnitForward:
         return run._call_unit(self, args, kwargs)
 
 
-# A compiled loss function leaves units to the step (their gathers, hooks, collectives): dynamo runs this eagerly. As
-# torch's own modules do, the decorator imports dynamo at the first call, not at import (dynamo and the sympy under
-# it were 2.4 s of an `import fshard`), and a step that is not compiled never calls it.
+# A compiled loss function leaves units to the step (their gathers, hooks, collectives): dynamo runs this eagerly
+# (and compiles __call__ only up to it: one cache entry per unit signature, 1 for a GPT's blocks). As torch's own
+# modules do, the decorator imports dynamo at its first call, not at import (dynamo, with the DTensor and sympy under
+# it, was most of the 2.3 s `import fshard` took beyond torch), and a step that is not compiled never calls it.
 @torch._disable_dynamo
 def _left_to_the_step(unit: _UnitForward, args, kwargs):
     return unit.call(args, kwargs)

@@ -13,10 +13,9 @@ run is closed, freeing its buffers now rather than at a later collection.
 """
 from __future__ import annotations
 
-import gc
-import sys
 import time
 
+from .._frames import dynamo_import_collected
 from ..dist._agreement import foreign, step_error
 from ..dist._collectives import Comm
 from ..run._pool import BufferPool
@@ -61,7 +60,7 @@ class envelope:
         self.step, self.state, self.context, self.train = step, state, context, train
 
     def __enter__(self) -> Envelope:
-        self._dynamo = "torch._dynamo" in sys.modules
+        self._collected = dynamo_import_collected().__enter__()  # (fshard/_frames.py; left in _end)
         step, state = self.step, self.state
         t0 = time.perf_counter()
         spec = spec_of(state)
@@ -98,10 +97,7 @@ class envelope:
                     run._close()  # free this call's buffers now, also when it raised
                 env.pool.clear()  # (nothing is held between calls)
             finally:
-                self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)
-                if not self._dynamo and "torch._dynamo" in sys.modules:
-                    # torch imports dynamo at its first use inside a call (its optimizers' functional steps,
-                    # checkpoint, an op on a meta tensor), and the import calls torch.fx.wrap, which keeps its own
-                    # frame in a local: a cycle that holds, through f_back, every frame of this call (the mesh, the
-                    # model) until a collection. Collected now: once a process.
-                    gc.collect()
+                try:
+                    self._guard.__exit__(None, None, None)  # (a try/finally generator: nothing thrown into it)
+                finally:
+                    self._collected.__exit__(None, None, None)  # torch's first import of dynamo, if in this call

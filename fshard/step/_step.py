@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from .._frames import dynamo_import_collected
 from ..transforms._accumulate import Accumulator
 from ..protocol._stages import Grads
 from ..dist._agreement import agree, check_ranks, small_hash
@@ -91,7 +92,8 @@ class Step:
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
         spec_of(state)  # the checks of a step's call
         check_usable(self, state)
-        return plan(self, self.init(state), batch, self._observed).check(max_memory)
+        with dynamo_import_collected():  # (its forward on the meta device: dropout, layer norm; fshard/_frames.py)
+            return plan(self, self.init(state), batch, self._observed).check(max_memory)
 
     def init(self, state: TrainState) -> TrainState:
         """``state`` with each transform's state in ``transform_state`` (``Transform.init_state``): the initial one
