@@ -18,7 +18,9 @@ none of them): ``fs.errors`` (every error type; the common ones are also here), 
 against: ``Transform``, ``Policy``, the stage protocols and their views), ``fs.transforms`` (the shipped transforms and
 their state types), ``fs.store`` (plain Python until an ``NVMeStore`` is opened, when tensornvme loads), and two that
 load on first use, because they pull in what a training run may not need: ``fs.ops`` (the native kernels) and
-``fs.testing`` (hypothesis). The packages by concern behind them are laid out in design/ARCHITECTURE.md.
+``fs.testing`` (hypothesis). ``fs.save``, ``fs.load``, ``fs.latest`` and ``fs.SaveHandle`` load their module (and
+torch.distributed.checkpoint) when first used. The packages by concern behind them are laid out in
+design/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
