@@ -82,6 +82,11 @@ def test_bitwise_identical_to_blocking_at_every_depth(world_size):
                     assert order is not None and order.forward[0] == "<root>"
                     if d > 0:
                         assert sum(m["gather/prefetched"] for m in metrics[1:]) > 0  # it really prefetched
+                    if d > 0 and name == "gpt":  # (each unit used once: forward gathers each unit once)
+                        # a unit's gather is issued before those of the units ahead of it (issued after them, the
+                        # step's first unit, the root, waited behind them): forward's gathers in the gather order
+                        gathers = [tag for kind, tag, *_ in traces[-1] if kind == "all_gather"]
+                        assert gathers[:len(order.forward)] == list(order.forward), (key, gathers, order)
                     if name == "gpt":  # no frozen units (a frozen unit stays gathered in backward)
                         for m in metrics:
                             assert m["mem/peak_gathered_bytes_forward"] <= _bound(units, d, 0), (key, m)

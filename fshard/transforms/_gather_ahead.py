@@ -141,6 +141,7 @@ class GatherAhead(GatherPolicy):
             self._stop(run)
             if self.on_change == "error" and run.training:  # eval-only control flow may differ: blocking there
                 self._changed(run, None, at=k, got=unit.name)
+        unit.launch()  # before the units ahead: issued after their gathers, its own would wait behind them
         if w.on_plan:
             for name in self._window(w, k + 1):
                 u = run.units[name]
