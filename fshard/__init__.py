@@ -57,10 +57,10 @@ from .transforms import (GatherOrder, accumulate, bucket_reduce, clip_by_global_
 __version__ = "0.1.0"
 
 _LAZY = ("ops", "testing")
-# Names whose modules load on first use: the checkpoint functions import torch.distributed.checkpoint and with it
+# Names whose module loads on first use: the checkpoint functions import torch.distributed.checkpoint and with it
 # DTensor and sympy (1.2 s of an `import fshard` that took 2.3 s beyond torch's own 2.4; a run that never saves
 # does not need them). `from fshard import *` loads them, as these names are in __all__.
-_LAZY_NAMES = {"save": "checkpoint", "load": "checkpoint", "latest": "checkpoint", "SaveHandle": "checkpoint"}
+_CHECKPOINT_NAMES = ("save", "load", "latest", "SaveHandle")
 _MODULES = ("errors", "state", "optim", "schedules", "protocol", "transforms", "store")  # the public modules
 
 __all__ = [
@@ -85,8 +85,8 @@ __all__ = [
 def __getattr__(name: str):
     if name in _LAZY:
         return importlib.import_module(f"fshard.{name}")
-    if name in _LAZY_NAMES:
-        return getattr(importlib.import_module(f"fshard.{_LAZY_NAMES[name]}"), name)
+    if name in _CHECKPOINT_NAMES:
+        return getattr(importlib.import_module("fshard.checkpoint"), name)
     raise AttributeError(f"module 'fshard' has no attribute {name!r}")
 
 
