@@ -25,6 +25,10 @@ same on both sides:
   Adafactor). Lion has no torch twin: its peer is the Lion paper's formula written here with ``torch._foreach_*``
   ops (``ForeachLion``), as a foreach torch optimizer would be.
 
+Each optimizer runs in a process of its own, forked from this one (an earlier pair's freed memory, fshard's state in
+huge pages among it, would otherwise serve a later pair's torch tensors). fshard's state is in huge pages where the
+kernel has them (fshard/_pages.py, ``state_empty``), torch's parameters and moments are where torch's allocator puts
+them (4 KiB pages unless torch's ``THP_MEM_ALLOC_ENABLE=1``).
 Each repeat times one whole-model update of each side, in turn (the order alternates between repeats), after
 ``--warmup`` untimed updates; threads are ``torch.set_num_threads(--threads)`` for both. Printed per optimizer: the
 median ms, elements/s (trainable elements per second), the speed ratio ``torch ms / fshard ms`` (>= 1.0: fshard's
@@ -229,27 +233,54 @@ def run_updates(args) -> dict:
           "torch Gelem/s | speed | per repeat | paired median | fshard faster | max abs param diff |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        pair = Pair(name, cfg, args.seed)
-        times = time_pair(pair, args.repeats, args.warmup)
-        diff = pair.max_diff()
-        n, f, t = pair.numel, statistics.median(times["fshard"]), statistics.median(times["torch"])
-        paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
-        wins = sum(r > 1 for r in paired)
-        p = sign_test(wins, len(paired))
-        impl = pair.opt.resolved_impl(torch.device("cpu"))
-        print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
-              f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | "
-              f"{statistics.median(paired):.3f}x | {wins}/{len(paired)} (p={p:.2g}) | "
-              f"{diff:.3g} |",
-              flush=True)
-        out[name] = dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
-                         paired_median=statistics.median(paired), fshard_faster=wins,
-                         sign_test_p=p,
-                         max_abs_diff=diff,
-                         fshard_impl=impl, peer=f"{CASES[name][1].__name__} ({pair.how})")
-        del pair
+        out[name] = _forked(lambda name=name: _one_case(name, cfg, args, sign_test))
     print(f"\n[optim.py] {_uptime()}")
     return out
+
+
+def _one_case(name: str, cfg, args, sign_test) -> dict:
+    """Time one optimizer's pair and print its row."""
+    pair = Pair(name, cfg, args.seed)
+    times = time_pair(pair, args.repeats, args.warmup)
+    diff = pair.max_diff()
+    n, f, t = pair.numel, statistics.median(times["fshard"]), statistics.median(times["torch"])
+    paired = [b / a for a, b in zip(times["fshard"], times["torch"])]
+    wins = sum(r > 1 for r in paired)
+    p = sign_test(wins, len(paired))
+    impl = pair.opt.resolved_impl(torch.device("cpu"))
+    print(f"| {name} | {impl} | {CASES[name][1].__name__} ({pair.how}) | {n:,} | {f * 1e3:.2f} | {t * 1e3:.2f} | "
+          f"{n / f / 1e9:.3f} | {n / t / 1e9:.3f} | {t / f:.3f}x | {min(paired):.2f}-{max(paired):.2f} | "
+          f"{statistics.median(paired):.3f}x | {wins}/{len(paired)} (p={p:.2g}) | "
+          f"{diff:.3g} |",
+          flush=True)
+    return dict(fshard_ms=f * 1e3, torch_ms=t * 1e3, elements=n, speed_ratio=t / f, per_repeat=paired,
+                paired_median=statistics.median(paired), fshard_faster=wins, sign_test_p=p, max_abs_diff=diff,
+                fshard_impl=impl, peer=f"{CASES[name][1].__name__} ({pair.how})")
+
+
+def _forked(fn) -> dict:
+    """``fn()`` in a child process forked from this one (its result back as JSON). Each optimizer's pair gets a heap
+    of its own: in one process, an earlier pair's freed memory (fshard's state in huge pages, fshard/_pages.py) would
+    serve a later pair's torch tensors, and which side got which pages would depend on the order of the cases."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its result down the pipe, then out without the parent's exit handlers
+        code = 1
+        try:
+            os.close(r)
+            with os.fdopen(w, "w") as f:
+                json.dump(fn(), f)
+            code = 0
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise SystemExit(f"[optim.py] a case's process failed (wait status {status})")
+    return json.loads(text)
 
 
 def run_overhead(args) -> dict:

@@ -79,6 +79,77 @@ def test_advise_asks_for_the_whole_huge_pages_of_new_memory_and_leaves_reused_me
     mm.close()
 
 
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(_huge_page, max_size=6), first=st.integers(0, 1 << 20))
+def test_the_ranges_collapsed_are_the_rest_of_the_buffers_whole_huge_pages(pages, first):
+    start = first * _pages.HUGE
+    end = start + len(pages) * _pages.HUGE
+    asked = _pages.unbacked(start, b"".join(pages))
+    rest = _pages._between(start, end, asked)
+    both = sorted(asked + rest)
+    assert all(length > 0 for _, length in both)
+    assert [a for a, _ in both[1:]] == [a + n for a, n in both[:-1]]  # no gap, no overlap
+    assert not both or (both[0][0] == start and both[-1][0] + both[-1][1] == end)
+    for addr, length in rest:  # each is backed huge pages only, and maximal (asked runs, or the ends, around it)
+        k0, k1 = (addr - start) // _pages.HUGE, (addr + length - start) // _pages.HUGE
+        assert all(any(b & 1 for b in p) for p in pages[k0:k1])
+
+
+def test_a_state_buffer_asks_for_its_new_huge_pages_and_collapses_the_reused_ones_after_its_write(monkeypatch):
+    calls = _recording(monkeypatch)
+    huge = _pages._libc()[2]
+    mm = mmap.mmap(-1, 12 * huge, flags=mmap.MAP_PRIVATE)
+    buf = torch.frombuffer(mm, dtype=torch.float32)
+    buf[:(3 * huge) // 4].fill_(1)  # its first three huge pages' worth resident (memory the heap reused)
+    lo = -(-buf.data_ptr() // huge) * huge
+    hi = (buf.data_ptr() + buf.nbytes) // huge * huge
+    out = _pages.settled(buf, lambda t: t.fill_(2))
+    assert out is buf and bool((buf == 2).all())  # (hints: the memory is as written)
+    new = [(a, n) for a, n, advice in calls if advice == mmap.MADV_HUGEPAGE]
+    collapsed = [(a, n) for a, n, advice in calls if advice == _pages.MADV_COLLAPSE]
+    kinds = [advice for _, _, advice in calls]
+    assert new and collapsed and kinds == [mmap.MADV_HUGEPAGE] * len(new) + [_pages.MADV_COLLAPSE] * len(collapsed)
+    covered = sorted(new + collapsed)
+    assert covered[0][0] == lo and sum(n for _, n in covered) == hi - lo  # every whole huge page, once
+    assert collapsed[0][0] == lo and collapsed[0][1] >= 2 * huge  # the reused ones (an unaligned start: 2 or 3)
+    calls.clear()
+    small = torch.frombuffer(mmap.mmap(-1, _pages.STATE_MIN_BYTES - 4096, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    _pages.settled(small, lambda t: t.fill_(1))  # under STATE_MIN_BYTES: nothing asked
+    assert calls == []
+    del buf, out
+    mm.close()
+
+
+def test_init_puts_the_state_in_huge_pages_and_it_trains_the_same_without_them(monkeypatch):
+    import fshard as fs
+    calls = _recording(monkeypatch)
+    huge = _pages._libc()[2]
+
+    def train():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1031, 1031), torch.nn.Linear(1031, 7))  # a unit of 4.25 MB
+        state = fs.init(model, fs.Mesh.local(), fs.adamw(lr=1e-2))
+        start = state
+        step = fs.compose(lambda m, b: m(b).square().mean())  # (donate=False: the update writes new tensors)
+        for i in range(2):
+            state, _ = step(state, torch.randn(3, 1031, generator=torch.Generator().manual_seed(i)))
+        return start, state
+
+    start, state = train()
+    big = [t for t in (*start.params.values(), *(r for s in start.opt_state.values() for r in s.rows))
+           if t.nbytes >= _pages.STATE_MIN_BYTES]
+    assert len(big) == 3  # the first layer's shard and its two moments
+    for t in big:  # each whole huge page of each: asked for before its first write, or collapsed after it
+        lo, hi = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.nbytes) // huge * huge
+        got = sorted((a, n) for a, n, _ in calls if lo <= a < hi)
+        assert hi > lo and got and got[0][0] == lo and sum(n for _, n in got) == hi - lo, (lo, hi, got)
+    after = {k: v.clone() for k, v in state.params.items()}
+    monkeypatch.setattr(_pages, "_libc", lambda: None)  # as FSHARD_HUGE_PAGES=0
+    calls.clear()
+    _, plain = train()
+    assert calls == [] and all(torch.equal(after[k], plain.params[k]) for k in after)
+
+
 def test_advise_is_off_with_fshard_huge_pages_0_a_bad_value_warns_and_is_the_default_and_not_on_other_devices(
         monkeypatch):
     monkeypatch.setattr(_pages, "MIN_BYTES", 4 << 20)  # (so that 8 MiB buffers reach the switch and the device)

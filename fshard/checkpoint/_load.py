@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from .. import _pages
 from ..dist._call import Call
 from ._save import _dcp, _entries
 from ._files import MANIFEST, check_files, read_manifest
@@ -157,7 +158,7 @@ def _new_params(like: TrainState, where: dict, targets: dict) -> dict:
     for i, u in enumerate(spec.units):
         w = where.get(u.name)
         if w is None or not w.params:
-            out[u.name] = torch.zeros(u.shard_numel, dtype=u.dtype, device=dev)
+            out[u.name] = _pages.state_empty(u.shard_numel, u.dtype, dev, torch.Tensor.zero_)  # (huge pages)
             continue
         head_n, parts = u.opt_numel(rank), []
         for suffix, n, order in (("param", head_n, n_units + i), ("tail", u.shard_numel - head_n, 2 * n_units + i)):

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._pages import state_copy
 from ..optim._protocol import apply_runs
 from ..state._slot_grad import SlotGrad
 from ..state._stored import StoredParam, _Items, param_key
@@ -212,7 +213,7 @@ class _Early:
         if isinstance(p, StoredParam):  # read, updated and written beside the moments
             c = None
         elif not self.in_place and not self.cloned:
-            p, c = p.clone(), None if c is None else c.clone()
+            p, c = state_copy(p), None if c is None else state_copy(c)
         try:
             self.ups = owner._stream(self.opt, [Streamed(p, self.data, segs, self.s, self.key, c, pkey)], 1.0,
                                      self.created, self.metrics, donate=self.in_place, record=self.record,

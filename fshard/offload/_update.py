@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .._pages import state_copy
 from ..protocol._stages import UpdatePolicy
 from ._reader import Reader
 from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
@@ -290,9 +291,9 @@ class OffloadUpdate(UpdatePolicy):
                     params[u.name] = p if donate or pkey is None else p.renewed(
                         _Items(p.head.store, pkey, p.head.chunks, rows=p.head.rows))
                 else:
-                    p = p if donate else p.clone()
+                    p = p if donate else state_copy(p)
                     c, pkey = state.copies.get(u.name), None
-                    c = c if donate or c is None else c.clone()
+                    c = c if donate or c is None else state_copy(c)
                     params[u.name] = p
                 if c is not None:
                     copies[u.name] = c

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from .._pages import state_copy, state_empty
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
@@ -119,7 +120,8 @@ class Adafactor:
         factors = {s.name: FrozenMap({"row_var": torch.zeros(*s.shape[:-1], 1, **z),
                                       "col_var": torch.zeros(*s.shape[:-2], 1, s.shape[-1], **z)})
                    for s in layout.trainable if _factored(s.shape)}
-        return AdafactorState(torch.zeros(len(layout.trainable), dtype=torch.int64), torch.zeros(n, **z),
+        return AdafactorState(torch.zeros(len(layout.trainable), dtype=torch.int64),
+                              state_empty(n, shard.dtype, shard.device, torch.Tensor.zero_),
                               FrozenMap(factors))
 
     def extra_entries(self, layout: UnitLayout, state: AdafactorState) -> dict:
@@ -148,8 +150,8 @@ class Adafactor:
             return param, AdafactorState(count, state.variance, state.factors), copy
         variance, factors = state.variance, state.factors
         if not donate:
-            param, variance = param.clone(), variance.clone()
-            copy = None if copy is None else copy.clone()
+            param, variance = state_copy(param), state_copy(variance)
+            copy = None if copy is None else state_copy(copy)
             factors = {n: FrozenMap({key: t.clone() for key, t in f.items()}) for n, f in factors.items()}
         at, pos = [], 0  # (slot, where its elements start in ``variance``) of the active slots
         for k, ((lo, hi), s, a) in enumerate(zip(layout.trainable_ranges(rank), layout.trainable, active)):

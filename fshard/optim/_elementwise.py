@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from .._pages import state_copy
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._slot_grad import grad_parts
@@ -193,8 +194,8 @@ class Elementwise:
             count, plan = self.plan(layout, rank, state.count, active, updates)
             rows = state.rows
             if plan and not donate:  # purity: the input state stays valid, so the update writes into copies
-                param, rows = param.clone(), tuple(r.clone() for r in rows)
-                copy = None if copy is None else copy.clone()
+                param, rows = state_copy(param), tuple(state_copy(r) for r in rows)
+                copy = None if copy is None else state_copy(copy)
             runs += [(_run(param, a, b), g, tuple(_run(r, a, b) for r in rows), step, grad_scale, lr, wd,
                       None if copy is None else _run(copy, a, b))
                      for lo, hi, step, lr, wd in plan for a, b, g in grad_parts(grad, lo, hi)]

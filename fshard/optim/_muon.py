@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from .._pages import state_copy, state_empty
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap
@@ -217,7 +218,7 @@ class Muon:
             return None
         for s in layout.trainable:
             self.check_param(s.name, torch.empty(s.shape, device="meta"))
-        buf = torch.zeros(layout.opt_numel(rank), dtype=shard.dtype, device=shard.device)
+        buf = state_empty(layout.opt_numel(rank), shard.dtype, shard.device, torch.Tensor.zero_)  # (huge pages)
         return OptState(torch.zeros(len(layout.trainable), dtype=torch.int64), FrozenMap({"momentum_buffer": buf}))
 
     def plan(self, layout, rank, count, active, updates=0):
@@ -248,8 +249,8 @@ class Muon:
         if not any(active):
             return param, state.with_rows(count, rows), copy
         if not donate:
-            param, rows = param.clone(), tuple(r.clone() for r in rows)
-            copy = None if copy is None else copy.clone()
+            param, rows = state_copy(param), tuple(state_copy(r) for r in rows)
+            copy = None if copy is None else state_copy(copy)
         ranges = layout.trainable_ranges(rank)
         yield from self.step_phases(layout, rank, param, grad, rows,
                                     [(k, ranges[k][0]) for k, a in enumerate(active) if a], grad_scale, updates, copy,

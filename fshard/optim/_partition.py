@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from .._pages import state_copy, state_empty
 from ..errors import ArgumentError, ArgumentTypeError
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
@@ -159,8 +160,8 @@ class Partition:
         ranges, parts, extra = layout.trainable_ranges(rank), {}, {}
         for label, o in self.optimizers:
             n = sum(max(0, hi - lo) for (lo, hi), on in zip(ranges, self._row_mask(layout, label)) if on)
-            parts[label] = FrozenMap({r.name: torch.full((n,), r.init, dtype=r.dtype_for(shard.dtype),
-                                                         device=shard.device)
+            parts[label] = FrozenMap({r.name: state_empty(n, r.dtype_for(shard.dtype), shard.device,
+                                                          lambda t, v=r.init: t.fill_(v))
                                       for r in o.rows})  # (at each row's initial value: Adagrad's is not 0)
             mine = {s.name for s, on in zip(layout.trainable, self._mask(layout, label)) if on}
             own = o.extra_entries(layout, o.init(layout, rank, shard)) if hasattr(o, "extra_entries") else {}
@@ -192,13 +193,13 @@ class Partition:
         if not any(active):
             return param, state.with_rows(count, state.rows), copy
         if not donate:
-            param, copy = param.clone(), None if copy is None else copy.clone()
+            param, copy = state_copy(param), None if copy is None else state_copy(copy)
         parts, extra, ranges = {}, dict(state.extra), layout.trainable_ranges(rank)
         for label, o in self.optimizers:
             rows = tuple(state.parts[label].values())
             on = [a and m for a, m in zip(active, self._mask(layout, label))]
             if any(on) and not donate:
-                rows = tuple(r.clone() for r in rows)
+                rows = tuple(state_copy(r) for r in rows)
                 extra[label] = FrozenMap({n: FrozenMap({k: t.clone() for k, t in f.items()})
                                           for n, f in extra[label].items()})
             at, pos = {}, 0  # slot -> where its range starts in the label's compact rows (0 where it has none)

@@ -53,6 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .. import _pages
 from ..state._flat import UnitLayout
 from ..state._train_state import FrozenMap, register_node
 
@@ -267,7 +268,8 @@ def initial_rows(opt: Optimizer, layout: UnitLayout, rank: int, dtype: torch.dty
                  device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """One tensor per declared row over this rank's optimizer range, or over the slots it covers (a compact row), each
     element at the row's initial value (``Row.init``: zero for most), for a unit of parameter dtype ``dtype``."""
-    return [torch.full((row_numel(opt, layout, rank, i),), r.init, dtype=r.dtype_for(dtype), device=device)
+    return [_pages.state_empty(row_numel(opt, layout, rank, i), r.dtype_for(dtype), device,
+                               lambda t, v=r.init: t.fill_(v))  # (huge pages: read at every update)
             for i, r in enumerate(opt.rows)]
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _pages
+
 ROOT = "<root>"  # the root unit: the parameters outside every unit module, and those tied across units
 ALIGN_BYTES = 64  # each parameter starts on a cache line; each shard is a whole number of cache lines
 
@@ -133,12 +135,14 @@ def shard(layout: UnitLayout, tensors: dict[str, torch.Tensor], rank: int, devic
     the slice is allocated (a shard never aliases its inputs), and each parameter's overlap with it copied in, so
     init holds one shard, not one unit, per unit."""
     lo, hi = layout.shard_range(rank)
-    out = torch.zeros(hi - lo, dtype=layout.dtype, device=device)
-    for s in layout.slots:
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a < b:
-            out[a - lo:b - lo].copy_(tensors[s.name].detach().reshape(-1)[a - s.offset:b - s.offset])
-    return out
+
+    def write(out):
+        out.zero_()
+        for s in layout.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                out[a - lo:b - lo].copy_(tensors[s.name].detach().reshape(-1)[a - s.offset:b - s.offset])
+    return _pages.state_empty(hi - lo, layout.dtype, device, write)  # (huge pages: read at every update)
 
 
 def unshard(shards: list[torch.Tensor]) -> torch.Tensor:
