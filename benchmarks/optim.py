@@ -60,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -262,6 +263,9 @@ def _forked(fn) -> dict:
     """``fn()`` in a child process forked from this one (its result back as JSON). Each optimizer's pair gets a heap
     of its own: in one process, an earlier pair's freed memory (fshard's state in huge pages, fshard/_pages.py) would
     serve a later pair's torch tensors, and which side got which pages would depend on the order of the cases."""
+    # (Safe while this process has run no parallel torch op: a libgomp pool forked in use would hang the child.)
+    sys.stdout.flush()  # (what is buffered now would be written again by the child)
+    sys.stderr.flush()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its result down the pipe, then out without the parent's exit handlers
@@ -271,8 +275,11 @@ def _forked(fn) -> dict:
             with os.fdopen(w, "w") as f:
                 json.dump(fn(), f)
             code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
             sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(code)
     os.close(w)
     with os.fdopen(r) as f:

@@ -126,8 +126,7 @@ def collapse(runs: list[tuple[int, int]]) -> None:
     """Move the pages of ``runs`` (whole huge pages of a written buffer, as ``advise`` returns them) into huge pages
     now (``MADV_COLLAPSE``, Linux 6.1 and later: the kernel copies them; an older kernel, or one that cannot find
     huge pages, refuses, and the pages stay as they are)."""
-    fns = _libc()
-    if fns is None:
+    if not runs or (fns := _libc()) is None:
         return
     for addr, length in runs:
         fns[0](addr, length, MADV_COLLAPSE)

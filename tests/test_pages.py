@@ -98,6 +98,8 @@ def test_the_ranges_collapsed_are_the_rest_of_the_buffers_whole_huge_pages(pages
 def test_a_state_buffer_asks_for_its_new_huge_pages_and_collapses_the_reused_ones_after_its_write(monkeypatch):
     calls = _recording(monkeypatch)
     huge = _pages._libc()[2]
+    if huge != _pages.HUGE:
+        pytest.skip(f"huge pages of {huge} bytes here (the test's buffers are sized for 2 MiB ones)")
     mm = mmap.mmap(-1, 12 * huge, flags=mmap.MAP_PRIVATE)
     buf = torch.frombuffer(mm, dtype=torch.float32)
     buf[:(3 * huge) // 4].fill_(1)  # its first three huge pages' worth resident (memory the heap reused)
@@ -111,7 +113,7 @@ def test_a_state_buffer_asks_for_its_new_huge_pages_and_collapses_the_reused_one
     assert new and collapsed and kinds == [mmap.MADV_HUGEPAGE] * len(new) + [_pages.MADV_COLLAPSE] * len(collapsed)
     covered = sorted(new + collapsed)
     assert covered[0][0] == lo and sum(n for _, n in covered) == hi - lo  # every whole huge page, once
-    assert collapsed[0][0] == lo and collapsed[0][1] >= 2 * huge  # the reused ones (an unaligned start: 2 or 3)
+    assert collapsed == [(lo, 3 * huge)]  # the reused ones (unaligned, the third is partly written: reused too)
     calls.clear()
     small = torch.frombuffer(mmap.mmap(-1, _pages.STATE_MIN_BYTES - 4096, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
     _pages.settled(small, lambda t: t.fill_(1))  # under STATE_MIN_BYTES: nothing asked
@@ -124,6 +126,8 @@ def test_init_puts_the_state_in_huge_pages_and_it_trains_the_same_without_them(m
     import fshard as fs
     calls = _recording(monkeypatch)
     huge = _pages._libc()[2]
+    if huge != _pages.HUGE:
+        pytest.skip(f"huge pages of {huge} bytes here (the test's model is sized for 2 MiB ones)")
 
     def train():
         torch.manual_seed(0)
