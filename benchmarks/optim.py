@@ -52,6 +52,7 @@ step.py's table lists each rank's ``comm/update_bytes`` (Muon's all-to-alls) bes
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -233,6 +234,10 @@ def run_updates(args) -> dict:
     print("\n| optimizer | fshard impl | torch peer | elements | fshard ms | torch ms | fshard Gelem/s | "
           "torch Gelem/s | speed | per repeat | paired median | fshard faster | max abs param diff |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # What every case would import or build at its first use, once here rather than in each forked child: torch
+    # imports dynamo when an optimizer is made (2-3 s), fshard.ops builds or loads its library at its first kernel.
+    importlib.import_module("torch._dynamo")  # (an import statement here would make ``torch`` a local name)
+    ops.native_available()  # (builds or loads the library, where it can)
     for name in names:
         out[name] = _forked(lambda name=name: _one_case(name, cfg, args, sign_test))
     print(f"\n[optim.py] {_uptime()}")
