@@ -26,9 +26,9 @@ same on both sides:
   ops (``ForeachLion``), as a foreach torch optimizer would be.
 
 Each optimizer runs in a process of its own, forked from this one (an earlier pair's freed memory, fshard's state in
-huge pages among it, would otherwise serve a later pair's torch tensors). fshard's state is in huge pages where the
-kernel has them (fshard/_pages.py, ``state_empty``), torch's parameters and moments are where torch's allocator puts
-them (4 KiB pages unless torch's ``THP_MEM_ALLOC_ENABLE=1``).
+huge pages among it, would otherwise serve a later pair's torch tensors). fshard asks the kernel for huge pages for
+its state (fshard/_pages.py, ``state_empty``); torch's parameters and moments are where torch's allocator puts them
+(4 KiB pages unless torch's ``THP_MEM_ALLOC_ENABLE=1``).
 Each repeat times one whole-model update of each side, in turn (the order alternates between repeats), after
 ``--warmup`` untimed updates; threads are ``torch.set_num_threads(--threads)`` for both. Printed per optimizer: the
 median ms, elements/s (trainable elements per second), the speed ratio ``torch ms / fshard ms`` (>= 1.0: fshard's
