@@ -65,8 +65,11 @@ def variant(who, ckpt):
     out["growth"] = status("VmHWM") - before
     return out
 
-# one interpreter imports torch, transformers and fshard once (three quarters of a variant's time); each variant
-# runs in a child forked from it before any thread or tensor op, a fresh process as far as its heap's peak goes
+# one interpreter imports torch, transformers and fshard once (three quarters of a variant's time), with GPT-2's
+# modeling module and the dynamo that its weights' init imports (4 s a variant when each child imported them); each
+# variant runs in a child forked from it before any thread or tensor op, a fresh process as far as its heap's peak goes
+T.GPT2LMHeadModel
+import torch._dynamo
 results = {}
 for arg in sys.argv[1:]:
     who, ckpt = arg.split(":")
