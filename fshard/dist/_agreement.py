@@ -1,22 +1,24 @@
 """How ranks agree: the check before each collective, a failure told to every rank, transport errors explained.
 
 A step's collectives only pair correctly if every rank issues the same ones in the same order; gloo answers
-collectives of different sizes by aborting the process, and one rank that raises leaves the others waiting until
-the timeout. So, before each collective of a step (``fs.compose(check_collectives=...)``), every rank joins one
-all-reduce of three float64 numbers of the same size everywhere, so it cannot mismatch:
+collectives of different sizes by aborting the process, and one rank that raises leaves the others waiting until the
+timeout. So, before each collective of a step (``fs.compose(check_collectives=...)``), every rank joins one
+all-gather of two float64 numbers, the same size everywhere, so it cannot mismatch (``check``):
 
-    [h, h * h, failed]     h: a 20-bit hash of the collective about to be issued; failed: 1 on a rank that raised
+    [h, failed]     h: a 20-bit hash of the collective about to be issued; failed: 1 on a rank that raised
 
-All ranks are equal iff ``n * sum(h^2) == sum(h)^2`` (``all_equal``). If they are, and no rank failed, the
-collective goes ahead. Otherwise every rank learns it at the same check, and one all-gather of fixed-size
-descriptors (what each rank was about to do, or the error it raised) lets each raise an error that names every
-rank's side: ``RankDivergenceError`` (different collectives) or ``RankFailedError`` (another rank raised). A rank
-that raises mid-step completes what it has in flight and posts ``failed`` at the others' next check
-(``Comm.fail``); since the others only issue a collective after a check that every rank joined, nothing is left
-waiting (exchanges checked ahead, all at once, are issued with zeros by a rank that fails before them:
-fshard/dist/_promises.py; a step that issues the collectives of the two before it checks that sequence once, at
-its start, and a rank that leaves it issues the rest with zeros too: fshard/dist/_replay.py). The step ends with
-such a check (the commit vote), so a step returns a new state on every rank or raises on every rank.
+If every rank's h is the same and no rank failed, the collective goes ahead. (An all-gather, not an all-reduce of
+``[h, h * h, failed]`` deciding equality from the sums: gloo's all-reduce of a few numbers takes 2-3x its
+all-gather's time at two ranks, and those sums are exact in float64 only up to 90 ranks.) Otherwise every rank
+learns it at the same check, and one all-gather of fixed-size descriptors (what each rank was about to do, or the
+error it raised) lets each raise an error that names every rank's side: ``RankDivergenceError`` (different
+collectives) or ``RankFailedError`` (another rank raised). A rank that raises mid-step completes what it has in
+flight and posts ``failed`` at the others' next check (``Comm.fail``); since the others only issue a collective
+after a check that every rank joined, nothing is left waiting (exchanges checked ahead, all at once, are issued with
+zeros by a rank that fails before them: fshard/dist/_promises.py; a step that issues the collectives of the two
+before it checks that sequence once, at its start, and a rank that leaves it issues the rest with zeros too:
+fshard/dist/_replay.py). The step ends with such a check (the commit vote), so a step returns a new state on every
+rank or raises on every rank.
 
 A collective that fails in the transport (a timeout while a rank is hung, a connection closed by a dead rank)
 is a ``CollectiveError`` naming the step, the collective and, through torch.distributed's store, the ranks that had
@@ -32,7 +34,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._bare import bare
+from ._bare import all_gather_single, bare
 from ..errors import (BatchMismatchError, CollectiveError, FshardError, RankDivergenceError, RankFailedError,
                       StepError)
 
@@ -67,20 +69,29 @@ def describe(entry: tuple) -> str:
     return f"{kind} of {tag!r} ({numel} x {dtype})" if kind != "vote" else f"{tag} vote at the end of the step"
 
 
-def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
-    """One check (see the module docstring). Returns if every rank is about to issue ``entry`` and none failed;
-    else raises on every rank (the failing rank itself returns, to raise its own error)."""
+def check(comm, h: int, failed: bool, what) -> tuple[bool, bool]:
+    """One check every rank joins (the module docstring): an all-gather of ``[h, failed]`` in the mesh's control
+    group. Returns whether every rank passed the same ``h`` and whether any rank failed. ``what()`` names the
+    check in a transport error (``wait_works``)."""
     mesh = comm.mesh
-    h = float(small_hash(entry)) if failure is None else 0.0
-    buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
-    comm.bytes["check"] += buf.nbytes  # not "control": step.plan's figures are those of a checked-once step
-    mesh.runtime.checks += 1
+    mine = torch.tensor([float(h), float(failed)], dtype=torch.float64, device=mesh.device)
+    every = torch.empty(2 * mesh.world_size, dtype=torch.float64, device=mesh.device)
+    mesh.runtime.checks += 1  # (the same count on every rank: explain() keys its reports by it)
     with bare():
-        work = dist.all_reduce(buf, group=mesh.control_group, async_op=True)  # (not queued behind a gather)
-    wait_works([work], comm, lambda: f"the check before its {describe(entry)}")
-    mesh.hold(buf)  # the last check before the process exits may be this one (Mesh.hold)
-    s, q, failed = buf.tolist()
-    if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
+        work = all_gather_single(every, mine, mesh.control_group)
+    wait_works([work], comm, what)
+    mesh.hold(mine, every)  # the last check before the process exits may be this one (Mesh.hold)
+    got = every.tolist()
+    return len(set(got[0::2])) == 1, any(got[1::2])
+
+
+def exchange(comm, entry: tuple, failure: BaseException | None = None) -> None:
+    """One check before ``entry`` (the module docstring). Returns if every rank is about to issue ``entry`` and none
+    failed; else raises on every rank (the failing rank itself returns, to raise its own error)."""
+    comm.bytes["check"] += 16  # this rank's [h, failed]; not "control": step.plan's figures are a checked-once step's
+    same, failed = check(comm, small_hash(entry) if failure is None else 0, failure is not None,
+                         lambda: f"the check before its {describe(entry)}")
+    if same and not failed:
         return
     comm.closed = True  # every rank knows: nothing more may be posted on this step's behalf
     where = f" in {comm.context}" if comm.context else ""

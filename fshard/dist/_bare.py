@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 _autograd = torch._C._autograd
 
@@ -42,3 +43,11 @@ def bare():
     finally:
         for pack, unpack in reversed(hooks):
             _autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def all_gather_single(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = True):
+    """torch's all-gather into one tensor: ``all_gather_single`` where torch has it (2.13, which deprecates
+    ``all_gather_into_tensor``), else ``all_gather_into_tensor``; looked up on the module at each call, as fshard
+    does every collective (tests/test_exit.py spies on them there)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, t, group=group, async_op=async_op)

@@ -2,9 +2,9 @@
 failure on one rank is an fshard error on every rank at once, never a wait for the collective timeout.
 
 Such a call is phases of local work (reading a manifest, checking a path, writing files), each ended by a check that
-every rank joins: fshard/dist/_agreement.py's all-reduce of ``[h, h * h, failed]``, where ``h`` hashes what every rank
-must hold alike (the path, the manifest it read, the files it sees) and ``failed`` is 1 on a rank whose work
-raised. If no rank failed and the hashes are equal (``all_equal``), the call goes on to its next phase, whose
+every rank joins: fshard/dist/_agreement.py's ``check``, an all-gather of ``[h, failed]``, where ``h`` hashes what
+every rank must hold alike (the path, the manifest it read, the files it sees) and ``failed`` is 1 on a rank whose
+work raised. If no rank failed and the hashes are equal, the call goes on to its next phase, whose
 collectives therefore pair. Otherwise every rank learns it at that check, and one all-gather of fixed-size
 descriptors names each rank's side: the rank that failed raises its own error, the others ``RankFailedError``
 naming it; ranks that hold different values raise ``RankDivergenceError`` naming each one's. A rank interrupted
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ._bare import bare
-from ._agreement import _descriptors, all_equal, small_hash, wait_works
+from ._agreement import _descriptors, check, small_hash, wait_works
 from ._collectives import Comm
 from ..errors import CollectiveError, RankDivergenceError, RankFailedError
 
@@ -64,16 +64,10 @@ class Call:
         mesh = self.mesh
         if mesh.group is None:
             return
-        h = float(small_hash(value)) if failure is None else 0.0
-        buf = torch.tensor([h, h * h, float(failure is not None)], dtype=torch.float64, device=mesh.device)
-        mesh.runtime.checks += 1  # (the same count on every rank: explain() keys its reports by it)
-        with bare():
-            work = dist.all_reduce(buf, group=mesh.control_group, async_op=True)  # (the step's checks' group: a
-            # rank saving and one stepping meet at their checks and raise, instead of waiting for the timeout)
-        wait_works([work], self.comm, lambda: f"the other ranks at {what}")
-        mesh.hold(buf)  # a script may exit right after a save, a load or their failure (Mesh.hold)
-        s, q, failed = buf.tolist()
-        if failed == 0 and all_equal(mesh.world_size, [s], [q])[0]:
+        same, failed = check(self.comm, small_hash(value) if failure is None else 0, failure is not None,
+                             lambda: f"the other ranks at {what}")  # (the step's own check: a rank saving
+        # and one stepping meet at their checks and raise, instead of waiting for the timeout)
+        if same and not failed:
             return
         self.comm.closed = True
         mine = (f"failed at {what}: {type(failure).__name__}: {failure}" if failure is not None else

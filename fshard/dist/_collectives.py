@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ArgumentError
-from ._bare import bare
+from ._bare import all_gather_single, bare
 from ._agreement import HASH_BITS, describe, exchange, wait_works
 from ._promises import Promises
 from ._replay import (Item, Replay, zeros_all_reduce, zeros_gather, zeros_reduce_each, zeros_reduce_scatter,
@@ -211,7 +211,7 @@ class Comm:
             works = []
         elif self.impl == "all_gather":
             with bare():
-                works = [dist.all_gather_into_tensor(out, shard, group=g, async_op=True)]
+                works = [all_gather_single(out, shard, g)]
         elif self.impl == "broadcast":
             parts = out.chunk(n)
             parts[rank].copy_(shard)
