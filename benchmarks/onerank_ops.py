@@ -50,7 +50,8 @@ class Count(TorchDispatchMode):
         return out
 
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce", "all_to_all_single")
 
 
 class Collectives:

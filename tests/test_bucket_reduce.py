@@ -301,8 +301,7 @@ def test_reduce_dtype_sums_bf16_gradients_in_fp32():
 
 def _reduce_calls():
     """One bucketed step's transport calls for the buckets: how many gloo reduces, section all-reduces and
-    exchanges (the checks' all-reduces have 3 elements; the loss's and the agreement's are small too: counted by
-    size)."""
+    exchanges (the loss's and the agreement's all-reduces are small: counted by size)."""
     import torch.distributed as dist
     import fshard as fs
     calls = {"reduce": 0, "all_reduce": 0, "all_to_all_single": 0}
@@ -335,9 +334,10 @@ def test_a_bucket_is_exchanged_on_gloo_at_two_ranks_and_reduced_to_each_owner_ot
 
 
 def _blocking_reduce_calls():
-    """The blocking reduce's transport calls in one step of the GPT (reduce-scatters, and all-to-alls larger than a
-    check), and ``Comm.reduce_scatter`` on its own: into a fresh ``out``, and into ``out`` that is this rank's slice
-    of ``full`` itself (as a policy may pass it: ours is read after the other's part is received)."""
+    """The blocking reduce's transport calls in one step of the GPT (reduce-scatters and all-to-alls: a check is
+    neither), and ``Comm.reduce_scatter`` on its own: into a fresh ``out``, and into ``out`` that is this rank's slice
+    of ``full`` itself (as a policy may pass it: ours is read after the other's part is received), and into a
+    strided ``out``; then ``out`` of the wrong size, refused on every rank (the error, and what the others raise)."""
     import torch.distributed as dist
     import fshard as fs
     from fshard.dist._collectives import Comm
@@ -355,29 +355,39 @@ def _blocking_reduce_calls():
         step(state, batches(mesh.rank, mesh.world_size)[0])
     n, r = mesh.world_size, mesh.rank
     sums = []
-    for inside in (False, True):
+    for where in ("own", "inside", "strided")[:3 if n == 2 else 2]:  # (torch's reduce-scatter takes no strided out)
         full = torch.arange(7.0 * n) * (r + 1) + 0.1 * r  # (rank r's: the sum over ranks is known)
-        out = full.view(n, 7)[r] if inside else torch.empty(7)
+        out = {"own": lambda: torch.empty(7), "inside": lambda: full.view(n, 7)[r],
+               "strided": lambda: torch.empty(14)[::2]}[where]()
         Comm(mesh, verify=True).reduce_scatter(out, full, "probe").wait()
         sums.append(out.tolist())
-    return calls, sums
+    comm = Comm(mesh, verify=True)
+    try:
+        comm.reduce_scatter(torch.empty(6 if r == 0 else 7), torch.zeros(7 * n), "misused")
+        refused = None
+    except fs.FshardError as e:
+        comm.fail(e)  # (what a step does with its error: the others learn it at their check)
+        refused = type(e).__name__
+    return calls, sums, refused
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_blocking_reduce_is_an_exchange_on_gloo_at_two_ranks_and_a_reduce_scatter_otherwise(world_size):
     """``Comm.reduce_scatter`` at two ranks on gloo: one all-to-all a unit (2-6x faster than gloo's reduce-scatter,
-    design/COLLECTIVES.md), the own slice added at the wait, so the same sum whether ``out`` is a buffer of its own or
-    this rank's slice of ``full``; elsewhere torch's reduce-scatter. (Bitwise DDP at two ranks:
-    tests/test_ddp_equivalence.py.)"""
-    for r, (calls, sums) in enumerate(run_ranks(_blocking_reduce_calls, world_size)):
+    design/COLLECTIVES.md), the own slice added at the wait, so the same sum whether ``out`` is a buffer of its own,
+    this rank's slice of ``full`` or strided; elsewhere torch's reduce-scatter. Sizes that do not fit are refused
+    before the check, so the other ranks raise there. (Bitwise DDP at two ranks: tests/test_ddp_equivalence.py.)"""
+    for r, (calls, sums, refused) in enumerate(run_ranks(_blocking_reduce_calls, world_size, timeout_s=60,
+                                                         collective_timeout_s=20)):
+        assert refused == ("ArgumentError" if r == 0 else "RankFailedError"), (r, refused)
         units = 4  # the GPT's: the root and 3 blocks
         if world_size == 2:
-            assert calls["reduce_scatter_tensor"] == 0 and calls["all_to_all_single"] == units + 2, calls
+            assert calls["reduce_scatter_tensor"] == 0 and calls["all_to_all_single"] == units + 3, calls
         else:
             assert calls["reduce_scatter_tensor"] == units + 2 and calls["all_to_all_single"] == 0, calls
         fulls = [torch.arange(7.0 * world_size) * (q + 1) + 0.1 * q for q in range(world_size)]
         want = sum(fulls[1:], fulls[0]).view(world_size, 7)[r].tolist()  # (float32, as the ranks sum)
         if world_size == 2:  # a sum of two: exact in either order
-            assert sums == [want, want], (r, sums, want)
+            assert sums == [want] * 3, (r, sums, want)
         else:
-            assert torch.allclose(torch.tensor(sums), torch.tensor([want, want])), (r, sums, want)
+            assert torch.allclose(torch.tensor(sums), torch.tensor([want] * 2)), (r, sums, want)

@@ -185,7 +185,8 @@ def _one_rank_group():
     dist.init_process_group("gloo")
     mesh = fs.Mesh.from_env()
     assert mesh.group is not None and mesh.world_size == 1
-    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "all_gather")
+    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce", "all_gather", "all_to_all_single")
     calls, saved = [], {n: getattr(dist, n) for n in names}
 
     def counted(n, f):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -795,6 +796,8 @@ def _promised_run(fail):
     real_all_to_all, issued, armed = c.dist.all_to_all_single, [0], [False]
 
     def refused(*args, **kwargs):  # (Comm.exchange's issue; the zeros of a failed rank go through _promises.py)
+        if sys._getframe(1).f_code.co_name == "swap":  # (the blocking reduce's exchange at two ranks: not Muon's)
+            return real_all_to_all(*args, **kwargs)
         issued[0] += 1
         if fail == "issue" and mesh.rank == 1 and armed[0] and issued[0] == 2:
             raise ValueError("boom issuing an exchange")

@@ -8,7 +8,7 @@ all-gather of two float64 numbers, the same size everywhere, so it cannot mismat
     [h, failed]     h: a 20-bit hash of the collective about to be issued; failed: 1 on a rank that raised
 
 If every rank's h is the same and no rank failed, the collective goes ahead. (An all-gather, not an all-reduce of
-``[h, h * h, failed]`` deciding equality from the sums: gloo's all-reduce of a few numbers takes 2-3x its
+``[h, h * h, failed]`` deciding equality from the sums: gloo's all-reduce of a few numbers takes about twice its
 all-gather's time at two ranks, and those sums are exact in float64 only up to 90 ranks.) Otherwise every rank
 learns it at the same check, and one all-gather of fixed-size descriptors (what each rank was about to do, or the
 error it raised) lets each raise an error that names every rank's side: ``RankDivergenceError`` (different

@@ -19,6 +19,9 @@ So every collective fshard issues is issued inside ``bare()``, which takes the s
 stack for the call (a c10d collective records nothing for autograd: they have no use there) and puts them back, in
 order, after it. The Python modes (``TorchFunctionMode``, ``TorchDispatchMode``) a caller may have entered are left
 in force: taking them off would change how the collective dispatches, and fshard enters none.
+
+Also here, the transport calls that other modules share: torch's one-tensor all-gather under its 2.13 name, and the
+exchange that replaces gloo's reduce-scatter in a group of two (``swap``, ``swap_halves``).
 """
 from __future__ import annotations
 
@@ -51,3 +54,26 @@ def all_gather_single(out: torch.Tensor, t: torch.Tensor, group, async_op: bool 
     does every collective (tests/test_exit.py spies on them there)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, t, group=group, async_op=async_op)
+
+
+def swap(into: torch.Tensor, send: torch.Tensor, peer: int, group):
+    """One all-to-all in a group of two ranks: ``send`` to ``peer``, ``peer``'s message into ``into`` (the exchange
+    that reduces a sum of two: ``swap_halves``, ``Comm.reduce_each``; not isend/irecv: design/COLLECTIVES.md)."""
+    recv, sent = [0, 0], [0, 0]
+    recv[peer], sent[peer] = into.numel(), send.numel()
+    return dist.all_to_all_single(into, send, recv, sent, group=group, async_op=True)
+
+
+def swap_halves(out: torch.Tensor, full: torch.Tensor, me: int, group):
+    """A reduce-scatter in a group of two ranks as one exchange: the other rank's half of ``full`` sent to it, its
+    part of this rank's half received, this rank's added when the work is done (a sum of two: the same bits in either
+    order). Returns ``(work, then, scratch)`` for a ``Flight``. ``out`` (half ``full``'s size, its dtype) receives the
+    message itself unless it is not contiguous or lies in ``full``, whose half this rank still reads: then a buffer."""
+    halves = full.reshape(-1).chunk(2)
+    mine, theirs = halves[me], halves[1 - me]
+    own = out.is_contiguous() and out.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+    into = out.view(-1) if own else torch.empty_like(mine)
+    work = swap(into, theirs, 1 - me, group)
+    if own:
+        return work, (lambda: into.add_(mine)), ()
+    return work, (lambda: out.copy_(into.add_(mine).view(out.shape))), (into,)

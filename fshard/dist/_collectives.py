@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ArgumentError
-from ._bare import all_gather_single, bare
+from ._bare import all_gather_single, bare, swap, swap_halves
 from ._agreement import HASH_BITS, describe, exchange, wait_works
 from ._promises import Promises
 from ._replay import (Item, Replay, zeros_all_reduce, zeros_gather, zeros_reduce_each, zeros_reduce_scatter,
@@ -36,13 +36,6 @@ from ._replay import (Item, Replay, zeros_all_reduce, zeros_gather, zeros_reduce
 from ._protocol import Exchange
 from ._flight import Flight
 from ._mesh import _FASTEST_GATHER, Mesh
-
-
-def gather_impl(mesh: Mesh) -> str:
-    """How this mesh's gathers are done: its ``gather_impl`` (FSHARD_GATHER when the mesh was made), ``auto`` the
-    measured fastest of its backend."""
-    impl = mesh.gather_impl
-    return _FASTEST_GATHER.get(mesh.backend, "all_gather") if impl == "auto" else impl
 
 
 class Comm:
@@ -63,7 +56,8 @@ class Comm:
         self.bytes: dict[str, int] = defaultdict(int)
         self.flights: dict[str, list[Flight]] = defaultdict(list)
         self.reduce_buffer_bytes = 0  # the largest buffer one reduction read (a unit's gradient, or a bucket)
-        self.impl = gather_impl(mesh)
+        auto = _FASTEST_GATHER.get(mesh.backend, "all_gather")  # how gathers are done: the backend's measured
+        self.impl = auto if mesh.gather_impl == "auto" else mesh.gather_impl  # fastest, or FSHARD_GATHER's
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
         self._promised = Promises()  # the exchanges checked ahead (``promise``), not issued yet
@@ -100,7 +94,7 @@ class Comm:
             self.trace.append(entry)
 
     def _check(self, entry: tuple, force: bool = False, zeros=None) -> None:
-        """With ``verify`` (or ``force``): before a collective, one all-reduce of three numbers tells whether every
+        """With ``verify`` (or ``force``): before a collective, one all-gather of two numbers tells whether every
         rank is about to issue the same one and none has failed (fshard/dist/_agreement.py: ``exchange``). Every rank
         raises at the same check, so none is left waiting, and gloo never sees collectives of different sizes
         (which it answers by aborting the process). Unchecked where it is the next collective of the sequence
@@ -275,11 +269,12 @@ class Comm:
             wait_works([work], self, lambda: f"its gather of {tag!r} to rank 0")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str) -> Flight:
-        """Start ``out <- this rank's slice of the sum over the shard group of full``; wait on the returned flight.
-        (On a 2-D mesh the replica groups' sum follows: ``replicate``.) On gloo in a group of two, an exchange, as
-        ``reduce_each``'s: one all-to-all sends the other rank its slice and receives the other's part of ours into
-        ``out``, which the wait adds ours to (2-6x faster than gloo's reduce-scatter here: design/COLLECTIVES.md);
-        a sum of two, so the same bits."""
+        """Start ``out <- this rank's slice of the shard group's sum of full`` (2-D: ``replicate`` next). On gloo,
+        in a group of two ``reduce_each``'s exchange into ``out``, ours added by the wait (2-6x faster; same bits)"""
+        n = self.mesh.shard_size
+        if out.numel() * n != full.numel() or out.dtype != full.dtype:  # (before the check, where the others raise)
+            raise ArgumentError(f"Comm.reduce_scatter({tag!r}): out is {out.numel()} x {out.dtype} and full "
+                                f"{full.numel()} x {full.dtype}; out takes 1/{n} of full, in full's dtype.")
         self._note("reduce_scatter", tag, full, zeros=zeros_reduce_scatter(full.numel(), full.dtype, tag))
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, full.nbytes)
         t0 = time.perf_counter()
@@ -290,28 +285,20 @@ class Comm:
             if not _same(out, full):
                 out.copy_(full)
             works = []
-        elif self.mesh.backend == "gloo" and self.mesh.shard_size == 2 and out.is_contiguous():
-            me = self.mesh.shard_rank
-            mine, theirs = full.reshape(-1).chunk(2)[me], full.reshape(-1).chunk(2)[1 - me]
-            into = out.view(-1)
-            if out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():  # (out in full: ours is
-                into = torch.empty_like(into)                                             # read after the receive)
-                scratch = (into,)
-            sizes = [0, 0]
-            sizes[1 - me] = into.numel()
+        elif self.mesh.backend == "gloo" and self.mesh.shard_size == 2:  # (mesh facts only: every rank alike)
             with bare():
-                works = [dist.all_to_all_single(into, theirs, sizes, sizes, group=g, async_op=True)]
-            then = (lambda: into.add_(mine)) if not scratch else (lambda: out.view(-1).copy_(into.add_(mine)))
+                work, then, scratch = swap_halves(out, full, self.mesh.shard_rank, g)
+            works = [work]
         else:
             with bare():
-                works = [dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=g, async_op=True)]
+                works = [dist.reduce_scatter_tensor(out, full, group=g, async_op=True)]  # (SUM)
         return self._flight(works, t0, "reduce", tag, then, scratch)
 
     def reduce_each(self, sections: list[torch.Tensor], tag: str, empty=None) -> Flight:
-        """Start one SUM reduce per rank of the shard group: ``sections[r]`` (sizes may differ) is summed over the
-        group into shard rank r's. On gloo in a group of two, an exchange (one all-to-all: the other's section out,
-        the other's part of ours into a buffer from ``empty(numel, dtype)`` or new, counted in ``reduce_buffer_bytes``,
-        added in by the wait); elsewhere a ``reduce`` to each owner. Why: design/COLLECTIVES.md. Bitwise either way."""
+        """Start one SUM reduce per rank of the shard group: ``sections[r]`` (sizes may differ) summed into shard
+        rank r's. On gloo in a group of two an exchange (``swap``: the other's part of ours into a buffer from
+        ``empty(numel, dtype)`` or new, in ``reduce_buffer_bytes``, added by the wait), else a ``reduce`` to each
+        owner (bitwise both: design/COLLECTIVES.md)."""
         sizes = [t.numel() for t in sections]
         self._check(("reduce", tag, str(sections[0].dtype).removeprefix("torch."), "+".join(map(str, sizes))),
                     zeros=zeros_reduce_each(sizes, sections[0].dtype, tag))  # one check for the call's N reduces
@@ -327,11 +314,8 @@ class Comm:
             if g is None or self.dry or self.mesh.shard_size == 1:
                 works = []
             elif exchange:  # (see the docstring)
-                peer = 1 - self.mesh.shard_rank  # (not isend/irecv: see the design)
                 got = torch.empty_like(mine) if empty is None else empty(mine.numel(), mine.dtype)
-                out, inp = [0, 0], [0, 0]
-                out[peer], inp[peer] = mine.numel(), sections[peer].numel()
-                works = [dist.all_to_all_single(got, sections[peer], out, inp, group=g, async_op=True)]
+                works = [swap(got, sections[1 - self.mesh.shard_rank], 1 - self.mesh.shard_rank, g)]
                 then, scratch = (lambda: mine.add_(got)), (got,)
             else:
                 works = [dist.reduce(t, group_dst=r, op=dist.ReduceOp.SUM, group=g, async_op=True)

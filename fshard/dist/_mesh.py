@@ -37,7 +37,7 @@ from ._threads import Background, registered_groups
 # A dead rank must make the others fail instead of hanging: collectives time out after this many seconds.
 DEFAULT_TIMEOUT_S = 300.0
 _RELEASE_S = 2.0  # at exit, the longest wait for gloo's threads to let go of the last collectives' tensors
-_HELD = 16  # how many of the last small collectives' tensors a mesh keeps (a check, the descriptors of N ranks)
+_HELD = 16  # how many of the last small collectives' tensors a mesh keeps (a check's two, the descriptors' N + 1)
 
 
 def _timeout(value=None) -> float:
@@ -272,7 +272,7 @@ class Mesh:
 
     @property
     def checks(self) -> int:
-        """How many checks (one tiny all-reduce each, fshard/dist/_agreement.py) were made on this mesh so far."""
+        """How many checks (one tiny all-gather each, fshard/dist/_agreement.py) were made on this mesh so far."""
         return self.runtime.checks
 
     def background(self) -> Background:

@@ -212,7 +212,7 @@ class Step:
     def _verify(self, mesh) -> bool:
         """Check every collective across ranks before it is issued (fshard/dist/_agreement.py)? ``check_collectives``
         if given (True: always, False: never); by default always on a CPU mesh, and until a step has completed on
-        others (the check's all-reduce reads its result on the host: on CUDA a device sync per collective)."""
+        others (the check's all-gather reads its result on the host: on CUDA a device sync per collective)."""
         if self.check_collectives is not None:
             return self.check_collectives
         return mesh.device.type == "cpu" or not self._checked
@@ -369,7 +369,7 @@ def compose(loss_fn, *transforms, donate: bool = False, trace: bool = False, mes
     timeline: add ``metrics["trace/timeline"]``, this rank's spans ``(lane, label, start_s, end_s)`` since the
       step began (compute, gathers, reductions, control all-reduces, update, store I/O, exposed waits); draw them
       with ``fs.timeline(metrics, path)``.
-    check_collectives: before each collective, one tiny all-reduce checks that all ranks are about to issue the same
+    check_collectives: before each collective, one tiny all-gather checks that all ranks are about to issue the same
       one and that none has failed (fshard/dist/_agreement.py): divergence is a ``RankDivergenceError`` and an error on
       one rank a ``RankFailedError`` on the others, on every rank at the same point, where gloo would abort the
       process or the others would wait for the timeout. Once two steps in a row issued the same collectives, a
