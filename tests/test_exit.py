@@ -272,9 +272,11 @@ def test_no_collective_carries_the_steps_saved_tensor_hooks(tmp_path):
     for rank, (seen, in_forward) in enumerate(run_ranks(_issued, 2, str(tmp_path))):
         assert in_forward and all(in_forward), (rank, in_forward)  # (the premise: hooks were in force)
         kinds = {name for name, _, _ in seen}
-        assert {"all_reduce", "all_gather", "all_to_all_single"} <= kinds, (rank, kinds)  # (gathers: broadcasts here)
-        assert kinds & {"all_gather_single", "all_gather_into_tensor"} and kinds & {"broadcast", "all_gather_single",
-                                                                                    "all_gather_into_tensor"}, kinds
+        assert {"all_reduce", "all_gather", "all_to_all_single"} <= kinds, (rank, kinds)
+        assert kinds & {"all_gather_single", "all_gather_into_tensor"}, (rank, kinds)  # (the checks)
+        # the gathers (broadcasts on gloo, all-gathers under FSHARD_GATHER=all_gather): larger than a check's 2 x 2
+        assert any(name in ("broadcast", "all_gather_single", "all_gather_into_tensor") and n > 4
+                   for name, _, n in seen), seen
         assert kinds & {"gather_object", "broadcast_object_list", "scatter_object_list"}, (rank, kinds)
         # the buckets' reductions: on gloo at two ranks an exchange of sections (Comm.reduce_each), larger than the
         # checks' and the loss's few numbers; the blocking reduce's reduce-scatter

@@ -58,6 +58,8 @@ class Comm:
         self.reduce_buffer_bytes = 0  # the largest buffer one reduction read (a unit's gradient, or a bucket)
         auto = _FASTEST_GATHER.get(mesh.backend, "all_gather")  # how gathers are done: the backend's measured
         self.impl = auto if mesh.gather_impl == "auto" else mesh.gather_impl  # fastest, or FSHARD_GATHER's
+        # a shard group of two on gloo sums two by an exchange (``swap``), whatever the tensors: design/COLLECTIVES.md
+        self.swaps = mesh.backend == "gloo" and mesh.shard_size == 2 and mesh.shard_group is not None
         self.stream = stream  # CUDA: the side stream gathers run on (None: the current stream)
         self._hash = 0
         self._promised = Promises()  # the exchanges checked ahead (``promise``), not issued yet
@@ -281,11 +283,11 @@ class Comm:
         g, then, scratch = self.mesh.shard_group, None, ()
         if self.dry:
             works = []
-        elif self.mesh.shard_size == 1:  # one rank: the sum is the gradient; a copy only into another buffer
+        elif n == 1:  # one rank: the sum is the gradient; a copy only into another buffer
             if not _same(out, full):
                 out.copy_(full)
             works = []
-        elif self.mesh.backend == "gloo" and self.mesh.shard_size == 2:  # (mesh facts only: every rank alike)
+        elif self.swaps:
             with bare():
                 work, then, scratch = swap_halves(out, full, self.mesh.shard_rank, g)
             works = [work]
@@ -305,15 +307,14 @@ class Comm:
         for r, t in enumerate(sections):
             self._note("reduce", f"{tag}/r{r}", t, check=False)
         g, then, scratch = self.mesh.shard_group, None, ()
-        exchange = self.mesh.backend == "gloo" and self.mesh.shard_size == 2 and g is not None
-        mine = sections[self.mesh.shard_rank] if exchange else None
+        mine = sections[self.mesh.shard_rank] if self.swaps else None
         self.reduce_buffer_bytes = max(self.reduce_buffer_bytes, sum(t.nbytes for t in sections) + (
-            mine.nbytes if exchange else 0))
+            mine.nbytes if self.swaps else 0))
         t0 = time.perf_counter()
         with bare():
             if g is None or self.dry or self.mesh.shard_size == 1:
                 works = []
-            elif exchange:  # (see the docstring)
+            elif self.swaps:  # (see the docstring)
                 got = torch.empty_like(mine) if empty is None else empty(mine.numel(), mine.dtype)
                 works = [swap(got, sections[1 - self.mesh.shard_rank], 1 - self.mesh.shard_rank, g)]
                 then, scratch = (lambda: mine.add_(got)), (got,)
