@@ -1,0 +1,51 @@
+"""Rank 0's timeline spans at the start and the end of a step (issue #42, session 48): what runs before forward's
+compute can begin (the first gathers: their launches into fresh buffers, then their data) and what is left after
+backward's compute (the last buckets' reduces). Two ranks, gather_ahead(2) + bucket_reduce(25), donate=True, the
+spans of ``fs.compose(..., timeline=True)`` of step ``STEPS`` (default 5), those that begin in the first ``HEAD``
+seconds (0.45) or end in the last ``TAIL`` (0.6).
+
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/spans.py --model 117m
+
+The rest of the arguments are step.py's (the model, the batch)."""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/ (step)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import step as stepbench  # noqa: E402
+from gpt import synthetic_batches  # noqa: E402
+
+
+def main(rank, port, argv):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import fshard as fs
+
+    args = stepbench.parse_args(argv)
+    cfg = stepbench._model_config(args)
+    n, head, tail = int(os.environ.get("STEPS", "5")), float(os.environ.get("HEAD", "0.45")), \
+        float(os.environ.get("TAIL", "0.6"))
+    batches = list(synthetic_batches(cfg, args.batch_size, n, args.seed, rank, 2))
+    model, kwargs = stepbench.Ctx(args, cfg, rank, 2).fshard_model()
+    state = fs.init(model, fs.Mesh.from_env(), fs.adamw(**stepbench._adamw_kwargs(args)), **kwargs)
+    with fs.compose(stepbench.loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), donate=True, timeline=True) as step:
+        for i in range(n):
+            state, m = step(state, batches[i])
+    if rank == 0:
+        print(f"step {n}: {m['time/step'] * 1e3:.1f} ms; spans (lane, label, start ms, end ms):")
+        for lane, label, a, b in sorted(m["trace/timeline"], key=lambda s: s[2]):
+            if a < head or b > m["time/step"] - tail:
+                print(f"  {lane:8s} {label:24s} {a * 1e3:8.1f} {b * 1e3:8.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(stepbench._free_port(), sys.argv[1:]), nprocs=2)
