@@ -301,6 +301,17 @@ register("fshard+ahead+buckets")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(
 register("fshard+compile")(lambda ctx: fshard_runner(ctx, compile=True))
 register("fshard+ahead+buckets+compile")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), compile=True))
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
+
+
+def _head_unit(ctx) -> dict:
+    """fs.init's units: each block, and the output head (``lm_head``) as a unit of its own, as torchtitan shards the
+    final norm and the output layer apart from the root: backward's first gradient, reduced while the blocks' run,
+    instead of with the embeddings' at the end (an untied head only; a tied one stays in the root)."""
+    return dict(units=[f"blocks.{i}" for i in range(ctx.cfg.n_layers)] + ["lm_head"])
+
+
+register("fshard+ahead+buckets+head+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, init_kwargs=_head_unit(ctx)))
 # check_collectives=False: no collective checked across ranks before it is issued (the default checks every step on
 # CPU meshes; fshard/dist/_agreement.py). (Measured until issue #39 with False meaning "the first step only".)
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
