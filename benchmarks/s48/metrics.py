@@ -3,7 +3,8 @@
 memory it maps (``/proc/vmstat``'s ``thp_fault_alloc``: huge pages, 2 MiB each; ``pgfault``: every fault, 4 KiB ones
 included; both ranks' and anything else running, so run it alone).
 
-    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/metrics.py --model 117m --configs fshard+ahead+buckets+donate
+    flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/metrics.py --model 117m \\
+        --configs fshard+ahead+buckets+donate
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/metrics.py --model 117m --configs ddp  # faults only
 
 ``STEPS`` steps (default 6), the first two not printed; one config; the rest of the arguments are step.py's."""
@@ -32,13 +33,18 @@ def _vmstat() -> tuple[int, int]:
     return int(d.get("thp_fault_alloc", 0)), int(d["pgfault"])
 
 
-def main(rank, port, argv):
+def rank_setup(rank: int, port: int, argv: list):
+    """One of two ranks on this machine (gloo, one thread), and step.py's arguments and model config."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     args = stepbench.parse_args(argv)
-    cfg = stepbench._model_config(args)
+    return args, stepbench._model_config(args)
+
+
+def main(rank, port, argv):
+    args, cfg = rank_setup(rank, port, argv)
     n = int(os.environ.get("STEPS", "6"))
     batches = list(synthetic_batches(cfg, args.batch_size, n, args.seed, rank, 2))
     r = stepbench._builder(args.configs)(stepbench.Ctx(args, cfg, rank, 2))

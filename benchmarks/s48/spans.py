@@ -12,25 +12,21 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/ (step)
+sys.path.insert(0, HERE)  # metrics
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import step as stepbench  # noqa: E402
 from gpt import synthetic_batches  # noqa: E402
+from metrics import rank_setup  # noqa: E402  (benchmarks/s48/metrics.py)
 
 
 def main(rank, port, argv):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    args, cfg = rank_setup(rank, port, argv)
     import fshard as fs
 
-    args = stepbench.parse_args(argv)
-    cfg = stepbench._model_config(args)
     n, head, tail = int(os.environ.get("STEPS", "5")), float(os.environ.get("HEAD", "0.45")), \
         float(os.environ.get("TAIL", "0.6"))
     batches = list(synthetic_batches(cfg, args.batch_size, n, args.seed, rank, 2))
