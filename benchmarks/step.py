@@ -305,8 +305,8 @@ register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_b
 
 def _head_unit(ctx) -> dict:
     """fs.init's units: each block, and the output head (``lm_head``) as a unit of its own, as torchtitan shards the
-    final norm and the output layer apart from the root: backward's first gradient, reduced while the blocks' run,
-    instead of with the embeddings' at the end (an untied head only; a tied one stays in the root)."""
+    output layer apart from the root: backward's first gradient, reduced while the blocks run instead of with the
+    embeddings' at the end (an untied head only: a tied one is in the root whatever the units)."""
     return dict(units=[f"blocks.{i}" for i in range(ctx.cfg.n_layers)] + ["lm_head"])
 
 
