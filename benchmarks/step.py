@@ -312,6 +312,11 @@ def _head_unit(ctx) -> dict:
 
 register("fshard+ahead+buckets+head+donate")(
     lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, init_kwargs=_head_unit(ctx)))
+# each block's attention and MLP units of their own (its norms in the root): gradients ready in half-blocks, so a
+# block's MLP gradient is reduced while its attention's backward runs (readiness finer than a block, by the units)
+register("fshard+ahead+buckets+halves+donate")(lambda ctx: fshard_runner(
+    ctx, *_ahead_buckets(), donate=True,
+    init_kwargs=dict(units=[f"blocks.{i}.{m}" for i in range(ctx.cfg.n_layers) for m in ("attn", "mlp")])))
 # check_collectives=False: no collective checked across ranks before it is issued (the default checks every step on
 # CPU meshes; fshard/dist/_agreement.py). (Measured until issue #39 with False meaning "the first step only".)
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))
