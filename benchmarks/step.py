@@ -303,20 +303,20 @@ register("fshard+ahead+buckets+compile")(lambda ctx: fshard_runner(ctx, *_ahead_
 register("fshard+ahead+buckets+donate")(lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True))
 
 
-def _head_unit(ctx) -> dict:
-    """fs.init's units: each block, and the output head (``lm_head``) as a unit of its own, as torchtitan shards the
-    output layer apart from the root: backward's first gradient, reduced while the blocks run instead of with the
-    embeddings' at the end (an untied head only: a tied one is in the root whatever the units)."""
-    return dict(units=[f"blocks.{i}" for i in range(ctx.cfg.n_layers)] + ["lm_head"])
+def units_of(ctx, parts: tuple = ("",), head: bool = False) -> dict:
+    """fs.init's units by block: each block's ``parts`` (``""``: the block itself; ``("attn", "mlp")``: its attention
+    and its MLP, the block's norms then in the root), and with ``head`` the output layer (``lm_head``) a unit of its
+    own, as torchtitan shards it apart from the root (an untied head only: a tied one is in the root whatever the
+    units). Finer units make gradients ready sooner: a head's is backward's first, reduced while the blocks run
+    instead of with the embeddings' at the end; a block's MLP's while its attention's backward runs."""
+    units = [f"blocks.{i}" + (f".{p}" if p else "") for i in range(ctx.cfg.n_layers) for p in parts]
+    return dict(units=units + (["lm_head"] if head else []))
 
 
 register("fshard+ahead+buckets+head+donate")(
-    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, init_kwargs=_head_unit(ctx)))
-# each block's attention and MLP units of their own (its norms in the root): gradients ready in half-blocks, so a
-# block's MLP gradient is reduced while its attention's backward runs (readiness finer than a block, by the units)
-register("fshard+ahead+buckets+halves+donate")(lambda ctx: fshard_runner(
-    ctx, *_ahead_buckets(), donate=True,
-    init_kwargs=dict(units=[f"blocks.{i}.{m}" for i in range(ctx.cfg.n_layers) for m in ("attn", "mlp")])))
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, init_kwargs=units_of(ctx, head=True)))
+register("fshard+ahead+buckets+halves+donate")(
+    lambda ctx: fshard_runner(ctx, *_ahead_buckets(), donate=True, init_kwargs=units_of(ctx, ("attn", "mlp"))))
 # check_collectives=False: no collective checked across ranks before it is issued (the default checks every step on
 # CPU meshes; fshard/dist/_agreement.py). (Measured until issue #39 with False meaning "the first step only".)
 register("fshard+unchecked")(lambda ctx: fshard_runner(ctx, check_collectives=False))

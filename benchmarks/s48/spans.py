@@ -5,8 +5,10 @@ spans of ``fs.compose(..., timeline=True)`` of step ``STEPS`` (default 5), those
 seconds (0.45) or end in the last ``TAIL`` (0.6).
 
     flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/spans.py --model 117m
+    UNITS=head flock /tmp/fshard-bench.lock .venv/bin/python benchmarks/s48/spans.py --model 117m
 
-The rest of the arguments are step.py's (the model, the batch)."""
+``UNITS=head`` makes the output layer a unit of its own, ``UNITS=halves`` each block's attention and MLP (step.py's
+``units_of``). The rest of the arguments are step.py's (the model, the batch)."""
 import os
 import sys
 
@@ -23,23 +25,25 @@ from gpt import synthetic_batches  # noqa: E402
 from metrics import rank_setup  # noqa: E402  (benchmarks/s48/metrics.py)
 
 
+UNITS = {"": {}, "head": dict(head=True), "halves": dict(parts=("attn", "mlp"))}
+
+
 def main(rank, port, argv):
     args, cfg = rank_setup(rank, port, argv)
-    import fshard as fs
-
     n, head, tail = int(os.environ.get("STEPS", "5")), float(os.environ.get("HEAD", "0.45")), \
         float(os.environ.get("TAIL", "0.6"))
     batches = list(synthetic_batches(cfg, args.batch_size, n, args.seed, rank, 2))
-    model, kwargs = stepbench.Ctx(args, cfg, rank, 2).fshard_model()
-    state = fs.init(model, fs.Mesh.from_env(), fs.adamw(**stepbench._adamw_kwargs(args)), **kwargs)
-    with fs.compose(stepbench.loss_fn, fs.gather_ahead(2), fs.bucket_reduce(25), donate=True, timeline=True) as step:
-        for i in range(n):
-            state, m = step(state, batches[i])
+    ctx = stepbench.Ctx(args, cfg, rank, 2)
+    r = stepbench.fshard_runner(ctx, *stepbench._ahead_buckets(), donate=True, timeline=True,
+                                init_kwargs=stepbench.units_of(ctx, **UNITS[os.environ.get("UNITS", "")]))
+    for i in range(n):
+        _, m = r.step(batches[i])
     if rank == 0:
         print(f"step {n}: {m['time/step'] * 1e3:.1f} ms; spans (lane, label, start ms, end ms):")
         for lane, label, a, b in sorted(m["trace/timeline"], key=lambda s: s[2]):
             if a < head or b > m["time/step"] - tail:
                 print(f"  {lane:8s} {label:24s} {a * 1e3:8.1f} {b * 1e3:8.1f}")
+    r.close()
     dist.destroy_process_group()
 
 
