@@ -87,6 +87,17 @@ def test_bitwise_identical_to_blocking_at_every_depth(world_size):
                         # step's first unit, the root, waited behind them): forward's gathers in the gather order
                         gathers = [tag for kind, tag, *_ in traces[-1] if kind == "all_gather"]
                         assert gathers[:len(order.forward)] == list(order.forward), (key, gathers, order)
+                    if name == "gpt":
+                        # nothing is freed to be gathered again by the next event: the root is gathered once a
+                        # step, and a block stays gathered from forward to backward when its backward position is
+                        # within depth + 1 positions of the root's (which count for none: it stays gathered), i.e.
+                        # the last depth // 2 + 1 blocks
+                        blocks = len(order.forward) - 1
+                        kept = min(blocks, d // 2 + 1)
+                        for tr in traces[1:]:  # (the first step records the order, without prefetch)
+                            gathers = [tag for kind, tag, *_ in tr if kind == "all_gather"]
+                            assert gathers.count("<root>") == 1, (key, gathers)
+                            assert len(gathers) == 1 + blocks + blocks - kept, (key, gathers)
                     if name == "gpt":  # no frozen units (a frozen unit stays gathered in backward)
                         for m in metrics:
                             assert m["mem/peak_gathered_bytes_forward"] <= _bound(units, d, 0), (key, m)

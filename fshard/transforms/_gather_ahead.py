@@ -11,6 +11,10 @@ after forward); a routed group's members are events at its container's call. The
 and when replaying, and it does not depend on which units happen to be gathered, so an order recorded in one
 step replays exactly in the next one with the same model order.
 
+The window of an event is the next ``depth`` positions, where the root's count for none (it stays gathered from the
+start of forward to the end of backward). After a use, a unit is released unless it is not to be resharded after
+forward or the next event's window needs it again (``depth`` + 1 positions): freed, it would be gathered again at once.
+
 The gather order never changes a result, only when gathers are issued: every gather is of the unit whose name the
 position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If
 the model's order changes, the first event that does not match stops all prefetching for the rest of the step
@@ -25,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..protocol._stages import GatherPolicy
+from ..state._flat import ROOT
 from ..errors import ArgumentError, ArgumentTypeError, GatherOrderError
 from ..protocol._transform import Transform
 
@@ -150,21 +155,30 @@ class GatherAhead(GatherPolicy):
                     w.prefetched += 1
         unit.acquire()
 
-    def _window(self, w: _Walk, start: int) -> list[str]:
-        """The distinct units of the next ``depth`` positions from ``start``."""
+    def _window(self, w: _Walk, start: int, extra: int = 0) -> list[str]:
+        """The distinct units of the next ``depth`` (+ ``extra``) positions from ``start``, where the root's
+        positions do not count: it stays gathered from the start of forward to the end of backward, so a position
+        spent on it (backward's first event is the root's) would prefetch nothing."""
         seen: list[str] = []
-        for name in w.plan[start:start + self.depth]:
+        left = self.depth + extra
+        for name in w.plan[start:]:
+            if left <= 0:
+                break
+            if name != ROOT:
+                left -= 1
             if name not in seen:
                 seen.append(name)
         return seen
 
     def _keep(self, run, unit, forward: bool) -> bool:
-        """Keep a unit gathered instead of freeing it: it is needed again within the window, or it is not to be
-        resharded after forward (until its last backward use)."""
+        """Keep a unit gathered instead of freeing it: it is not to be resharded after forward (until its last
+        backward use), or a position up to the window the next event prefetches needs it again. That is one position
+        past the current window: freed, such a unit (at the end of forward, the one before the last) would be
+        gathered again by the very next event, which costs a gather and holds no less memory."""
         w, name = run.scratch(self)["walk"], unit.name
         if run.training and not self._reshard(name) and (forward or w.done_uses.get(name, 0) < w.uses.get(name, 0)):
             return True
-        return w.on_plan and name in self._window(w, w.cursor)
+        return w.on_plan and name in self._window(w, w.cursor, extra=1)
 
     def _stop(self, run) -> None:
         """Leave the plan: complete every gather in flight and free what nobody is using."""
