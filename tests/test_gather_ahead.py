@@ -89,9 +89,9 @@ def test_bitwise_identical_to_blocking_at_every_depth(world_size):
                         assert gathers[:len(order.forward)] == list(order.forward), (key, gathers, order)
                     if name == "gpt":
                         # nothing is freed to be gathered again by the next event: the root is gathered once a
-                        # step, and a block stays gathered from forward to backward when its backward position is
-                        # within depth + 1 positions of the root's (which count for none: it stays gathered), i.e.
-                        # the last depth // 2 + 1 blocks
+                        # step, and block i of n stays gathered from forward to backward when its backward use is
+                        # within depth + 1 non-root positions of its forward use (2 (n - i) - 1 of them), i.e. the
+                        # last depth // 2 + 1 blocks
                         blocks = len(order.forward) - 1
                         kept = min(blocks, d // 2 + 1)
                         for tr in traces[1:]:  # (the first step records the order, without prefetch)

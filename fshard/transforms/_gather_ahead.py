@@ -11,9 +11,11 @@ after forward); a routed group's members are events at its container's call. The
 and when replaying, and it does not depend on which units happen to be gathered, so an order recorded in one
 step replays exactly in the next one with the same model order.
 
-The window of an event is the next ``depth`` positions, where the root's count for none (it stays gathered from the
-start of forward to the end of backward). After a use, a unit is released unless it is not to be resharded after
-forward or the next event's window needs it again (``depth`` + 1 positions): freed, it would be gathered again at once.
+The window of an event is the next ``depth`` positions, where the root's positions count for none: where backward
+begins with the root (its parameters used after the last unit's call, as a GPT's head), it is still gathered from
+forward, and a position spent on it would prefetch nothing. After a use, a unit is released unless it is not to be
+resharded after forward, or the next event or its window needs it again (``depth`` + 1 such positions): freed, it
+would be gathered again at once. Off the gather order, a unit kept so stays gathered until its use or the step's end.
 
 The gather order never changes a result, only when gathers are issued: every gather is of the unit whose name the
 position holds, into that unit's own buffer, and data is read only after waiting on that unit's own gather. If
@@ -157,13 +159,14 @@ class GatherAhead(GatherPolicy):
 
     def _window(self, w: _Walk, start: int, extra: int = 0) -> list[str]:
         """The distinct units of the next ``depth`` (+ ``extra``) positions from ``start``, where the root's
-        positions do not count: it stays gathered from the start of forward to the end of backward, so a position
-        spent on it (backward's first event is the root's) would prefetch nothing."""
+        positions count for none (the module docstring says why)."""
         seen: list[str] = []
         left = self.depth + extra
-        for name in w.plan[start:]:
+        plan = w.plan
+        for i in range(start, len(plan)):  # (by index: a slice would copy the rest of the plan at every event)
             if left <= 0:
                 break
+            name = plan[i]
             if name != ROOT:
                 left -= 1
             if name not in seen:
