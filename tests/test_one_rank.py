@@ -218,3 +218,43 @@ def test_a_one_rank_process_group_issues_no_collective():
     for key, (same, calls) in run_ranks(_one_rank_group, 1)[0].items():
         assert same, f"{key}: a one-rank gloo group trained differently from Mesh.local()"
         assert calls == [], f"{key}: a one-rank step issued {calls}"
+
+
+def test_a_step_holds_its_gradients_until_the_next_call_and_no_longer():
+    """As torch's loop holds ``.grad`` until its next ``zero_grad()``: a step function keeps the last step's gradient
+    shards until its next call (a step, ``step.eval``, ``step.plan``) or ``close()``, each of which lets them go
+    before anything else (fshard/step/_step.py, ``_held``; freed as the step returned, glibc gave the top of its heap
+    back and the next forward faulted it in anew: benchmarks/RESULTS.md, "Session 49"). The results are the other
+    tests'."""
+    import weakref
+
+    import fshard as fs
+    model, loss_fn, batches = _gpt()
+    held, dead_at_forward = [], []
+
+    def watching(module, batch):  # the previous step's gradients, as this call's forward begins
+        dead_at_forward.append(bool(held) and all(r() is None for r in held))
+        return loss_fn(module, batch)
+
+    step = fs.compose(watching, donate=True)
+    state = fs.init(model, fs.Mesh.local(), fs.adamw(**HP))
+
+    def kept():  # the gradients the step function holds now, as weak references
+        held[:] = [weakref.ref(g) for g in step._held]
+        return bool(held) and all(r() is not None for r in held)
+
+    state, _ = step(state, batches[0])
+    assert kept()
+    state, _ = step(state, batches[1])  # its forward found the first step's gone; it holds its own
+    assert kept()
+    step.eval(state, batches[2])  # its forward found them gone
+    assert all(r() is None for r in held)
+    state, _ = step(state, batches[3])
+    assert kept()
+    step.plan(state, batches[3])
+    assert all(r() is None for r in held)
+    state, _ = step(state, batches[0])
+    assert kept()
+    step.close()
+    assert all(r() is None for r in held)
+    assert dead_at_forward[1:3] == [True, True], dead_at_forward  # a step's and eval's forward: none left

@@ -72,6 +72,7 @@ class Step:
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
         self._compiled = None if compile is False else UnitCompiler(compile)
+        self._held: tuple = ()  # the last step's gradient shards, until the next call (__call__ says why)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
         self._finalizer = weakref.finalize(self, _close, self.policy)
@@ -92,6 +93,7 @@ class Step:
         which names the budget and what to offload, if ``plan.predicted_rss`` (this process's peak) is over it."""
         spec_of(state)  # the checks of a step's call
         check_usable(self, state)
+        self._held = ()  # (as the step it plans for does first: the RSS it starts from has no gradients)
         with dynamo_import_collected():  # (its forward on the meta device: dropout, layer norm; fshard/_frames.py)
             return plan(self, self.init(state), batch, self._observed).check(max_memory)
 
@@ -126,7 +128,7 @@ class Step:
 
     def close(self) -> None:
         """End every policy's threads and resources; idempotent. Stores stay open: the caller's ``store.close()``."""
-        self._closed = True
+        self._closed, self._held = True, ()
         self._finalizer()  # (once: a second call does nothing)
 
     def __enter__(self) -> "Step":
@@ -141,6 +143,7 @@ class Step:
     def __call__(self, state: TrainState, batch):
         """One step: the module docstring's data flow, in the envelope a step and an eval pass share
         (fshard/step/_envelope.py: the checks, the failure posted to the other ranks, the runs closed)."""
+        self._held = ()  # the last step's gradients, let go where torch's loop zero_grad()s (ARCHITECTURE, "Held")
         with envelope(self, state, "step {}", train=True) as env:
             comm, runs, spec = env.comm, env.runs, state.spec
             state = self.init(state)  # the transforms' state and the parameter copies
@@ -179,6 +182,7 @@ class Step:
             comm.vote("commit")  # every rank returns its new state, or every rank raises: none commits alone
             self._checked = True
             self._sequences.observed(spec.fingerprint, *issued)
+            self._held = tuple(grads.shards.values())
             return new, m
 
     def _check_ranks(self, comm: Comm, state: TrainState, batch) -> None:
@@ -206,6 +210,7 @@ class Step:
         included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
         reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
         over ranks as a step's ``metrics["loss"]`` (fshard/step/_eval.py)."""
+        self._held = ()  # (the last step's gradients: its memory for this forward, as a step's)
         with envelope(self, state, "eval at step {}", train=False) as env:
             return evaluate(self, env, state, batch)
 
