@@ -143,8 +143,8 @@ class Step:
     def __call__(self, state: TrainState, batch):
         """One step: the module docstring's data flow, in the envelope a step and an eval pass share
         (fshard/step/_envelope.py: the checks, the failure posted to the other ranks, the runs closed)."""
-        self._held = ()  # the last step's gradients, let go where torch's loop zero_grad()s (ARCHITECTURE, "Held")
         with envelope(self, state, "step {}", train=True) as env:
+            self._held = ()  # the last step's gradients, let go where torch's loop zero_grad()s (ARCHITECTURE: "Held")
             comm, runs, spec = env.comm, env.runs, state.spec
             state = self.init(state)  # the transforms' state and the parameter copies
             self._check_ranks(comm, state, batch)  # first: a bad batch fails every rank
