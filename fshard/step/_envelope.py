@@ -3,13 +3,14 @@
     with envelope(step, state, "step {}", train=True) as env:    # env.comm: this call's collectives
         ...                                                         # env.runs: its StepRuns, closed at the end
 
-On entry: the state's checks (``spec_of``: no other rank can be told if they fail), the call's ``Comm`` (with the
-step function's trace, timeline, gather stream and ``check_collectives``), one call at a time per step function and
-per model template (``exclusive``), then the checks every rank learns of (``check_usable``). If the body raises, the
-error is posted at the other ranks' next check (``Comm.fail``, fshard/dist/_agreement.py) and raised as an fshard
-error on this rank (``step_error``: one family on every rank); whatever happens, nothing is left in flight (``drain``),
-a training step's updates begun during backward that no update took are dropped (``UpdatePolicy.abort``), and every
-run is closed, freeing its buffers now rather than at a later collection.
+On entry: the state's checks (``spec_of``: no other rank can be told if they fail), the call's ``Comm`` (with the step
+function's trace, timeline, gather stream and ``check_collectives``), one call at a time per step function and per
+model template (``exclusive``), then the checks every rank learns of (``check_usable``), then the last step's
+gradients are let go (``Step._held``: before this call's forward, as torch's loop frees ``.grad``). If the body
+raises, the error is posted at the other ranks' next check (``Comm.fail``, fshard/dist/_agreement.py) and raised as an
+fshard error on this rank (``step_error``: one family on every rank); whatever happens, nothing is left in flight
+(``drain``), a training step's updates begun during backward that no update took are dropped (``UpdatePolicy.abort``),
+and every run is closed, freeing its buffers now rather than at a later collection.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class envelope:
         except BaseException as e:
             self._end(e)
             raise
+        step._held = ()  # the last step's gradients, let go as torch's loop zero_grad()s (ARCHITECTURE: "Held")
         return self.env
 
     def __exit__(self, kind, error, traceback) -> bool:

@@ -72,7 +72,7 @@ class Step:
         self._observed = None  # (forward order, backward order, active) of the last step past its agreement
         self._sequences = Sequences()  # the collectives of the steps before: followed unchecked once stable
         self._compiled = None if compile is False else UnitCompiler(compile)
-        self._held: tuple = ()  # the last step's gradient shards, until the next call (__call__ says why)
+        self._held: tuple = ()  # the last step's gradient shards, until the next call's envelope (_envelope.py)
         # A step function dropped without close() ends its threads as it dies (or at exit, if it lives that long):
         # the finalizer holds what it closes, never the step.
         self._finalizer = weakref.finalize(self, _close, self.policy)
@@ -144,7 +144,6 @@ class Step:
         """One step: the module docstring's data flow, in the envelope a step and an eval pass share
         (fshard/step/_envelope.py: the checks, the failure posted to the other ranks, the runs closed)."""
         with envelope(self, state, "step {}", train=True) as env:
-            self._held = ()  # the last step's gradients, let go where torch's loop zero_grad()s (ARCHITECTURE: "Held")
             comm, runs, spec = env.comm, env.runs, state.spec
             state = self.init(state)  # the transforms' state and the parameter copies
             self._check_ranks(comm, state, batch)  # first: a bad batch fails every rank
@@ -210,7 +209,6 @@ class Step:
         included), in eval mode (``module.eval()``: dropout off), under ``torch.no_grad``. No gradient, no
         reduction, no new state: the input state is unchanged. Returns ``(loss, metrics)``, the loss averaged
         over ranks as a step's ``metrics["loss"]`` (fshard/step/_eval.py)."""
-        self._held = ()  # (the last step's gradients: its memory for this forward, as a step's)
         with envelope(self, state, "eval at step {}", train=False) as env:
             return evaluate(self, env, state, batch)
 
