@@ -47,6 +47,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -125,9 +126,10 @@ def main() -> int:
     ap.add_argument("--params", action="store_true", help="master weights in the store too (params=True)")
     ap.add_argument("--timeline", default=None, help="fshard mode: write the last step's timeline (PNG and spans"
                     " as JSON beside it) here")
-    ap.add_argument("--update-on", default="host", choices=("host", "device"),
-                    help="offload_state(update_on=): the update on the host's cores, or on the GPU with the stored "
-                    "chunks copied up and back")
+    ap.add_argument("--update-on", default="host", type=_update_on,
+                    help="offload_state(update_on=): host (the update on the host's cores), device (on the GPU, "
+                    "the stored chunks copied up and back), or a share of the units updated on the GPU while the "
+                    "host's cores update the rest (0.4)")
     ap.add_argument("--pin", action="store_true", help="CPUStore(pin=True): store items in pinned memory")
     ap.add_argument("--timeout", type=float, default=400, help="--mode all: seconds for each mode's process")
     ap.add_argument("--partial-fraction", type=float, default=0.7,
@@ -136,7 +138,8 @@ def main() -> int:
                     help="--mode all: what to run, in order, of floors, fshard (params=True), fshard_moments (master "
                     "weights on the GPU, moments on the host), fshard_partial (the same, --partial-fraction of "
                     "the moments on the host), fshard_device and fshard_device_params (fshard_moments and fshard "
-                    "with the update on the GPU) and fsdp2")
+                    "with the update on the GPU), fshard_splitNN (fshard_device with NN%% of the units on the GPU "
+                    "and the rest on the host's cores meanwhile: fshard_split40) and fsdp2")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -167,7 +170,7 @@ def main() -> int:
         store, frac = fs.NVMeStore(a.nvme), a.nvme_fraction
     else:
         store, frac = fs.CPUStore(pin=a.pin), a.fraction
-    device = a.update_on == "device"  # (the update after backward: the stored chunks go up and come back)
+    device = a.update_on != "host"  # (the update after backward: the stored chunks, or a share, go up and back)
     offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params, update_on=a.update_on,
                                overlap_backward=True if a.params and not device else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights
@@ -193,7 +196,9 @@ def main() -> int:
             rows.append(row)
             print(f"[offload_cuda] step {s}: {row['seconds']:.2f} s, loss {row['loss']:.4f}, GPU peak "
                   f"{row['gpu_peak_gib']:.1f} GiB, host RSS {row['rss_gib']:.1f} GiB (peak {row['rss_peak_gib']:.1f}),"
-                  f" update {row.get('time/update', 0):.2f} s, io wait {row.get('time/io_wait', 0):.2f} s", flush=True)
+                  f" update {row.get('time/update', 0):.2f} s, io wait {row.get('time/io_wait', 0):.2f} s"
+                  + (f", split: device part {row['time/split_device']:.2f} s, host part {row['time/split_host']:.2f} s"
+                     if "time/split_device" in row else ""), flush=True)
             if a.json:  # after each step: a run cut off by its limit still leaves what it measured
                 Path(a.json).write_text(json.dumps({**out, "steps": rows}, indent=1))
             if a.timeline and s == len(batches) - 1:
@@ -211,6 +216,11 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _update_on(text: str):
+    """--update-on: "host", "device", or a share in [0, 1] (offload_state's update_on)."""
+    return text if text in ("host", "device") else float(text)
 
 
 def _cfg(a):
@@ -437,6 +447,9 @@ def run_all(a) -> int:
                 "fshard_device": ("fshard", ["--skip-peer", "--update-on", "device"] + pin),
                 "fshard_device_params": ("fshard", ["--params", "--skip-peer", "--update-on", "device"] + pin)}
         labels = a.all_modes.split(",")
+        for label in labels:  # fshard_splitNN: fshard_device with NN% of the units on the GPU, the rest on the host
+            if re.fullmatch(r"fshard_split\d\d", label):
+                runs[label] = ("fshard", ["--skip-peer", "--update-on", str(int(label[-2:]) / 100)] + pin)
         if set(labels) - set(runs):
             raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
         for label in labels:
@@ -471,6 +484,11 @@ def run_all(a) -> int:
                           device_floor_s=res.get("floors", {}).get("device_update_floor_s"),
                           device_params_step_s=device_params_s,
                           device_params_over_fsdp2=device_params_s / peer_s if device_params_s and peer_s else None)
+    for label in (k for k in res if k.startswith("fshard_split")):
+        split_s = med(res[label].get("steps", []))
+        res["summary"][f"{label}_step_s"] = split_s
+        res["summary"][f"{label}_over_fsdp2"] = split_s / peer_s if split_s and peer_s else None
+        res["summary"][f"{label}_over_device"] = split_s / device_s if split_s and device_s else None
     print(f"[offload_cuda] summary: {json.dumps(res['summary'])}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

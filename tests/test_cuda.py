@@ -188,7 +188,8 @@ def _host_update_runs(mesh, directory):
     stored parameters in a pinned CPUStore, uploaded straight from its items on the gather stream; and tiers: half
     of the units on the GPU and half in host memory, and (with tensornvme) parameters and moments split between a
     pinned CPUStore and an NVMeStore. And the update on the GPU instead (``update_on="device"``): the stored chunks
-    copied up and back on two copy streams, after backward."""
+    copied up and back on two copy streams, after backward; and split (``update_on=0.5``): half of the units so,
+    while the worker thread updates the others on the host."""
     out = {}
     tiers = [("half on the GPU", dict(fraction=0.5, overlap_backward=True), True)]
     devnvme = []
@@ -210,6 +211,9 @@ def _host_update_runs(mesh, directory):
                           ("device params pinned+donate", dict(update_on="device", params=True, pin=True), True),
                           ("device half on the GPU", dict(update_on="device", fraction=0.5, pin=True), False),
                           ("device params", dict(update_on="device", params=True), False),
+                          # a split: the first half of the units on the GPU, the rest on the host's cores meanwhile
+                          ("split pinned+donate", dict(update_on=0.5, pin=True), True),
+                          ("split params", dict(update_on=0.5, params=True), False),
                           *devnvme, *tiers):
         for mixed in (False, True):
             def ts(f, kw=kw, mixed=mixed, k=k):

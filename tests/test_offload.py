@@ -3,8 +3,10 @@ with the other transforms; a pure step; stored leaves visible in the state; clea
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from _dist import run_ranks
@@ -258,8 +260,9 @@ class _FlakyStore:
         import fshard as fs
         self.inner, self.fail = fs.CPUStore(), False
 
-    def put(self, key, t):
-        if self.fail:
+    def put(self, key, t):  # fail: True, or the name prefix of the threads whose puts fail
+        who = threading.current_thread().name
+        if self.fail is True or (self.fail and who.startswith(self.fail)):
             raise OSError(28, "No space left on device (injected)")
         return self.inner.put(key, t)
 
@@ -317,7 +320,11 @@ def _device_runs(directory, monkeypatch):
                             ("cpu", {}, False), ("cpu+donate", {}, True), ("half", dict(fraction=0.5), False),
                             ("params", dict(params=True), False), ("params+donate", dict(params=True), True),
                             ("nvme+params", dict(params=True, nvme=True), False),
-                            ("nvme+donate", dict(nvme=True), True)):
+                            ("nvme+donate", dict(nvme=True), True),
+                            # the device takes the first share of the units, the host's cores the rest meanwhile
+                            ("split", dict(update_on=0.5), False), ("split+donate", dict(update_on=0.2), True),
+                            ("split params", dict(update_on=0.5, params=True), False),
+                            ("split nvme+params+donate", dict(update_on=0.5, params=True, nvme=True), True)):
         store = None
         ts = (fs.gather_ahead(2),)
         if kw is not None:
@@ -357,12 +364,50 @@ def test_the_update_on_the_device_is_bitwise_the_same_and_moves_each_chunk_up_an
     # with the parameters' heads beside the rows, twice the chunks go up
     assert out["params"][3]["up"] == 2 * out["cpu"][3]["up"]
     assert out["half"][3]["up"] < out["cpu"][3]["up"]
+    # a split: the device's share of the chunks went up, the host's cores updated the rest
+    assert out["split+donate"][3]["up"] < out["split"][3]["up"] < out["cpu"][3]["up"]
+    assert out["split params"][3]["up"] == 2 * out["split"][3]["up"]
+
+
+@pytest.mark.parametrize("side", ["fshard-offload", "MainThread"])
+def test_a_split_update_that_fails_on_either_side_loses_nothing(side):
+    """offload_state(update_on=0.5): a write that fails in the host's part (the worker thread) or in the device's
+    part (the caller) raises OffloadError once the other part is done, deletes what both wrote, and leaves the input
+    usable: the next step is bitwise the step that never failed."""
+    import fshard as fs
+    model, loss_fn, batches = _model()
+    bs = list(batches(0, 1))
+    store = _FlakyStore()
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, update_on=0.5))
+    s = fs.init(model, fs.Mesh.local(), fs.adamw(weight_decay=0.1))
+    s, _ = step(s, bs[0])
+    ref, m = step(s, bs[1])
+    assert m["update/device_units"] == 2 and m["time/split_host"] > 0
+    ref = {n: p.clone() for n, p in fs.full_params(ref).items()}
+    gc.collect()
+    step(s, bs[1])  # empties the trash of the freed versions
+    gc.collect()
+    keys = set(store.keys())
+    store.fail = side
+    with pytest.raises(fs.errors.OffloadError, match="input state is unchanged"):
+        step(s, bs[1])
+    store.fail = False
+    assert set(store.keys()) == keys
+    again, _ = step(s, bs[1])
+    assert all(torch.equal(p, ref[n]) for n, p in fs.full_params(again).items())
 
 
 def test_update_on_is_checked_by_name():
     import fshard as fs
-    with pytest.raises(ValueError, match="update_on must be 'host'"):
-        fs.offload_state(fs.CPUStore(), update_on="gpu")
+    for bad in ("gpu", 1.5, -0.1, True, None):
+        with pytest.raises(ValueError, match="update_on must be 'host'"):
+            fs.offload_state(fs.CPUStore(), update_on=bad)
+    with pytest.raises(ValueError, match="overlap_backward=True cannot hold"):
+        fs.offload_state(fs.CPUStore(), update_on=0.4, overlap_backward=True)
+    with pytest.raises(ValueError, match=r"update_on=0.4\) needs 16 pool buffers"):  # two sides, two streams each
+        fs.offload_state(fs.CPUStore(max_buffers=15), update_on=0.4, params=True, depth=2)
+    assert fs.offload_state(fs.CPUStore(), update_on=0.0).overlap_backward is None  # (0.0 is "host")
+    assert "update_on=0.4" in repr(fs.offload_state(fs.CPUStore(), update_on=0.4))
     with pytest.raises(ValueError, match="overlap_backward=True cannot hold"):
         fs.offload_state(fs.CPUStore(), update_on="device", overlap_backward=True)
     off = fs.offload_state(fs.CPUStore(), update_on="device")
@@ -472,3 +517,20 @@ def test_a_cpu_store_takes_no_checksum_in_init_or_in_steps(monkeypatch):
         assert len(calls) == 1
         calls.clear()
         store.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10**6), max_size=12), st.floats(-0.5, 1.5))
+def test_a_split_gives_the_device_the_prefix_nearest_its_share(numels, share):
+    """device_cut (offload_state(update_on=<share>)): nothing for a share of 0 or less, everything for 1 or more,
+    else at least one unit and the prefix whose elements come nearest the share (no other prefix nearer)."""
+    from fshard.offload._pipeline import device_cut
+    cut = device_cut(numels, share)
+    if share <= 0 or not numels:
+        assert cut == 0
+    elif share >= 1:
+        assert cut == len(numels)
+    else:
+        assert 1 <= cut <= len(numels)
+        gap = lambda k: abs(sum(numels[:k]) - share * sum(numels))  # noqa: E731
+        assert all(gap(cut) <= gap(k) for k in range(1, len(numels) + 1))

@@ -1,6 +1,7 @@
 """offload_state's pipeline: ``stream_update`` runs units' updates through the store (read ‖ update ‖ write, the
 parameters' chunks beside the moments' where they live in the store too); ``_Early``, an update begun during
-backward (``overlap_backward``) in the worker thread; ``Streamed``, one unit's work item."""
+backward (``overlap_backward``) in the worker thread; ``split_update``, a step's units shared between the device and
+the host's cores; ``Streamed``, one unit's work item."""
 from __future__ import annotations
 
 import time
@@ -135,6 +136,65 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
         if error is not None:
             raise error
     return up
+
+
+def split_update(worker, store, depth: int, opt, on_device, on_host, chunks, scale, created, m, donate,
+                 record) -> list:
+    """``offload_state(update_on=<a share>)``: update ``on_device`` (Streamed items) on ``chunks``' device from this
+    thread (launches and copies) while ``worker`` (the policy's thread) updates ``on_host`` with the host's cores, both
+    through ``store`` (each store operation holds its lock): the link and the host's memory work at once. Returns
+    the CUDA events after the host part's parameters went back up, which the current stream waits for."""
+    cuda = chunks.device.type == "cuda"
+    ready = torch.cuda.current_stream(chunks.device).record_event() if cuda else None  # the gradients are final
+    host_m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
+    host_created: list = []  # (its own list and metrics, merged once the worker is done)
+
+    def host_part():
+        t = time.perf_counter()
+        try:
+            return stream_update(store, depth, opt, on_host, scale, host_created, host_m, donate, record, ready, False)
+        finally:
+            host_m["seconds"] = time.perf_counter() - t
+    host = worker.submit(host_part)
+    t0 = time.perf_counter()
+    try:
+        stream_update(store, depth, opt, on_device, scale, created, m, donate, record, chunks=chunks)
+    finally:
+        t1 = time.perf_counter()
+        wait([host])  # (after a failure too: nothing deletes what the worker wrote while it still writes)
+        created.extend(host_created)
+        # each part's time: the share is right where they end together
+        m["time/split_device"] = m.get("time/split_device", 0.0) + t1 - t0
+        m["time/split_host"] = m.get("time/split_host", 0.0) + host_m.get("seconds", 0.0)
+        m["time/io_wait"] += time.perf_counter() - t1
+        for k in ("io/read_bytes", "io/write_bytes"):
+            m[k] += host_m[k]
+    error = host.exception()  # (the future holds it, and its traceback would hold this frame: a cycle that keeps
+    up, host = (None if error else host.result()), None  # a failed step's mesh alive until a collection)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            error = None
+    m["update/device_units"] = m.get("update/device_units", 0) + len(on_device)
+    if up is None:
+        return []
+    torch.cuda.current_stream(chunks.device).wait_event(up)
+    return [up]
+
+
+def device_cut(numels: list, share: float) -> int:
+    """How many of the units (element counts ``numels``, in order) a split update gives the device: the prefix whose
+    elements come nearest ``share`` of all; at least one for a share above 0, all of them for 1."""
+    if share <= 0 or not numels:
+        return 0
+    if share >= 1:
+        return len(numels)
+    total, run, best = sum(numels), 0, (share * sum(numels), 0)
+    for i, n in enumerate(numels, 1):
+        run += n
+        best = min(best, (abs(run - share * total), i))
+    return max(best[1], 1)
 
 
 class _Resident:

@@ -77,8 +77,11 @@ class offload_state(Transform):
     chunk waits for its own copies otherwise. Use large chunks (``chunk_mb=64``): each costs Python a few launches.
     Which is faster is the host's memory bandwidth against the link's: the host update reads and writes 28 bytes of
     host memory a parameter (AdamW, fp32), the device update moves the rows' 8 bytes up and 8 down (12 and 12 with
-    ``params=True``) by DMA (design/OFFLOAD.md, "On a GPU"). The result is the device's update kernel's, as without
-    offload. An optimizer that cannot stream is updated a whole unit at a time whatever ``update_on`` says
+    ``params=True``) by DMA (design/OFFLOAD.md, "On a GPU"). A number in (0, 1) uses both at once: that share of
+    each step's stored units (by elements, whole units in model order) is updated on the device as "device" does,
+    while the host's cores update the rest as "host" does, on the policy's worker thread; the best share makes both
+    end together (0.0 is "host", 1.0 "device"). The result is the same bits either way, as without offload. An
+    optimizer that cannot stream is updated a whole unit at a time whatever ``update_on`` says
     (fshard/offload/_whole.py).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
@@ -91,16 +94,18 @@ class offload_state(Transform):
 
     def __init__(self, store: Any, fraction: float | tuple = 1.0, chunk_mb: float = 4, depth: int = 2,
                  overlap_backward: bool | None = None, worker_nice: int = 5, params: bool = False,
-                 update_on: str = "host"):
+                 update_on: str | float = "host"):
         self.stores, self.fractions = _tiers(store, fraction)
-        if update_on not in ("host", "device"):
+        share = {"host": 0.0, "device": 1.0}.get(update_on, update_on) if isinstance(update_on, str) else update_on
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ArgumentError(f"fs.offload_state: update_on must be 'host' (the update runs where the store is: "
-                                f"ZeRO-Offload's layout) or 'device' (the stored chunks go to the mesh's device for "
-                                f"the update and come back), got {update_on!r}.")
-        if update_on == "device" and overlap_backward:
-            raise ArgumentError("fs.offload_state: update_on='device' streams the stored chunks after backward, so "
-                                "overlap_backward=True cannot hold; leave overlap_backward out (or False), or use "
-                                "update_on='host' to update during backward.")
+                                f"ZeRO-Offload's layout), 'device' (the stored chunks go to the mesh's device for "
+                                f"the update and come back) or a share in [0, 1] of the units updated on the "
+                                f"device while the host updates the rest (update_on=0.4), got {update_on!r}.")
+        if share > 0 and overlap_backward:
+            raise ArgumentError(f"fs.offload_state: update_on={update_on!r} streams the stored chunks through the "
+                                f"device after backward, so overlap_backward=True cannot hold; leave "
+                                f"overlap_backward out (or False), or use update_on='host' to update during backward.")
         if not chunk_mb > 0 or not isinstance(depth, int) or depth < 1:
             raise ArgumentError(f"fs.offload_state: chunk_mb must be > 0 and depth an int >= 1, got {chunk_mb!r}, "
                                 f"{depth!r}.")
@@ -108,16 +113,18 @@ class offload_state(Transform):
             raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         if not isinstance(params, bool):
             raise ArgumentTypeError(f"fs.offload_state: params must be True or False, got {params!r}.")
+        # streams open at once on a store: the moments' (and the parameters'), on the device's side and the host's
+        streams = (2 if params else 1) * (2 if 0 < share < 1 else 1)
         for st in self.stores:
-            check_depth(st, depth, f"fs.offload_state(depth={depth})")
-            if params:  # two streams side by side: the moments' and the parameters'
-                check_depth(st, 2 * depth + 2, f"fs.offload_state(depth={depth}, params=True)")
+            check_depth(st, streams * (depth + 2) - 2, f"fs.offload_state(depth={depth}"
+                        f"{', params=True' if params else ''}{f', update_on={share}' if 0 < share < 1 else ''})")
         self.params, self.chunk_mb, self.depth = params, chunk_mb, depth
         on_disk = any(st.directory is not None for st in self.stores)  # a store that waits on a device
         # None: decided per step by where the update runs against backward (OffloadUpdate.overlaps)
-        self.overlap_backward = False if update_on == "device" else True if on_disk and overlap_backward is None else (
+        self.overlap_backward = False if share > 0 else True if on_disk and overlap_backward is None else (
             None if overlap_backward is None else bool(overlap_backward))
         self.worker_nice, self.update_on = worker_nice, update_on
+        self.device_share = float(share)  # of each step's stored units' elements, updated on the device
 
     @property
     def store(self):
@@ -145,7 +152,7 @@ class offload_state(Transform):
 
     def wrap_update(self, update: UpdatePolicy) -> UpdatePolicy:
         return OffloadUpdate(update, self.stores, self.fractions, self.chunk_numel, self.depth, self.overlap_backward,
-                             self.worker_nice, self.params, self.update_on)
+                             self.worker_nice, self.params, self.device_share)
 
     def init_state(self, spec, old):
         """No state of its own. An optimizer that cannot stream (fs.muon, fs.partition, fs.adafactor) is updated a
@@ -161,7 +168,7 @@ class offload_state(Transform):
                 f"params={self.params}, update_on={self.update_on!r})")
 
     def __repr__(self) -> str:
-        extra = (", params=True" if self.params else "") + (", update_on='device'" if self.update_on == "device"
+        extra = (", params=True" if self.params else "") + (f", update_on={self.update_on!r}" if self.device_share
                                                             else "")
         if len(self.stores) == 1:
             return f"fs.offload_state({_location(self.store)}, fraction={self.fractions[0]}{extra})"

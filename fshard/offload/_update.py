@@ -15,7 +15,8 @@ import torch
 from .._pages import state_copy
 from ..protocol._stages import UpdatePolicy
 from ._reader import Reader
-from ._pipeline import Streamed, _Early, _quiet_delete, _settle, owns_storage, stream_update
+from ._pipeline import (Streamed, _Early, _quiet_delete, _settle, device_cut, owns_storage, split_update,
+                        stream_update)
 from ._staging import DeviceChunks
 from ..dist._threads import lower_priority
 from ..errors import FshardError, OffloadError
@@ -33,9 +34,10 @@ class OffloadUpdate(UpdatePolicy):
     (unit name -> ``_Early``) until ``__call__`` takes them or ``abort`` drops them."""
 
     def __init__(self, inner: UpdatePolicy, stores: tuple, fractions: tuple, chunk_numel: int, depth: int,
-                 overlap_backward: bool | None, worker_nice: int, params: bool = False, update_on: str = "host"):
+                 overlap_backward: bool | None, worker_nice: int, params: bool = False, device_share: float = 0.0):
         self.inner, self.stores, self.fractions, self.chunk, self.depth = inner, stores, fractions, chunk_numel, depth
-        self.overlap_backward, self.params, self.update_on = overlap_backward, params, update_on
+        # device_share: of the units streamed after backward, by elements, updated on the mesh's device (update_on)
+        self.overlap_backward, self.params, self.device_share = overlap_backward, params, device_share
         self._prefix = uuid.uuid4().hex[:8]  # keys of two step functions sharing a store never collide
         self._versions = itertools.count()
         self._chosen: tuple | None = None  # (fingerprint, unit name -> the store of its tier)
@@ -45,7 +47,7 @@ class OffloadUpdate(UpdatePolicy):
                                          initializer=lower_priority, initargs=(worker_nice,))
         self.reader = Reader()  # reads parameter shards held in a store ahead of their gathers (read_ahead)
         self.chain = threading.Lock()  # orders the start of units' copies down between this thread and the worker
-        self._copy_streams: dict = {}  # device -> (up, down): update_on="device"'s copy streams, made once
+        self._copy_streams: dict = {}  # device -> (up, down): the device update's copy streams, made once
 
     def overlap(self, step, unit) -> None:
         """The unit's gradient shard is final (last micro-batch): begin its update in the worker if the result
@@ -302,7 +304,7 @@ class OffloadUpdate(UpdatePolicy):
                 opt_state[u.name] = stored_state(s, items, count, first.numel, first.dtype, first.location)
             if streamed:
                 self._stream(spec.optimizer, streamed, grads.scale, created, m, donate, step.record,
-                             device=spec.mesh.device if self.update_on == "device" else None)
+                             device=spec.mesh.device if self.device_share > 0 else None)
             if self.params:  # chosen units whose parameters are still in memory (the first step) go to the store
                 for u in spec.units:
                     if u.name in chosen and isinstance(params[u.name], torch.Tensor):
@@ -341,16 +343,20 @@ class OffloadUpdate(UpdatePolicy):
                 device=None) -> list:
         """Stream ``work`` through the stores its units live in, one store after the other (model order within).
         Returns the CUDA events after the parameters' copies back to the GPU (none on a CPU mesh); ``ready``,
-        ``wait_up``, ``staging`` (one unit's, in one store) and ``device``: as ``stream_update`` takes them."""
+        ``wait_up``, ``staging`` (one unit's, in one store): as ``stream_update`` takes them. ``device``: each store's
+        first ``device_share`` of units are updated there, the rest on the host meanwhile (``split_update``)."""
         ups = []
         for store in self.stores:
             mine = [w for w in work if stored_items(w.state).store is store]
-            if mine:
-                chunks = None if device is None else DeviceChunks(device, self.depth, self._streams(device))
+            cut = 0 if device is None else device_cut([w.grad.numel() for w in mine], self.device_share)
+            chunks = DeviceChunks(device, self.depth, self._streams(device)) if cut else None
+            if 0 < cut < len(mine):
+                ups += split_update(self.worker, store, self.depth, opt, mine[:cut], mine[cut:], chunks, scale,
+                                    created, m, donate, record)
+            elif mine:
                 up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up,
                                    staging, chunks)
-                if up is not None:
-                    ups.append(up)
+                ups += [] if up is None else [up]
         return ups
 
     def _put(self, store, name: str, s, names: tuple[str, ...], created, m, record):
@@ -391,3 +397,4 @@ class OffloadUpdate(UpdatePolicy):
         if self._chosen is None or self._chosen[0] != spec.fingerprint:
             self._chosen = (spec.fingerprint, choose_stores(spec, state.opt_state, self.stores, self.fractions))
         return self._chosen[1]
+
