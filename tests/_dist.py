@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 240
@@ -31,8 +32,12 @@ TIMEOUT_S = 240
 # here, about a third of a multi-rank test file's CPU (py-spy over tests/test_optimizers_groups.py, session 37).
 # fshard.ops (the module, not its kernels, which a rank loads on first use) and torch's cpp_extension under it: 380
 # of the suite's 679 ranks imported them (0.1 s each when quiet; session 37, counted in every rank).
+# Not torch.utils.cpp_extension where torch is built with CUDA: its import asks the driver whether a GPU is there
+# (_find_cuda_home: torch.cuda.is_available()), after which torch refuses CUDA in every process forked from the
+# server ("Cannot re-initialize CUDA in forked subprocess": every NCCL test on the GPU machine, session 50).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fshard", "fshard.testing", "pytest",
-            "hypothesis", "hypothesis.strategies", "_dist", "models", "torch.utils.cpp_extension", "fshard.ops"]
+            "hypothesis", "hypothesis.strategies", "_dist", "models", "fshard.ops"] + (
+    [] if torch.version.cuda else ["torch.utils.cpp_extension"])
 
 
 # A rendezvous port comes from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 here). A port

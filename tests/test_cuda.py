@@ -410,18 +410,20 @@ def _one_rank_counts(mesh):
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
     trainable = [u for u in state.spec.units if u.trainable]
-    return c.calls, c.cast_bytes, len(trainable), sum(u.numel * 4 for u in trainable)
+    params = sum(1 for p in model.parameters() if p.requires_grad)
+    return c.calls, c.cast_bytes, params, sum(u.numel * 4 for u in trainable)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_one_rank_makes_no_copy_on_the_gpu(mesh):
     """At world size 1 (no process group, or a one-rank NCCL group) a step gathers nothing (the buffers are the
-    state's bf16 copies), reduces nothing (each unit's gradient is its shard) and fills no bucket: the only copy_
-    of a step is the update's write of each unit's bf16 copy; autograd's one cat per unit and one cast of each
-    unit's gradient to fp32 remain."""
-    calls, cast_bytes, units, fp32_grad_bytes = _on_mesh(mesh, _one_rank_counts)
-    assert calls.get("copy_", 0) == units, calls
-    assert calls.get("cat", 0) == units, calls
+    state's bf16 copies), reduces nothing (each parameter's gradient is its own slot of the unit's gradient shard,
+    fshard/state/_slot_grad.py) and fills no bucket: the only copy_ of a step is the update's write of each
+    parameter's bf16 copy (impl="torch" updates one parameter a run); no cat assembles a flat gradient (the CPU
+    counterpart: tests/test_one_rank.py), and each gradient is cast to fp32 once."""
+    calls, cast_bytes, params, fp32_grad_bytes = _on_mesh(mesh, _one_rank_counts)
+    assert calls.get("copy_", 0) == calls.get("addcdiv_", 0) == params, calls
+    assert calls.get("cat", 0) == 0, calls
     assert cast_bytes == fp32_grad_bytes, (cast_bytes, fp32_grad_bytes)
 
 

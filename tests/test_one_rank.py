@@ -185,8 +185,9 @@ def _one_rank_group():
     dist.init_process_group("gloo")
     mesh = fs.Mesh.from_env()
     assert mesh.group is not None and mesh.world_size == 1
-    names = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-             "reduce", "all_gather", "all_to_all_single")
+    names = [n for n in ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single",
+                         "reduce_scatter_tensor", "reduce", "all_gather", "all_to_all_single")
+             if hasattr(dist, n)]  # (all_gather_single: torch 2.13 on; fshard/dist/_bare.py)
     calls, saved = [], {n: getattr(dist, n) for n in names}
 
     def counted(n, f):

@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from fshard.run._pool import BufferPool
+from fshard.run._pool import _SWAP, BufferPool
 
 STEPS = 3
 
 
+# (torch before 2.13, the GPU machine's 2.11, has no UntypedStorage._swap_data_ptr_: the pool does not apply there)
+needs_swap = pytest.mark.skipif(not _SWAP, reason="torch without UntypedStorage._swap_data_ptr_: no pool")
+
+
+@needs_swap
 def test_freed_memory_moves_to_the_pool_and_back_into_a_refill_of_its_size():
     pool, buf = BufferPool(), torch.arange(1000, dtype=torch.float32)
     view, storage = buf[10:20], buf.untyped_storage()
@@ -74,7 +79,7 @@ def test_a_step_regathers_into_the_memory_forward_freed_and_the_results_are_bitw
         assert all(c == (0, 0) for c in ref["calls"])
         steps, (eval_reused, eval_peak) = got["calls"][:STEPS], got["calls"][STEPS]
         block = got["units"]["blocks.0"]
-        if keep:  # forward frees nothing, backward gathers nothing: nothing kept
+        if keep or not _SWAP:  # forward frees nothing, backward gathers nothing: nothing kept (or no pool)
             assert all(c == (0, 0) for c in steps), steps
         else:  # backward re-gathers blocks 0 and 1 into memory forward freed (gather_ahead(2) keeps the last two
             # from forward to backward), never holding all of them at once
