@@ -189,7 +189,7 @@ def _host_update_runs(mesh, directory):
     of the units on the GPU and half in host memory, and (with tensornvme) parameters and moments split between a
     pinned CPUStore and an NVMeStore. And the update on the GPU instead (``update_on="device"``): the stored chunks
     copied up and back on two copy streams, after backward; and split (``update_on=0.5``): half of the units so,
-    while the worker thread updates the others on the host."""
+    the others on the host, a chunk of each in turn."""
     out = {}
     tiers = [("half on the GPU", dict(fraction=0.5, overlap_backward=True), True)]
     devnvme = []

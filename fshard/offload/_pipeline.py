@@ -34,7 +34,19 @@ class Streamed(NamedTuple):
 
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
                   staging=None, chunks=None):
-    """Update every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
+    """``stream_steps`` run to its end; returns what it returns."""
+    steps = stream_steps(store, depth, opt, work, scale, created, m, donate, record, ready, wait_up, staging, chunks)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
+                 staging=None, chunks=None):
+    """A generator: yields once a chunk's update is issued (the share of ``work``'s chunks done so far). Updates
+    every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
     the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
@@ -72,7 +84,9 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     runs, held = [], []  # the runs not yet applied; the items they use, written back once they are
     try:
         its = [iter(s) for s in streams]
-        for i, c in where:
+        for k, (i, c) in enumerate(where):
+            if k:
+                yield k / len(where)  # (a split update takes its turn here: split_update)
             t0 = time.perf_counter()
             w = staging.host(i)  # its tensors on the host (waits for their copies down)
             spans.setdefault(i, [t0, t0])
@@ -138,44 +152,40 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
     return up
 
 
-def split_update(worker, store, depth: int, opt, on_device, on_host, chunks, scale, created, m, donate,
-                 record) -> list:
-    """``offload_state(update_on=<a share>)``: update ``on_device`` (Streamed items) on ``chunks``' device from this
-    thread (launches and copies) while ``worker`` (the policy's thread) updates ``on_host`` with the host's cores, both
-    through ``store`` (each store operation holds its lock): the link and the host's memory work at once. Returns
-    the CUDA events after the host part's parameters went back up, which the current stream waits for."""
+def split_update(store, depth: int, opt, on_device, on_host, chunks, scale, created, m, donate, record) -> list:
+    """``offload_state(update_on=<a share>)``: ``on_device`` (Streamed items) updated on ``chunks``' device and
+    ``on_host`` by the host's cores, both through ``store``, taking turns on this thread a chunk at a time: the
+    device's part whenever it is behind and its copies have room (its launches return at once, the link and the GPU
+    work on), the host's otherwise (the kernel runs on the host's cores meanwhile). One thread, not two: a Python
+    thread beside the host kernel's caller holds it up at every chunk for the interpreter's lock (the GPU session of
+    benchmarks/RESULTS.md, session 50). Returns the CUDA events after the host part's parameters went back up."""
     cuda = chunks.device.type == "cuda"
     ready = torch.cuda.current_stream(chunks.device).record_event() if cuda else None  # the gradients are final
-    host_m = {"io/read_bytes": 0, "io/write_bytes": 0, "time/io_wait": 0.0}
-    host_created: list = []  # (its own list and metrics, merged once the worker is done)
-
-    def host_part():
-        t = time.perf_counter()
-        try:
-            return stream_update(store, depth, opt, on_host, scale, host_created, host_m, donate, record, ready, False)
-        finally:
-            host_m["seconds"] = time.perf_counter() - t
-    host = worker.submit(host_part)
-    t0 = time.perf_counter()
+    parts = {"device": stream_steps(store, depth, opt, on_device, scale, created, m, donate, record, chunks=chunks),
+             "host": stream_steps(store, depth, opt, on_host, scale, created, m, donate, record, ready, False)}
+    done, spent, up = {"device": 0.0, "host": 0.0}, {"device": 0.0, "host": 0.0}, None
     try:
-        stream_update(store, depth, opt, on_device, scale, created, m, donate, record, chunks=chunks)
-    finally:
-        t1 = time.perf_counter()
-        wait([host])  # (after a failure too: nothing deletes what the worker wrote while it still writes)
-        created.extend(host_created)
-        # each part's time: the share is right where they end together
-        m["time/split_device"] = m.get("time/split_device", 0.0) + t1 - t0
-        m["time/split_host"] = m.get("time/split_host", 0.0) + host_m.get("seconds", 0.0)
-        m["time/io_wait"] += time.perf_counter() - t1
-        for k in ("io/read_bytes", "io/write_bytes"):
-            m[k] += host_m[k]
-    error = host.exception()  # (the future holds it, and its traceback would hold this frame: a cycle that keeps
-    up, host = (None if error else host.result()), None  # a failed step's mesh alive until a collection)
-    if error is not None:
-        try:
-            raise error
-        finally:
-            error = None
+        while parts:
+            side = min(parts, key=lambda k: (done[k], k))  # the part behind (the device's on a tie)
+            if side == "device" and "host" in parts and not chunks.has_room():
+                side = "host"  # (the device's copies are full: its next chunk would wait)
+            t0 = time.perf_counter()
+            try:
+                done[side] = next(parts[side])
+            except StopIteration as end:
+                del parts[side]
+                up = end.value if side == "host" else up
+            spent[side] += time.perf_counter() - t0
+    except BaseException:
+        for rest in parts.values():  # the other part's streams closed, its copies settled; the first error raised
+            try:
+                rest.close()
+            except BaseException:  # noqa: BLE001, S110 - (its own error after the first: the first says why)
+                pass
+        raise
+    # this thread's time in each part: with a good share, the host's (its kernel) covers the device's copies
+    m["time/split_device"] = m.get("time/split_device", 0.0) + spent["device"]
+    m["time/split_host"] = m.get("time/split_host", 0.0) + spent["host"]
     m["update/device_units"] = m.get("update/device_units", 0) + len(on_device)
     if up is None:
         return []

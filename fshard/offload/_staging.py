@@ -138,6 +138,11 @@ class DeviceChunks:
         while len(self._pending) > self.depth:  # (bounds the chunks held on the device; lets go of the GIL)
             self._pending.pop(0).synchronize()
 
+    def has_room(self) -> bool:
+        """Whether the next chunk's copies would start without waiting (fewer than ``depth`` still in flight)."""
+        self._pending = [e for e in self._pending if not e.query()]
+        return len(self._pending) < self.depth
+
     def settle(self) -> None:
         """Wait until every copy up has read its host tensor and every copy down has landed in host memory (before a
         write-back reads one, the stream ends, or its buffers go back after an error)."""

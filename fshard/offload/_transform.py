@@ -78,11 +78,11 @@ class offload_state(Transform):
     Which is faster is the host's memory bandwidth against the link's: the host update reads and writes 28 bytes of
     host memory a parameter (AdamW, fp32), the device update moves the rows' 8 bytes up and 8 down (12 and 12 with
     ``params=True``) by DMA (design/OFFLOAD.md, "On a GPU"). A number in (0, 1) uses both at once: that share of
-    each step's stored units (by elements, whole units in model order) is updated on the device as "device" does,
-    while the host's cores update the rest as "host" does, on the policy's worker thread; the best share makes both
-    end together (0.0 is "host", 1.0 "device"). The result is the same bits either way, as without offload. An
-    optimizer that cannot stream is updated a whole unit at a time whatever ``update_on`` says
-    (fshard/offload/_whole.py).
+    each step's stored units (by elements, whole units in model order) is updated on the device as "device" does
+    and the rest by the host's cores as "host" does, a chunk of each in turn on the step's thread (the device's
+    copies run on while the host's kernel does); the best share makes both end together (0.0 is "host", 1.0
+    "device"). The result is the same bits either way, as without offload. An optimizer that cannot stream is
+    updated a whole unit at a time whatever ``update_on`` says (fshard/offload/_whole.py).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated

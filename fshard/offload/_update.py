@@ -351,8 +351,8 @@ class OffloadUpdate(UpdatePolicy):
             cut = 0 if device is None else device_cut([w.grad.numel() for w in mine], self.device_share)
             chunks = DeviceChunks(device, self.depth, self._streams(device)) if cut else None
             if 0 < cut < len(mine):
-                ups += split_update(self.worker, store, self.depth, opt, mine[:cut], mine[cut:], chunks, scale,
-                                    created, m, donate, record)
+                ups += split_update(store, self.depth, opt, mine[:cut], mine[cut:], chunks, scale, created, m,
+                                    donate, record)
             elif mine:
                 up = stream_update(store, self.depth, opt, mine, scale, created, m, donate, record, ready, wait_up,
                                    staging, chunks)
