@@ -23,6 +23,7 @@ from ..errors import FshardError, OffloadError
 from ..optim._protocol import row_names, state_bytes, streamable
 from ._tiers import choose_stores
 from ._whole import whole_units
+from ..state._slot_grad import SlotGrad
 from ..state._stored import (READS_IN_FLIGHT, StoredParam, stored_items, _disk_need, _Items, _location, param_key,
                              put_moments, put_param, stored_state)
 from ..store import StoreError
@@ -82,9 +83,10 @@ class OffloadUpdate(UpdatePolicy):
         c = step.state.copies.get(name)
         if cuda and not stored and not in_place:  # a new version, cloned on this thread's stream (the worker's differs)
             p, c = p.clone(), None if c is None else c.clone()
-        # A bucket's view on a GPU: its buffer is written again on this stream while the copy down (on its own
-        # stream) would still read it, so the update reads a copy made here, in stream order.
-        data = unit.grad.clone() if cuda and not owns_storage(unit.grad) else None
+        # A bucket's view on a GPU is written again on this stream while the copy down (its own stream) may read it:
+        # the update reads a copy made here. A one-rank SlotGrad's assembled flat gradient is written by no one.
+        data = ((unit.grad.flat() if isinstance(unit.grad, SlotGrad) else unit.grad.clone())
+                if cuda and not owns_storage(unit.grad) else None)
         after = next(reversed(early.values()), None)  # the update submitted before this one (its copies first)
         early[name] = _Early(self, items.store, opt, name, p, c, unit.grad, s, segs, count,
                              items.key if in_place else self._key(name), step.record,
@@ -383,11 +385,9 @@ class OffloadUpdate(UpdatePolicy):
         """The device update's two copy streams on ``device`` (up, down), made once: the caching allocator keeps a
         stream's freed blocks for that stream, so new streams every step would each strand a chunk pipeline's
         worth of GPU memory."""
-        if device.type != "cuda":
-            return None
-        if device not in self._copy_streams:
+        if device.type == "cuda" and device not in self._copy_streams:
             self._copy_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self._copy_streams[device]
+        return self._copy_streams.get(device)  # (None on a CPU mesh)
 
     def _key(self, name: str) -> str:
         return f"{name}@{self._prefix}.v{next(self._versions)}"
