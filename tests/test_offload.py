@@ -272,26 +272,35 @@ class _FlakyStore:
         return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)
 
 
-def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
+def _a_failed_write_loses_nothing(fail, **kw) -> dict:
+    """A step through a ``_FlakyStore`` whose writes fail as ``fail`` says raises OffloadError, leaves the store's
+    keys as they were and the input usable: the next step is bitwise the step that never failed (its metrics
+    returned)."""
     import fshard as fs
     model, loss_fn, batches = _model()
     bs = list(batches(0, 1))
     store = _FlakyStore()
-    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, overlap_backward=True))
-    s = fs.init(model, fs.Mesh.local(), fs.adamw())
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, **kw))
+    s = fs.init(model, fs.Mesh.local(), fs.adamw(weight_decay=0.1))
     s, _ = step(s, bs[0])
-    ref, m = step(s, bs[1])
-    del ref
+    ref, _ = step(s, bs[1])
+    ref = {n: p.clone() for n, p in fs.full_params(ref).items()}
     gc.collect()
-    step(s, bs[1])  # empties the trash of the freed version
+    step(s, bs[1])  # empties the trash of the freed versions
+    gc.collect()
     keys = set(store.keys())
-    store.fail = True
+    store.fail = fail
     with pytest.raises(fs.errors.OffloadError, match="input state is unchanged"):
         step(s, bs[1])
     store.fail = False
     assert set(store.keys()) == keys
     again, m = step(s, bs[1])
-    assert m["update/overlapped_units"] == 4
+    assert all(torch.equal(p, ref[n]) for n, p in fs.full_params(again).items())
+    return m
+
+
+def test_a_write_that_fails_in_the_worker_raises_and_loses_nothing():
+    assert _a_failed_write_loses_nothing(True, overlap_backward=True)["update/overlapped_units"] == 4
 
 
 def _device_runs(directory, monkeypatch):
@@ -371,28 +380,9 @@ def test_the_update_on_the_device_is_bitwise_the_same_and_moves_each_chunk_up_an
 def test_a_split_update_that_fails_on_either_side_loses_nothing(unit):
     """offload_state(update_on=0.5): a write that fails in the device's part (<root> and blocks.0) or in the host's
     part (blocks.1 and blocks.2) raises OffloadError with the other part's streams closed, deletes what both wrote,
-    and leaves the input usable: the next step is bitwise the step that never failed."""
-    import fshard as fs
-    model, loss_fn, batches = _model()
-    bs = list(batches(0, 1))
-    store = _FlakyStore()
-    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01, update_on=0.5))
-    s = fs.init(model, fs.Mesh.local(), fs.adamw(weight_decay=0.1))
-    s, _ = step(s, bs[0])
-    ref, m = step(s, bs[1])
+    and leaves the input usable."""
+    m = _a_failed_write_loses_nothing(unit, update_on=0.5)
     assert m["update/device_units"] == 2 and m["time/split_host"] > 0
-    ref = {n: p.clone() for n, p in fs.full_params(ref).items()}
-    gc.collect()
-    step(s, bs[1])  # empties the trash of the freed versions
-    gc.collect()
-    keys = set(store.keys())
-    store.fail = unit
-    with pytest.raises(fs.errors.OffloadError, match="input state is unchanged"):
-        step(s, bs[1])
-    store.fail = False
-    assert set(store.keys()) == keys
-    again, _ = step(s, bs[1])
-    assert all(torch.equal(p, ref[n]) for n, p in fs.full_params(again).items())
 
 
 def test_update_on_is_checked_by_name():
