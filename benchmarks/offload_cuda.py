@@ -170,7 +170,7 @@ def main() -> int:
         store, frac = fs.NVMeStore(a.nvme), a.nvme_fraction
     else:
         store, frac = fs.CPUStore(pin=a.pin), a.fraction
-    device = a.update_on != "host"  # (the update after backward: the stored chunks, or a share, go up and back)
+    device = a.update_on == "device" or (a.update_on != "host" and a.update_on > 0)  # (after backward: up and back)
     offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params, update_on=a.update_on,
                                overlap_backward=True if a.params and not device else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 import torch
@@ -258,6 +259,7 @@ class _FlakyStore:
     def __init__(self):
         import fshard as fs
         self.inner, self.fail = fs.CPUStore(), False
+        self.streams = {"opened": 0, "closed": 0}
 
     def put(self, key, t):  # fail: True, or a unit's name: the puts of its items fail
         if self.fail is True or (self.fail and str(key).startswith(f"('{self.fail}@")):
@@ -269,7 +271,15 @@ class _FlakyStore:
 
     def stream(self, keys, depth=2, writeback=False, max_writes=None):
         from fshard.store._stream import Stream
-        return Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes)
+        s, counts = Stream(self, keys, depth=depth, writeback=writeback, max_writes=max_writes), self.streams
+        counts["opened"] += 1
+        close = s.close
+
+        def counted():
+            counts["closed"] += 1
+            return close()
+        s.close = counted
+        return s
 
 
 def _a_failed_write_loses_nothing(fail, **kw) -> dict:
@@ -294,6 +304,7 @@ def _a_failed_write_loses_nothing(fail, **kw) -> dict:
         step(s, bs[1])
     store.fail = False
     assert set(store.keys()) == keys
+    assert store.streams["opened"] == store.streams["closed"] > 0, store.streams  # (every stream ended)
     again, m = step(s, bs[1])
     assert all(torch.equal(p, ref[n]) for n, p in fs.full_params(again).items())
     return m
@@ -400,6 +411,9 @@ def test_update_on_is_checked_by_name():
         fs.offload_state(fs.CPUStore(), update_on="device", overlap_backward=True)
     off = fs.offload_state(fs.CPUStore(), update_on="device")
     assert off.overlap_backward is False and "update_on='device'" in repr(off) and "update_on" in off.fingerprint()
+    # the same placement and update, the same fingerprint; any real number is a share
+    assert off.fingerprint() == fs.offload_state(fs.CPUStore(), update_on=1).fingerprint()
+    assert fs.offload_state(fs.CPUStore(), update_on=np.float32(0.5)).device_share == 0.5
 
 
 def test_the_worker_runs_at_a_lower_priority_than_the_caller():
@@ -505,6 +519,32 @@ def test_a_cpu_store_takes_no_checksum_in_init_or_in_steps(monkeypatch):
         assert len(calls) == 1
         calls.clear()
         store.close()
+
+
+def test_a_split_gives_the_host_its_turn_while_the_devices_copies_are_full(monkeypatch):
+    """split_update: with no room for the device's next chunk (its copies down in flight), the host's part takes
+    the turn, whichever is ahead; the result is the same bits."""
+    import fshard as fs
+    from fshard.offload import _staging
+    order = []
+    up, host = _staging.DeviceChunks.up, _staging.HostStaging.host
+    monkeypatch.setattr(_staging.DeviceChunks, "up", lambda self, t: (order.append("D"), up(self, t))[1])
+    monkeypatch.setattr(_staging.HostStaging, "host", lambda self, i: (order.append("H"), host(self, i))[1])
+    runs = {}
+    for room in (True, False):
+        monkeypatch.setattr(_staging.DeviceChunks, "has_room", lambda self, room=room: room)
+        model, loss_fn, batches = _model()
+        state = fs.init(model, fs.Mesh.local(), fs.adamw(weight_decay=0.1))
+        with fs.compose(loss_fn, fs.offload_state(fs.CPUStore(), chunk_mb=0.01, update_on=0.5)) as step:
+            for b in batches(0, 1):
+                order.clear()
+                state, _ = step(state, b)
+        runs[room] = ("".join(order), {n: p.clone() for n, p in fs.full_params(state).items()})
+    turns, full = runs[True]
+    assert "DH" in turns and "HD" in turns  # room: the parts alternate
+    turns, full_no_room = runs[False]
+    assert turns == "H" * turns.count("H") + "D" * turns.count("D"), turns  # none: the host's part first, whole
+    assert all(torch.equal(p, full[n]) for n, p in full_no_room.items())
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,6 +1,6 @@
 """Where tests/test_cuda.py::test_offload_frees_the_moments_from_gpu_memory's bytes are (issue #43, session 50:
 with the moments offloaded the GPU held 270.2 MB before a step against 341.6 MB with them there, 71 MB less where
-the moments are 134.7 MB). The test's model and steps, with torch's allocation history on: the live blocks at the
+the moments are 134.7 MB, in one run of two). The test's model and steps, in a process of their own, with torch's allocation history on: the live blocks at the
 point the test reads ``memory_allocated``, grouped by the innermost fshard (or test) frame that allocated them.
 
     python3 benchmarks/gpu/memory43.py        (on a GPU machine, from the repository root, PYTHONPATH with examples/)
@@ -8,6 +8,7 @@ point the test reads ``memory_allocated``, grouped by the innermost fshard (or t
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 
 import torch
@@ -30,12 +31,14 @@ def main() -> int:
     cfg = GPTConfig(vocab=4096, dim=512, n_layers=4, n_heads=8, seq=64)
     mesh = fs.Mesh.local("cuda")
     for k in ("gpu", "host"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.memory._record_memory_history(max_entries=200000)  # (before init: the state's blocks named too)
         torch.manual_seed(0)
         state = fs.init(GPT(cfg), mesh, fs.adamw(**HP))
         moments = sum(2 * s.exp_avg.nbytes for s in state.opt_state.values())
         ts = (fs.offload_state(fs.CPUStore()),) if k == "host" else ()
         with fs.compose(loss_fn, *ts) as step:
-            torch.cuda.memory._record_memory_history(max_entries=200000)
             for b in synthetic_batches(cfg, 2, 3, seed=0):
                 state, _ = step(state, tuple(t.cuda() for t in b))
             torch.cuda.synchronize()

@@ -35,7 +35,8 @@ class Streamed(NamedTuple):
 def stream_update(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
                   staging=None, chunks=None):
     """``stream_steps`` run to its end; returns what it returns."""
-    steps = stream_steps(store, depth, opt, work, scale, created, m, donate, record, ready, wait_up, staging, chunks)
+    steps = stream_steps(store, depth, opt, work, scale, created, m, donate, record, ready, wait_up, staging, chunks,
+                         turns=False)
     while True:
         try:
             next(steps)
@@ -44,9 +45,9 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
 
 
 def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
-                 staging=None, chunks=None):
-    """A generator: yields once a chunk's update is issued (the share of ``work``'s chunks done so far). Updates
-    every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
+                 staging=None, chunks=None, turns=True):
+    """A generator: yields once a chunk's update is issued (the share of ``work``'s chunks done so far; with
+    ``turns``, each chunk's runs applied before it yields, so a turn is a chunk). Updates every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
     items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
     store, a second one over their head items in lockstep (item i of both covers
     the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
@@ -103,7 +104,7 @@ def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record
                 if a < b:
                     runs.append(_run(p, w.grad, near[0], a, b, lo, (step, scale, lr, wd), w.copy, plo))
             held.append([(streams[0], item, (w.key, c))] + ([(streams[1], pitem, (w.pkey, c))] if pitem else []))
-            if in_place is not None and c != last[i] and chunks is None:
+            if in_place is not None and c != last[i] and chunks is None and not turns:
                 continue
             apply_runs(opt, runs)
             runs = []
@@ -158,7 +159,9 @@ def split_update(store, depth: int, opt, on_device, on_host, chunks, scale, crea
     device's part whenever it is behind and its copies have room (its launches return at once, the link and the GPU
     work on), the host's otherwise (the kernel runs on the host's cores meanwhile). One thread, not two: a Python
     thread beside the host kernel's caller holds it up at every chunk for the interpreter's lock (the GPU session of
-    benchmarks/RESULTS.md, session 50). Returns the CUDA events after the host part's parameters went back up."""
+    benchmarks/RESULTS.md, session 50). The parts overlap where the device's chunks are updated in place (a pinned
+    CPUStore with ``donate=True``); elsewhere each device chunk is waited for before its write-back reads it, and
+    the host's turn waits with it. Returns the CUDA events after the host part's parameters went back up."""
     cuda = chunks.device.type == "cuda"
     ready = torch.cuda.current_stream(chunks.device).record_event() if cuda else None  # the gradients are final
     parts = {"device": stream_steps(store, depth, opt, on_device, scale, created, m, donate, record, chunks=chunks),

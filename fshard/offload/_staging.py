@@ -139,7 +139,7 @@ class DeviceChunks:
             self._pending.pop(0).synchronize()
 
     def has_room(self) -> bool:
-        """Whether the next chunk's copies would start without waiting (fewer than ``depth`` still in flight)."""
+        """Whether the next ``down`` would return without waiting (fewer than ``depth`` copies down in flight)."""
         self._pending = [e for e in self._pending if not e.query()]
         return len(self._pending) < self.depth
 

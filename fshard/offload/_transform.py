@@ -27,6 +27,7 @@ ahead of their gathers on a reader thread the policy owns too (fshard/offload/_r
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from ..protocol._stages import UpdatePolicy
@@ -80,8 +81,8 @@ class offload_state(Transform):
     ``params=True``) by DMA (design/OFFLOAD.md, "On a GPU"). A number in (0, 1) uses both at once: that share of
     each step's stored units (by elements, whole units in model order) is updated on the device as "device" does
     and the rest by the host's cores as "host" does, a chunk of each in turn on the step's thread (the device's
-    copies run on while the host's kernel does); the best share makes both end together (0.0 is "host", 1.0
-    "device"). The result is the same bits either way, as without offload. An optimizer that cannot stream is
+    copies run on while the host's kernel does, where they write in place: ``pin=True``, ``donate=True``); the
+    best share makes both end together (0.0 is "host", 1.0 "device"). The result is the same bits either way, as without offload. An optimizer that cannot stream is
     updated a whole unit at a time whatever ``update_on`` says (fshard/offload/_whole.py).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
@@ -97,7 +98,7 @@ class offload_state(Transform):
                  update_on: str | float = "host"):
         self.stores, self.fractions = _tiers(store, fraction)
         share = {"host": 0.0, "device": 1.0}.get(update_on, update_on) if isinstance(update_on, str) else update_on
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        if isinstance(share, bool) or not isinstance(share, numbers.Real) or not 0.0 <= share <= 1.0:
             raise ArgumentError(f"fs.offload_state: update_on must be 'host' (the update runs where the store is: "
                                 f"ZeRO-Offload's layout), 'device' (the stored chunks go to the mesh's device for "
                                 f"the update and come back) or a share in [0, 1] of the units updated on the "
@@ -113,7 +114,8 @@ class offload_state(Transform):
             raise ArgumentError(f"fs.offload_state: worker_nice must be an int in [0, 19], got {worker_nice!r}.")
         if not isinstance(params, bool):
             raise ArgumentTypeError(f"fs.offload_state: params must be True or False, got {params!r}.")
-        # streams open at once on a store: the moments' (and the parameters'), on the device's side and the host's
+        # streams open at once on a store: the moments' (and the parameters'), on the device's side and the host's;
+        # each holds depth + 2 pool buffers, and check_depth asks for its argument + 2
         streams = (2 if params else 1) * (2 if 0 < share < 1 else 1)
         for st in self.stores:
             check_depth(st, streams * (depth + 2) - 2, f"fs.offload_state(depth={depth}"
@@ -165,7 +167,7 @@ class offload_state(Transform):
         own."""
         return (f"fs.offload_state({', '.join(type(st).__name__ for st in self.stores)}, fraction={self.fractions}, "
                 f"chunk_mb={self.chunk_mb}, depth={self.depth}, overlap_backward={self.overlap_backward}, "
-                f"params={self.params}, update_on={self.update_on!r})")
+                f"params={self.params}, update_on={self.device_share})")  # ("device" and 1.0 alike)
 
     def __repr__(self) -> str:
         extra = (", params=True" if self.params else "") + (f", update_on={self.update_on!r}" if self.device_share

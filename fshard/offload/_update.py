@@ -397,4 +397,3 @@ class OffloadUpdate(UpdatePolicy):
         if self._chosen is None or self._chosen[0] != spec.fingerprint:
             self._chosen = (spec.fingerprint, choose_stores(spec, state.opt_state, self.stores, self.fractions))
         return self._chosen[1]
-
