@@ -76,7 +76,9 @@ class SlotGrad(torch.Tensor):
                 continue
             if pos < a and padding:
                 out.append((pos, a, None))
-            out.append((a, b, None if g is None else g.reshape(-1)[a - s.offset:b - s.offset]))
+            if g is not None:  # (the slot's whole gradient: no slice made)
+                g = g.reshape(-1) if a == s.offset and b - a == s.numel else g.reshape(-1)[a - s.offset:b - s.offset]
+            out.append((a, b, g))
             pos = b
         if pos < hi and padding:
             out.append((pos, hi, None))
