@@ -120,6 +120,8 @@ def main() -> int:
                     "as whole units in model order; the rest stay on the GPU (offload_state(fraction=): DeepSpeed "
                     "ZeRO-Offload++'s ratio); with --nvme, --nvme-fraction instead")
     ap.add_argument("--chunk-mb", type=float, default=64, help="MiB of each moment per store item")
+    ap.add_argument("--depth", type=int, default=2, help="offload_state(depth=): reads ahead, and with the update on "
+                    "the GPU the chunks whose copies down may be in flight")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--mode", default="fshard", choices=("fshard", "fsdp2", "floors", "all"))
@@ -139,7 +141,8 @@ def main() -> int:
                     "weights on the GPU, moments on the host), fshard_partial (the same, --partial-fraction of "
                     "the moments on the host), fshard_device and fshard_device_params (fshard_moments and fshard "
                     "with the update on the GPU), fshard_splitNN (fshard_device with NN%% of the units on the GPU "
-                    "and the rest on the host's cores meanwhile: fshard_split40) and fsdp2")
+                    "and the rest on the host's cores meanwhile: fshard_split40), fshard_device_dN (fshard_device at "
+                    "--depth N) and fsdp2")
     a = ap.parse_args()
     if a.mode == "all":
         return run_all(a)
@@ -172,7 +175,7 @@ def main() -> int:
         store, frac = fs.CPUStore(pin=a.pin), a.fraction
     device = a.update_on == "device" or (a.update_on != "host" and a.update_on > 0)  # (after backward: up and back)
     offload = fs.offload_state(store, fraction=frac, chunk_mb=a.chunk_mb, params=a.params, update_on=a.update_on,
-                               overlap_backward=True if a.params and not device else None)
+                               depth=a.depth, overlap_backward=True if a.params and not device else None)
     # offload=: the moments go to the store unit by unit; made on the GPU first, they would not fit beside the weights
     state = fs.init(model, fs.Mesh.local("cuda"), fs.adamw(lr=a.lr, weight_decay=0.1), seed=0, offload=offload)
     torch.cuda.synchronize()
@@ -447,9 +450,11 @@ def run_all(a) -> int:
                 "fshard_device": ("fshard", ["--skip-peer", "--update-on", "device"] + pin),
                 "fshard_device_params": ("fshard", ["--params", "--skip-peer", "--update-on", "device"] + pin)}
         labels = a.all_modes.split(",")
-        for label in labels:  # fshard_splitNN: fshard_device with NN% of the units on the GPU, the rest on the host
-            if re.fullmatch(r"fshard_split\d\d", label):
+        for label in labels:  # fshard_splitNN: fshard_device with NN% of the units on the GPU, the rest on the host;
+            if re.fullmatch(r"fshard_split\d\d", label):  # fshard_device_dN: fshard_device at depth N
                 runs[label] = ("fshard", ["--skip-peer", "--update-on", str(int(label[-2:]) / 100)] + pin)
+            if re.fullmatch(r"fshard_device_d\d+", label):
+                runs[label] = ("fshard", ["--skip-peer", "--update-on", "device", "--depth", label[15:]] + pin)
         if set(labels) - set(runs):
             raise SystemExit(f"--all-modes: unknown {sorted(set(labels) - set(runs))}; choose from {sorted(runs)}")
         for label in labels:
@@ -484,7 +489,7 @@ def run_all(a) -> int:
                           device_floor_s=res.get("floors", {}).get("device_update_floor_s"),
                           device_params_step_s=device_params_s,
                           device_params_over_fsdp2=device_params_s / peer_s if device_params_s and peer_s else None)
-    for label in (k for k in res if k.startswith("fshard_split")):
+    for label in (k for k in res if k.startswith(("fshard_split", "fshard_device_d"))):
         split_s = med(res[label].get("steps", []))
         res["summary"][f"{label}_step_s"] = split_s
         res["summary"][f"{label}_over_fsdp2"] = split_s / peer_s if split_s and peer_s else None

@@ -2,8 +2,9 @@
 #   BUDGET=480 bash benchmarks/gpu/run43m.sh      (about 8 minutes; then run43i.sh if time is left)
 # 1. tests/test_cuda.py whole (its split cases now run the one-thread split_update; the forkserver fix of 8338d50),
 #    and benchmarks/gpu/memory43.py: where test_offload_frees_the_moments_from_gpu_memory's bytes are;
-# 2. the 6.3B offload step: floors, fshard_device, fshard_split50 and fshard_split65 (the parts in turn on one
-#    thread), fsdp2, each a process of its own (session 50's two-thread split: 0.66x/0.70x FSDP2, the device 0.55x);
+# 2. the 6.3B offload step: floors, fshard_device, fshard_split50 (the parts in turn on one
+#    thread), fsdp2, fshard_device_d4 (depth 4: the device update ran at 0.71 of the link's probe at depth 2), each
+#    a process of its own (session 50: the two-thread split 0.66x/0.70x FSDP2, the device update 0.55x);
 # 3. step_cuda.py's one-rank 1B step with a trace of fshard's steps (session 50: 1.047x / 1.082x plain torch).
 set -u
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
@@ -18,7 +19,7 @@ tail -1 $OUT/cuda_tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda_tests.log | hea
 left=$(( BUDGET - ($(date +%s) - T0) - 90 )); echo "offload budget $left s"
 mkdir -p /tmp/o
 timeout $left python3 benchmarks/offload_cuda.py --mode all --pin --timeout 100 --json /tmp/o/offload43m.json \
-  --all-modes floors,fshard_device,fshard_split50,fsdp2,fshard_split65 2>&1 | grep "^\[offload" | cut -c1-600 \
+  --all-modes floors,fshard_device,fshard_split50,fsdp2,fshard_device_d4 2>&1 | grep "^\[offload" | cut -c1-600 \
   | tee $OUT/offload43m.log
 tar czf $OUT/offload43m.tgz -C /tmp/o .
 echo "offload done $(( $(date +%s) - T0 )) s"
