@@ -396,6 +396,33 @@ def test_a_split_update_that_fails_on_either_side_loses_nothing(unit):
     assert m["update/device_units"] == 2 and m["time/split_host"] > 0
 
 
+def test_the_updates_own_error_is_raised_not_a_later_one_from_closing_its_streams(monkeypatch):
+    """A stream update that fails (here its kernel) raises its own error; a stream that then fails to close (a
+    write-back that cannot complete) does not hide it."""
+    import fshard as fs
+    from fshard.offload import _pipeline
+    from fshard.store import _stream
+    model, loss_fn, batches = _model()
+    bs = list(batches(0, 1))
+    store = fs.CPUStore()
+    step = fs.compose(loss_fn, fs.offload_state(store, chunk_mb=0.01))
+    s = fs.init(model, fs.Mesh.local(), fs.adamw())
+    s, _ = step(s, bs[0])  # (the first step puts the moments in the store; the next one streams them)
+    close = _stream.Stream.close
+
+    def failing_close(self):
+        close(self)
+        raise OSError(5, "Input/output error (injected at close)")
+
+    def failing_kernel(opt, runs):
+        raise RuntimeError("the kernel failed (injected)")
+    monkeypatch.setattr(_stream.Stream, "close", failing_close)
+    monkeypatch.setattr(_pipeline, "apply_runs", failing_kernel)
+    with pytest.raises(fs.errors.OffloadError, match="the kernel failed") as got:
+        step(s, bs[1])
+    assert "at close" not in str(got.value)
+
+
 def test_update_on_is_checked_by_name():
     import fshard as fs
     for bad in ("gpu", 1.5, -0.1, True, None):

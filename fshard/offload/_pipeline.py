@@ -47,19 +47,20 @@ def stream_update(store, depth: int, opt, work, scale, created, m, donate, recor
 def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record, ready=None, wait_up=True,
                  staging=None, chunks=None, turns=True):
     """A generator: yields once a chunk's update is issued (the share of ``work``'s chunks done so far; with
-    ``turns``, each chunk's runs applied before it yields, so a turn is a chunk). Updates every chunk of ``work`` (Streamed items, in order) through ``store``: one stream over the moments'
-    items (each item: the optimizer's declared rows, stacked, however many it declares) and, for parameters in the
-    store, a second one over their head items in lockstep (item i of both covers
-    the same elements), so each read, update and write-back overlaps the next chunk's read. Each store operation
-    holds the store's lock by itself (the kernel runs without it), so the gathers' reads of parameter shards
-    (``StoredParam.load``, on offload_state's reader thread) go between this stream's items instead of waiting for the
-    whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the traffic.
-    Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole units at a
-    time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the CUDA event after
-    which the gradients are final). Returns the event after the last copy back to the GPU (None without a GPU),
-    which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller waits);
-    ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made here.
-    ``chunks`` (a ``DeviceChunks``, for ``offload_state(update_on="device")``): the update runs on its device
+    ``turns``, each chunk's runs applied before it yields, so a turn is a chunk). Updates every chunk of ``work``
+    (Streamed items, in order) through ``store``: one stream over the moments' items (each item: the optimizer's
+    declared rows, stacked, however many it declares) and, for parameters in the store, a second one over their head
+    items in lockstep (item i of both covers the same elements), so each read, update and write-back overlaps the
+    next chunk's read. After an error of its own it raises that one, not a later one from closing the streams. Each
+    store operation holds the store's lock by itself (the kernel runs without it), so the gathers' reads of
+    parameter shards (``StoredParam.load``, on offload_state's reader thread) go between this stream's items instead
+    of waiting for the whole stream. Written keys that are new (not ``donate``) go to ``created``; ``m`` gets the
+    traffic. Tensors on a GPU (gradients; parameters and copies kept there) go through pinned host memory, whole
+    units at a time, on a copy stream overlapped with the host update (fshard/offload/_staging.py; ``ready``: the
+    CUDA event after which the gradients are final). Returns the event after the last copy back to the GPU (None
+    without a GPU), which the current stream waits for unless ``wait_up`` is False (a worker thread: its caller
+    waits); ``staging``: a ``HostStaging`` of ``work`` made (and perhaps started) by the caller, else one is made
+    here. ``chunks`` (a ``DeviceChunks``, for ``offload_state(update_on="device")``): the update runs on its device
     instead, on the stored chunks copied up and back beside the gradients and parameters where they are; no host
     staging."""
     items = [w.state.rows[0].items for w in work]  # (a stored unit's rows share their items)
@@ -81,8 +82,9 @@ def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record
     # so this thread takes the GIL back once per call, not once per run, beside a step's Python thread that holds
     # it: each take waited up to the interpreter's switch interval, and the update ran at a tenth of its speed
     # beside a busy Python thread, benchmarks/RESULTS.md, session 25): a chunk's runs, or a whole unit's where the
-    # items are the stored tensors themselves (in place: nothing is read or written, so none is held up).
-    runs, held = [], []  # the runs not yet applied; the items they use, written back once they are
+    # items are the stored tensors themselves (in place: nothing is read or written, so none is held up), except
+    # in a split's turns (``turns``: a chunk a turn, one thread, no other to wait for).
+    runs, held, finished = [], [], False  # the runs not yet applied; the items they use, written back once they are
     try:
         its = [iter(s) for s in streams]
         for k, (i, c) in enumerate(where):
@@ -128,6 +130,7 @@ def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record
             spans[i][1] = time.perf_counter()
             t_wait += spans[i][1] - t0
         up = staging.finish(wait=wait_up)
+        finished = True
     finally:
         t0 = time.perf_counter()
         error = None
@@ -148,7 +151,7 @@ def stream_steps(store, depth: int, opt, work, scale, created, m, donate, record
             record("store", f"stream {work[i].key.rsplit('@', 1)[0]}", a, b)
         record("store", "write-back", t0, t1)
         m["time/io_wait"] += t_wait
-        if error is not None:
+        if error is not None and finished:  # (after the body's own error, a close's would hide it)
             raise error
     return up
 
