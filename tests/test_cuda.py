@@ -304,8 +304,9 @@ def test_skip_nonfinite_and_a_checkpoint_round_trip_on_the_gpu(mesh, tmp_path):
     assert skipped == 1 and unchanged, f"NaN step: skipped {skipped}, parameters unchanged: {unchanged}"
 
 
-def _memory(mesh):
-    """Peak GPU memory of a step with the moments on the GPU and with them in pinned host memory."""
+def _memory(mesh, at_base=None):
+    """Peak GPU memory of a step with the moments on the GPU and with them in pinned host memory; ``at_base(k)``
+    is called where each configuration's resident bytes are read (benchmarks/gpu/memory43.py looks there)."""
     import fshard as fs
     from gpt import GPT, GPTConfig, loss_fn, synthetic_batches
     cfg = GPTConfig(vocab=4096, dim=512, n_layers=4, n_heads=8, seq=64)
@@ -323,6 +324,8 @@ def _memory(mesh):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
+            if at_base is not None:
+                at_base(k)
             state, _ = step(state, _cuda(next(iter(synthetic_batches(cfg, 2, 1, seed=1)))))
             torch.cuda.synchronize()
             peaks[k] = (base, torch.cuda.max_memory_allocated())
