@@ -82,8 +82,9 @@ class offload_state(Transform):
     each step's stored units (by elements, whole units in model order) is updated on the device as "device" does
     and the rest by the host's cores as "host" does, a chunk of each in turn on the step's thread (the device's
     copies run on while the host's kernel does, where they write in place: ``pin=True``, ``donate=True``); the
-    best share makes both end together (0.0 is "host", 1.0 "device"). The result is the same bits either way, as without offload. An optimizer that cannot stream is
-    updated a whole unit at a time whatever ``update_on`` says (fshard/offload/_whole.py).
+    best share makes both end together (0.0 is "host", 1.0 "device"). The result is the same bits either way, as
+    without offload. An optimizer that cannot stream is updated a whole unit at a time whatever ``update_on`` says
+    (fshard/offload/_whole.py).
 
     Metrics: ``io/read_bytes``, ``io/write_bytes``, ``io/gbps``, ``time/io_wait`` (the step's wait on the store
     after backward: I/O nothing hid), ``update/overlapped_units`` and ``time/overlapped_update`` (units updated
