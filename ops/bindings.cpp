@@ -115,11 +115,26 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
   return c;
 }
 
+// A run's elements [off, off + len) of a unit's flat tensor (``offsets``: no view made a run, fs.adamw), on the
+// device of params[0] and contiguous.
+void check_span(const at::Tensor& t, const at::Tensor& p0, int64_t off, int64_t len, const char* name, size_t i) {
+  TORCH_CHECK_VALUE(off >= 0 && off + len <= t.numel(), "fshard.ops.adamw_: ", arg(name, i), " has ",
+                    num(t.numel()), " elements, too few for offsets[", num(i), "] = ", num(off), " and the ",
+                    num(len), " elements of grads[", num(i), "]");
+  TORCH_CHECK_VALUE(t.device() == p0.device(), "fshard.ops.adamw_: ", arg(name, i), " is on ", t.device(),
+                    " but params[0] is on ", p0.device(), "; all tensors of one call must live on one device");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fshard.ops.adamw_: ", arg(name, i),
+                    " is not contiguous; pass .contiguous() storage or a 1-D slice of a flat shard");
+}
+
 bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const TList& exp_avg_sqs,
            const TList& copies, int64_t step, double lr, double beta1, double beta2, double eps,
            double weight_decay, double grad_scale, bool adam_w_mode, bool check_finite,
-           const std::string& isa) {
+           const std::string& isa, const std::vector<int64_t>& offsets) {
   const size_t n = params.size();
+  const bool spans = !offsets.empty();  // params[i] etc. whole tensors, run i at offsets[i], grads[i].numel() long
+  TORCH_CHECK_VALUE(!spans || offsets.size() == n, "fshard.ops.adamw_: offsets has ", num(offsets.size()),
+                    " entries but params has ", num(n), "; pass one offset per param or None");
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
                     "fshard.ops.adamw_: params, grads, exp_avgs and exp_avg_sqs must have the same "
                     "length, got ", num(n), ", ", num(grads.size()), ", ", num(exp_avgs.size()), ", ",
@@ -136,22 +151,34 @@ bool adamw(const TList& params, const TList& grads, const TList& exp_avgs, const
     check_state(params[i], p0, "params", i);
     check_state(exp_avgs[i], p0, "exp_avgs", i);
     check_state(exp_avg_sqs[i], p0, "exp_avg_sqs", i);
-    check_same_numel(exp_avgs[i], params[i], "exp_avgs", i);
-    check_same_numel(exp_avg_sqs[i], params[i], "exp_avg_sqs", i);
-    check_same_numel(grads[i], params[i], "grads", i);
+    const int64_t off = spans ? offsets[i] : 0, len = spans ? grads[i].numel() : params[i].numel();
+    if (spans) {
+      check_span(params[i], p0, off, len, "params", i);
+      check_span(exp_avgs[i], p0, off, len, "exp_avgs", i);
+      check_span(exp_avg_sqs[i], p0, off, len, "exp_avg_sqs", i);
+      check_span(grads[i], p0, 0, len, "grads", i);
+    } else {
+      check_same_numel(exp_avgs[i], params[i], "exp_avgs", i);
+      check_same_numel(exp_avg_sqs[i], params[i], "exp_avg_sqs", i);
+      check_same_numel(grads[i], params[i], "grads", i);
+    }
     Segment s{};
     s.gtype = grad_type(grads[i], i);
     s.ctype = kCopyNone;
     if (!copies.empty()) {
-      check_same_numel(copies[i], params[i], "param_copies", i);
+      if (spans) {
+        check_span(copies[i], p0, off, len, "param_copies", i);
+      } else {
+        check_same_numel(copies[i], params[i], "param_copies", i);
+      }
       s.ctype = copy_type(copies[i], i);
-      s.copy = copies[i].data_ptr();
+      s.copy = static_cast<char*>(copies[i].data_ptr()) + off * copies[i].element_size();
     }
-    s.p = params[i].data_ptr<float>();
+    s.p = params[i].data_ptr<float>() + off;
     s.g = grads[i].data_ptr();
-    s.m = exp_avgs[i].data_ptr<float>();
-    s.v = exp_avg_sqs[i].data_ptr<float>();
-    s.n = params[i].numel();
+    s.m = exp_avgs[i].data_ptr<float>() + off;
+    s.v = exp_avg_sqs[i].data_ptr<float>() + off;
+    s.n = len;
     if (s.n > 0) segs.push_back(s);
   }
   bool found;
@@ -291,7 +318,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("param_copies"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adam_w_mode"),
-        py::arg("check_finite"), py::arg("isa"));
+        py::arg("check_finite"), py::arg("isa"), py::arg("offsets") = std::vector<int64_t>());
   m.def("sq_norm", &fshard::sq_norm, py::call_guard<py::gil_scoped_release>(), py::arg("tensors"), py::arg("isa"),
         "sum of x*x over all elements, in float64; bit-identical for every CPU kernel and thread count");
   m.def("norm_continue_", &fshard::norm_continue_, py::call_guard<py::gil_scoped_release>(), py::arg("xs"),

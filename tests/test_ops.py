@@ -527,3 +527,36 @@ def test_sq_norm_cuda_goes_to_torch():
     assert ops.sq_norm(ts) == pytest.approx(sq_ref([t.cpu() for t in ts]), rel=1e-12)
     ts[0][5] = float("inf")
     assert ops.sq_norm(ts) == float("inf")
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6), gap=st.integers(0, 40),
+       gdtype=st.sampled_from([torch.float32, torch.bfloat16]), copy=st.booleans())
+def test_offsets_into_whole_tensors_are_bitwise_the_views(native, sizes, gap, gdtype, copy):
+    """adamw_(..., offsets=): runs given as offsets into a unit's whole flat tensors update exactly what the same
+    runs given as views do (fs.adamw's unit update hands them so: no view a run), elements outside them untouched."""
+    starts, pos = [], 0
+    for n in sizes:
+        pos += gap
+        starts.append(pos)
+        pos += n
+    total = pos + gap
+    p, _, m, v = make_state([total], 7)
+    g = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(gdtype) for n in sizes]
+    c = [torch.zeros(total, dtype=torch.bfloat16)] if copy else []
+    ref = [clone(x) for x in (p, m, v, c)]
+    views = lambda t: [t[0][a:a + n] for a, n in zip(starts, sizes)]  # noqa: E731
+    ops.adamw_(views(ref[0]), g, views(ref[1]), views(ref[2]), step=3, param_copies=views(ref[3]) if copy else None,
+               check_finite=False, **HP)
+    k = len(sizes)
+    ops.adamw_(p * k, g, m * k, v * k, step=3, param_copies=c * k if copy else None, check_finite=False,
+               offsets=starts, **HP)
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v + c, ref[0] + ref[1] + ref[2] + ref[3]))
+
+
+def test_offsets_are_checked_against_the_tensors(native):
+    p, g, m, v = make_state([10], 1)
+    with pytest.raises(ValueError, match=r"params\[0\] has 10 elements, too few for offsets\[0\] = 5"):
+        ops.adamw_(p, g, m, v, step=1, offsets=[5], **HP)
+    with pytest.raises(ValueError, match="offsets has 2 entries but params has 1"):
+        ops.adamw_(p, g, m, v, step=1, offsets=[0, 0], **HP)

@@ -771,6 +771,31 @@ def test_apply_runs_calls_a_subclasss_own_apply():
     assert seen == [3, 5]
 
 
+def test_a_subclass_that_overrides_apply_gets_every_run_of_a_unit_update_too():
+    """fs.adamw's update of a unit hands its kernel each run's offset into the unit's tensors (``apply_spans``, no
+    view a run); a subclass that overrides ``apply`` still has it called for every run, with the same bits."""
+    seen = []
+
+    class Logged(type(fs.adamw())):
+        def apply(self, p, g, *rest, **kw):
+            seen.append(p.numel())
+            return super().apply(p, g, *rest, **kw)
+
+    spans = [(torch.arange(12.0), torch.ones(n), (torch.zeros(12), torch.zeros(12)), 1, 1.0, 1e-3, 0.1, None, a)
+             for a, n in ((0, 3), (5, 7))]
+    base = type(fs.adamw())(1e-3, (0.9, 0.999), 1e-8, 0.01, "native", None, False)
+    logged = Logged(1e-3, (0.9, 0.999), 1e-8, 0.01, "native", None, False)
+    out = []
+    for opt in (base, logged):
+        runs = [(p.clone(), g, tuple(r.clone() for r in rows), *rest) for p, g, rows, *rest in spans]
+        opt.apply_spans(runs)
+        out.append([(r[0], r[2]) for r in runs])
+    assert seen == [3, 7]
+    assert all(torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ra, rb))
+               for (a, ra), (b, rb) in zip(*out))
+    assert not torch.equal(out[0][0][0], torch.arange(12.0))  # (the update ran)
+
+
 # the optimizers whose update is written as torch ops, which take a long run in pieces on the CPU
 PIECED = ["sgd_plain", "adam", "adamw_amsgrad", "rmsprop", "rmsprop_centered", "lion", "nadam", "radam", "adamax",
           "asgd", "adadelta", "rprop", "torch_sgd"]

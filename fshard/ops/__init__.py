@@ -144,7 +144,7 @@ def _cap_for(isa: str | None) -> str:
 
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
            eps: float, weight_decay: float, grad_scale: float = 1.0, param_copies=None,
-           adam_w_mode: bool = True, check_finite: bool = True, isa: str | None = None) -> bool:
+           adam_w_mode: bool = True, check_finite: bool = True, isa: str | None = None, offsets=None) -> bool:
     """Fused in-place AdamW over lists of tensors (or single tensors / flat-shard slices).
 
     params, exp_avgs, exp_avg_sqs: fp32, contiguous. grads: fp32, bf16 or fp16, same numel as
@@ -158,12 +158,18 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
     while the kernel runs. ``check_finite=False`` skips the read-only pre-pass over the grads, for
     callers that already know the grads are finite (e.g. from a finite grad norm). ``isa`` picks
     the CPU kernel: 'avx512', 'avx2', 'scalar', or None/'auto' for the best one the CPU runs, capped
-    by ``$FSHARD_OPS_CPU_ISA``. A kernel the CPU cannot run is a ValueError.
+    by ``$FSHARD_OPS_CPU_ISA``. A kernel the CPU cannot run is a ValueError. ``offsets``: one int per grad; then
+    params, exp_avgs, exp_avg_sqs (and param_copies) are whole tensors and the update touches elements
+    ``[offsets[i], offsets[i] + grads[i].numel())`` of each (a unit's flat tensors and its runs, without a view
+    made a run: a one-rank update has a run a parameter).
     """
     p, g = as_list(params, "params"), as_list(grads, "grads", read_only=True)
     m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
     c = as_list(param_copies, "param_copies")
     lib = _native()
+    if lib is None and offsets is not None:  # (the reference takes views)
+        at = lambda ts: [t[o:o + x.numel()] for t, o, x in zip(ts, offsets, g)]  # noqa: E731
+        p, m, v, c = at(p), at(m), at(v), at(c) if c else c
     if lib is None:
         _metrics["fallback_calls"] += 1
         found = adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -173,7 +179,7 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
         _metrics["native_calls"] += 1
         found = lib.adamw(p, g, m, v, c, int(step), float(lr), float(beta1), float(beta2), float(eps),
                           float(weight_decay), float(grad_scale), bool(adam_w_mode), bool(check_finite),
-                          _cap if isa in (None, "auto") else isa)
+                          _cap if isa in (None, "auto") else isa, *(() if offsets is None else (list(offsets),)))
     if found:
         _metrics["found_inf"] += 1
     return found

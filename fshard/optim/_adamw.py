@@ -182,6 +182,35 @@ class AdamW(Elementwise):
                        param_copies=None if no_copy else [r[7] for r in rs], check_finite=False)
 
 
+    def apply_spans(self, spans) -> None:
+        """``Elementwise.apply_spans`` through the native kernel with each run's offset into its unit's tensors:
+        no view made a run (a one-rank update has a run a parameter, 221 for the 1B GPT: about 2.5 us a view, four
+        a run; benchmarks/RESULTS.md, session 50). The runs ``apply_runs`` would not give the kernel, and every
+        run of a subclass that overrides ``apply`` or ``apply_runs``, go through views as in Elementwise."""
+        if type(self).apply is not AdamW.apply or type(self).apply_runs is not AdamW.apply_runs:
+            return super().apply_spans(spans)
+        groups, rest, impls = {}, [], {}
+        for sp in spans:
+            p, g, rows, step, scale, lr, wd, copy, a = sp
+            impl = impls.get((p.device, p.dtype))
+            if impl is None:
+                impl = impls[(p.device, p.dtype)] = self.resolved_impl(p.device, p.dtype)
+            fused = copy is None or copy.dtype in (torch.bfloat16, torch.float16)
+            if self.amsgrad or lr is None or wd is None or not fused or impl != "native":
+                rest.append(sp)
+                continue
+            groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(sp)
+        from .. import ops
+        (b1, b2), eps = self.betas, self.eps
+        for (step, scale, lr, wd, no_copy, _), ss in groups.items():
+            ops.adamw_([s[0] for s in ss], [s[1] for s in ss], [s[2][0] for s in ss], [s[2][1] for s in ss],
+                       step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale,
+                       param_copies=None if no_copy else [s[7] for s in ss], check_finite=False,
+                       offsets=[s[8] for s in ss])
+        if rest:
+            super().apply_spans(rest)
+
+
 _ROWS = (Row("exp_avg"), Row("exp_avg_sq"))
 
 

@@ -189,20 +189,27 @@ class Elementwise:
         Python between one unit's pass and the next: after a pass over megabytes the caches are cold, and the plan
         and the new state that ran there cost about 0.5 ms a unit, 10-12% of an SGD update of the 27.4M GPT
         (benchmarks/RESULTS.md, "Session 31"). ``DeviceUpdate`` calls it for the units of a step."""
-        out, runs = [], []
+        out, spans = [], []
         for layout, param, grad, state, active, copy in units:
             count, plan = self.plan(layout, rank, state.count, active, updates)
             rows = state.rows
             if plan and not donate:  # purity: the input state stays valid, so the update writes into copies
                 param, rows = state_copy(param), tuple(state_copy(r) for r in rows)
                 copy = None if copy is None else state_copy(copy)
-            runs += [(_run(param, a, b), g, tuple(_run(r, a, b) for r in rows), step, grad_scale, lr, wd,
-                      None if copy is None else _run(copy, a, b))
-                     for lo, hi, step, lr, wd in plan for a, b, g in grad_parts(grad, lo, hi)]
+            spans += [(param, g, rows, step, grad_scale, lr, wd, copy, a)
+                      for lo, hi, step, lr, wd in plan for a, b, g in grad_parts(grad, lo, hi)]
             out.append((param, state.with_rows(count, rows), copy))
-        if runs:
-            apply_runs(self, runs)
+        if spans:
+            self.apply_spans(spans)
         return out
+
+    def apply_spans(self, spans) -> None:
+        """``apply_runs`` on runs given as ``(p, g, rows, step, grad_scale, lr, weight_decay, copy, a)``: ``p``,
+        each row and ``copy`` a unit's whole flat tensors, the run their elements ``[a, a + g.numel())`` (``g`` its
+        own). Here each run's views are made; an optimizer whose kernel takes offsets makes none (fs.adamw)."""
+        apply_runs(self, [(_run(p, a, a + g.numel()), g, tuple(_run(r, a, a + g.numel()) for r in rows), step,
+                           scale, lr, wd, None if c is None else _run(c, a, a + g.numel()))
+                          for p, g, rows, step, scale, lr, wd, c, a in spans])
 
     def apply(self, p, g, *rows_step_scale, lr: float | None = None, weight_decay: float | None = None,
               copy: torch.Tensor | None = None) -> None:
