@@ -118,7 +118,7 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
 // A run's elements [off, off + len) of a unit's flat tensor (``offsets``: no view made a run, fs.adamw), on the
 // device of params[0] and contiguous.
 void check_span(const at::Tensor& t, const at::Tensor& p0, int64_t off, int64_t len, const char* name, size_t i) {
-  TORCH_CHECK_VALUE(off >= 0 && off + len <= t.numel(), "fshard.ops.adamw_: ", arg(name, i), " has ",
+  TORCH_CHECK_VALUE(off >= 0 && len >= 0 && off <= t.numel() - len, "fshard.ops.adamw_: ", arg(name, i), " has ",
                     num(t.numel()), " elements, too few for offsets[", num(i), "] = ", num(off), " and the ",
                     num(len), " elements of grads[", num(i), "]");
   TORCH_CHECK_VALUE(t.device() == p0.device(), "fshard.ops.adamw_: ", arg(name, i), " is on ", t.device(),

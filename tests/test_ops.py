@@ -558,5 +558,22 @@ def test_offsets_are_checked_against_the_tensors(native):
     p, g, m, v = make_state([10], 1)
     with pytest.raises(ValueError, match=r"params\[0\] has 10 elements, too few for offsets\[0\] = 5"):
         ops.adamw_(p, g, m, v, step=1, offsets=[5], **HP)
-    with pytest.raises(ValueError, match="offsets has 2 entries but params has 1"):
-        ops.adamw_(p, g, m, v, step=1, offsets=[0, 0], **HP)
+    for bad in ([0, 0], []):
+        with pytest.raises(ValueError, match=f"offsets has {len(bad)} entries but grads has 1"):
+            ops.adamw_(p, g, m, v, step=1, offsets=bad, **HP)
+
+
+def test_offsets_without_the_native_kernel_are_the_reference_on_views(monkeypatch):
+    """The fallback (no native build) takes the same flat elements through views, and checks them alike."""
+    p, g, m, v = make_state([30], 2)
+    g = [g[0][:7], g[0][7:12]]
+    ref = [clone(x) for x in (p, m, v)]
+    monkeypatch.setattr(ops, "_native", lambda: None)
+    with warnings.catch_warnings():  # (the fallback's warning, once a process)
+        warnings.simplefilter("ignore")
+        ops.adamw_(p * 2, g, m * 2, v * 2, step=2, offsets=[3, 20], check_finite=False, **HP)
+        ops.adamw_([ref[0][0][3:10], ref[0][0][20:25]], g, [ref[1][0][3:10], ref[1][0][20:25]],
+                   [ref[2][0][3:10], ref[2][0][20:25]], step=2, check_finite=False, **HP)
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v, ref[0] + ref[1] + ref[2]))
+    with pytest.raises(ValueError, match=r"params\[0\] has 30 elements, too few for offsets\[0\] = -1"):
+        ops.adamw_(p, g[:1], m, v, step=1, offsets=[-1], **HP)

@@ -166,10 +166,19 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1:
     p, g = as_list(params, "params"), as_list(grads, "grads", read_only=True)
     m, v = as_list(exp_avgs, "exp_avgs"), as_list(exp_avg_sqs, "exp_avg_sqs")
     c = as_list(param_copies, "param_copies")
+    if offsets is not None and len(offsets) != len(g):
+        raise ArgumentError(f"fshard.ops.adamw_: offsets has {len(offsets)} entries but grads has {len(g)}; pass one "
+                            f"offset per grad or None")
     lib = _native()
-    if lib is None and offsets is not None:  # (the reference takes views)
-        at = lambda ts: [t[o:o + x.numel()] for t, o, x in zip(ts, offsets, g)]  # noqa: E731
-        p, m, v, c = at(p), at(m), at(v), at(c) if c else c
+    if lib is None and offsets is not None:  # (the reference takes views: the flat elements the kernel would)
+        def at(ts, name):
+            for i, (t, o, x) in enumerate(zip(ts, offsets, g)):
+                if not 0 <= o <= t.numel() - x.numel():
+                    raise ArgumentError(f"fshard.ops.adamw_: {name}[{i}] has {t.numel()} elements, too few for "
+                                        f"offsets[{i}] = {o} and the {x.numel()} elements of grads[{i}]")
+            return [t.view(-1)[o:o + x.numel()] for t, o, x in zip(ts, offsets, g)]
+        p, m, v = at(p, "params"), at(m, "exp_avgs"), at(v, "exp_avg_sqs")
+        c = at(c, "param_copies") if c else c
     if lib is None:
         _metrics["fallback_calls"] += 1
         found = adamw_reference_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

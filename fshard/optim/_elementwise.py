@@ -173,7 +173,7 @@ class Elementwise:
 
     def update(self, layout: UnitLayout, rank: int, param: torch.Tensor, grad: torch.Tensor, state, active,
                donate: bool, grad_scale: float = 1.0, updates: int = 0, copy: torch.Tensor | None = None):
-        """One step on ``param`` (this rank's shard): ``plan``, then ``apply`` on each run (``apply_runs``: at once,
+        """One step on ``param`` (this rank's shard): ``plan``, then ``apply`` on each run (``apply_spans``: at once,
         where the optimizer takes runs together). ``active[i]``: trainable
         slot i got a gradient on some rank; the others are skipped as torch skips a parameter whose .grad is None
         (no decay, no row update, no count). The gradient is multiplied by ``grad_scale`` first (clipping).
@@ -184,7 +184,7 @@ class Elementwise:
 
     def update_all(self, rank: int, units: list, donate: bool, grad_scale: float = 1.0, updates: int = 0) -> list:
         """``update`` of several units, ``units`` a list of ``(layout, param, grad, state, active, copy)``: every
-        unit's plan first, then every run's pass back to back (one ``apply_runs``), then the new states; returns
+        unit's plan first, then every run's pass back to back (one ``apply_spans``), then the new states; returns
         ``update``'s result for each unit, in order. The same arithmetic as one ``update`` a unit, without the
         Python between one unit's pass and the next: after a pass over megabytes the caches are cold, and the plan
         and the new state that ran there cost about 0.5 ms a unit, 10-12% of an SGD update of the 27.4M GPT

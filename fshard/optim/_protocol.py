@@ -18,7 +18,8 @@ the declared order. ``update`` does both for a unit held in memory; a policy tha
 
 An optimizer may also define ``update_all(rank, units, donate, grad_scale, updates)``: ``update`` of several
 units, ``units`` a list of ``(layout, param, grad, state, active, copy)``, returning ``update``'s result for each
-(``Elementwise`` does: every unit's plan, then all their runs in one ``apply_runs``). ``DeviceUpdate`` calls it for
+(``Elementwise`` does: every unit's plan, then all their runs in one ``apply_spans``, ``apply_runs`` on their views
+or, for ``fs.adamw``, its kernel on offsets into the units' tensors). ``DeviceUpdate`` calls it for
 a step's units where it exists and the optimizer is not ``collective``.
 
 Optional declarations extend this for optimizers that are not elementwise or cover only some parameters
