@@ -160,27 +160,8 @@ class AdamW(Elementwise):
         through the native kernel in one call per distinct (step, grad_scale, lr, weight_decay, copy or not): the
         same bits as a call per run (the kernel is elementwise), with one release of the GIL for them all. The
         runs another implementation takes, or with a copy the kernel does not write, go through ``apply``."""
-        groups: dict = {}
-        impls: dict = {}  # (device, dtype) -> the implementation that runs (resolved once, not once a run)
-        for run in runs:
-            p, g, rows, step, scale, lr, wd, copy = run
-            fused = copy is None or copy.dtype in (torch.bfloat16, torch.float16)
-            impl = impls.get((p.device, p.dtype))
-            if impl is None:
-                impl = impls[(p.device, p.dtype)] = self.resolved_impl(p.device, p.dtype)
-            if self.amsgrad or lr is None or wd is None or not fused or impl != "native":
-                self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
-                continue
-            groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(run)
-        if not groups:
-            return
-        from .. import ops
-        (b1, b2), eps = self.betas, self.eps
-        for (step, scale, lr, wd, no_copy, _), rs in groups.items():
-            ops.adamw_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs], [r[2][1] for r in rs],
-                       step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale,
-                       param_copies=None if no_copy else [r[7] for r in rs], check_finite=False)
-
+        for p, g, rows, step, scale, lr, wd, copy in self._native(runs, offsets=False):
+            self.apply(p, g, *rows, step, scale, lr=lr, weight_decay=wd, copy=copy)
 
     def apply_spans(self, spans) -> None:
         """``Elementwise.apply_spans`` through the native kernel with each run's offset into its unit's tensors:
@@ -189,26 +170,35 @@ class AdamW(Elementwise):
         run of a subclass that overrides ``apply`` or ``apply_runs``, go through views as in Elementwise."""
         if type(self).apply is not AdamW.apply or type(self).apply_runs is not AdamW.apply_runs:
             return super().apply_spans(spans)
-        groups, rest, impls = {}, [], {}
-        for sp in spans:
-            p, g, rows, step, scale, lr, wd, copy, a = sp
+        rest = self._native(spans, offsets=True)
+        if rest:
+            super().apply_spans(rest)
+
+    def _native(self, runs, offsets: bool) -> list:
+        """The native kernel on the ``runs`` it takes (``apply_runs``' tuples, or with ``offsets`` ``apply_spans``'
+        with the offset last), one call per (step, grad_scale, lr, weight_decay, copy or not, device); returns the
+        others (AMSGrad, no rate given, a copy the kernel does not write, another implementation)."""
+        groups: dict = {}
+        rest, impls = [], {}  # impls: (device, dtype) -> the implementation that runs (resolved once, not once a run)
+        for run in runs:
+            p, step, scale, lr, wd, copy = run[0], *run[3:8]
             impl = impls.get((p.device, p.dtype))
             if impl is None:
                 impl = impls[(p.device, p.dtype)] = self.resolved_impl(p.device, p.dtype)
             fused = copy is None or copy.dtype in (torch.bfloat16, torch.float16)
             if self.amsgrad or lr is None or wd is None or not fused or impl != "native":
-                rest.append(sp)
+                rest.append(run)
                 continue
-            groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(sp)
-        from .. import ops
-        (b1, b2), eps = self.betas, self.eps
-        for (step, scale, lr, wd, no_copy, _), ss in groups.items():
-            ops.adamw_([s[0] for s in ss], [s[1] for s in ss], [s[2][0] for s in ss], [s[2][1] for s in ss],
-                       step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale,
-                       param_copies=None if no_copy else [s[7] for s in ss], check_finite=False,
-                       offsets=[s[8] for s in ss])
-        if rest:
-            super().apply_spans(rest)
+            groups.setdefault((step, scale, lr, wd, copy is None, p.device), []).append(run)
+        if groups:
+            from .. import ops
+            (b1, b2), eps = self.betas, self.eps
+            for (step, scale, lr, wd, no_copy, _), rs in groups.items():
+                ops.adamw_([r[0] for r in rs], [r[1] for r in rs], [r[2][0] for r in rs], [r[2][1] for r in rs],
+                           step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale,
+                           param_copies=None if no_copy else [r[7] for r in rs], check_finite=False,
+                           offsets=[r[8] for r in rs] if offsets else None)
+        return rest
 
 
 _ROWS = (Row("exp_avg"), Row("exp_avg_sq"))
